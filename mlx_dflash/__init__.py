@@ -1,0 +1,27 @@
+"""mlx-dflash: lossless DFlash speculative decoding of Qwen3.5/3.6 on MLX."""
+
+from .api import (
+    Engine,
+    GenerationResponse,
+    GenerationResult,
+    generate,
+    load,
+    make_sampler,
+    stream_generate,
+)
+from .decode import GenerationStats, generate_tokens
+from .errors import DFlashError
+
+__all__ = [
+    "DFlashError",
+    "Engine",
+    "GenerationResponse",
+    "GenerationResult",
+    "GenerationStats",
+    "generate",
+    "generate_tokens",
+    "load",
+    "make_sampler",
+    "stream_generate",
+]
+__version__ = "0.1.0"

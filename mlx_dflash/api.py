@@ -1,0 +1,171 @@
+"""Python API in the style of mlx-lm: load, generate, stream_generate."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from .decode import GenerationStats, generate_tokens
+from .errors import DFlashError
+from .loading import load_draft, load_target, load_tokenizer
+
+DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
+DEFAULT_DRAFT = DEFAULT_MODEL_DIR / "draft"
+
+
+@dataclass
+class Engine:
+    """A loaded target (+ optional draft) and its tokenizer."""
+
+    target: object
+    tokenizer: object
+    draft: Optional[object] = None
+    model_path: Optional[Path] = None
+    draft_path: Optional[Path] = None
+
+    def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
+               system: Optional[str] = None) -> List[int]:
+        """Token ids for ``prompt`` (ids pass through); optionally via the chat template."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if not prompt.strip():
+            raise DFlashError("empty prompt: give some text")
+        if chat_template:
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise DFlashError("this model's tokenizer has no chat template; use --no-chat-template")
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def load(
+    model: Union[str, Path, None] = None,
+    draft: Union[str, Path, None] = None,
+    *,
+    dtype: Optional[mx.Dtype] = None,
+    draft_quantize: Optional[int] = None,
+    draft_dtype: Optional[mx.Dtype] = None,
+) -> Engine:
+    """Load a target folder and, optionally, its DFlash draft folder.
+
+    With no ``model`` the embedded default pair is loaded (target and draft).
+    ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
+    ``draft_quantize`` = 4 or 8 quantizes the draft at load.
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+        if draft is None:
+            draft = DEFAULT_DRAFT
+    target = load_target(model, dtype=dtype)
+    eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
+    tokenizer = load_tokenizer(model, eos_token_ids=eos)
+    d = None
+    if draft is not None:
+        d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
+    return Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None)
+
+
+@dataclass
+class GenerationResponse:
+    """One streamed step: the text and token ids committed in it."""
+
+    text: str
+    tokens: List[int]
+    stats: GenerationStats
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: List[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
+    """Logits [N, V] -> ids [N]; mlx-lm's samplers on log-probabilities."""
+    if temperature < 0:
+        raise DFlashError(f"temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise DFlashError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0 or not 0.0 <= min_p < 1.0:
+        raise DFlashError("top_k must be >= 0 and min_p in [0, 1)")
+    if temperature == 0:
+        return None
+    from mlx_lm.sample_utils import make_sampler as _make
+
+    s = _make(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    return lambda logits: s(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+def stream_generate(
+    engine: Engine,
+    prompt: Union[str, Sequence[int]],
+    *,
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    baseline: bool = False,
+    chat_template: bool = False,
+    system: Optional[str] = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: Optional[int] = None,
+    draft_window: Optional[Tuple[int, int]] = None,
+    prefill_chunk: int = 512,
+) -> Iterator[GenerationResponse]:
+    """Yield text pieces as tokens are committed; ``stats`` is live.
+
+    ``baseline=True`` (or an engine without a draft) decodes plainly through
+    the same loop. At temperature 0 the tokens equal plain greedy decoding.
+    At temperature > 0 every emitted token is the target's own sample (a
+    draft token is kept only when it equals that sample), so the output
+    distribution is the target's.
+    """
+    ids = engine.encode(prompt, chat_template=chat_template, system=system)
+    sampler = make_sampler(temperature, top_p, top_k, min_p)
+    if prefill_chunk < 1:
+        raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
+    if seed is not None:
+        mx.random.seed(seed)
+    draft = None if baseline else engine.draft
+    if draft is None and block_size is not None and not baseline:
+        raise DFlashError("a block size was given but no draft is loaded")
+    tok = engine.tokenizer
+    detok = tok.detokenizer
+    detok.reset()
+    stats = GenerationStats()
+    for tokens in generate_tokens(
+        engine.target, ids, draft=draft, max_tokens=max_tokens,
+        block_size=None if draft is None else block_size,
+        eos_token_ids=tok.eos_token_ids, sampler=sampler,
+        draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
+    ):
+        for t in tokens:
+            if t not in tok.eos_token_ids:
+                detok.add_token(t)
+        if stats.finish_reason is not None:
+            detok.finalize()
+        yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
+
+
+def generate(engine: Engine, prompt: Union[str, Sequence[int]], **kwargs) -> GenerationResult:
+    """Generate to completion; returns text, token ids and stats.
+
+    Takes the keyword arguments of :func:`stream_generate`.
+    """
+    text, tokens, stats = [], [], None
+    for r in stream_generate(engine, prompt, **kwargs):
+        text.append(r.text)
+        tokens.extend(r.tokens)
+        stats = r.stats
+    return GenerationResult("".join(text), tokens, stats)

@@ -1,0 +1,154 @@
+"""The ``mlx-dflash`` command line."""
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import DFlashError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Lossless DFlash speculative decoding of Qwen3.5/3.6 models on MLX.",
+    pretty_exceptions_enable=False,
+)
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype(name: Optional[str]):
+    import mlx.core as mx
+
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise DFlashError(f"--dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    return getattr(mx, name)
+
+
+def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
+    if arg is not None and opt is not None:
+        raise DFlashError("give the prompt once: as an argument or with --prompt, not both")
+    text = opt if opt is not None else arg
+    if text is None:
+        raise DFlashError("no prompt: pass it as an argument, with --prompt, or '-' to read stdin")
+    if text == "-":
+        text = sys.stdin.read()
+    if not text.strip():
+        raise DFlashError("empty prompt: give some text")
+    return text
+
+
+def _stats_table(s, mode: str) -> str:
+    rows = [
+        ("mode", mode),
+        ("prompt tokens", f"{s.prompt_tokens}"),
+        ("generated tokens", f"{s.generated_tokens}"),
+        ("finish reason", f"{s.finish_reason}"),
+        ("cycles", f"{s.cycles}"),
+        ("block size", f"{s.block_size}"),
+        ("tau (tokens/cycle)", f"{s.tau:.2f}"),
+        ("acceptance histogram", " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c)),
+        ("prefill", f"{s.prefill_tps:.1f} tok/s ({s.prefill_time * 1e3:.1f} ms)"),
+        ("decode", f"{s.decode_tps:.1f} tok/s ({s.decode_time * 1e3:.1f} ms)"),
+    ]
+    if s.cycles:
+        c = s.cycles
+        rows.append((
+            "per cycle: draft/verify/rollback/other",
+            f"{s.draft_time / c * 1e3:.2f} / {s.verify_time / c * 1e3:.2f} / "
+            f"{s.rollback_time / c * 1e3:.2f} / {s.other_time / c * 1e3:.2f} ms",
+        ))
+    rows.append(("peak memory", f"{s.peak_memory:.3f} GB"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+@app.command()
+def generate(
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin."),
+    prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m",
+        help="Target folder (HF or MLX safetensors). Default: the embedded pair shipped with the package."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d",
+        help="DFlash draft folder (z-lab format). Default: the embedded draft with the embedded "
+             "target; none (plain decoding) with another --model."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
+    chat_template: bool = typer.Option(
+        True, "--chat-template/--no-chat-template", help="Wrap the prompt in the tokenizer's chat template."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message (with the chat template)."),
+    baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft (for comparison)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (reproducible runs)."),
+    draft_window: int = typer.Option(
+        0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
+                                  "(plus --draft-sink first ones); 0 = keep all."),
+    draft_sink: int = typer.Option(16, "--draft-sink", help="First context positions always kept with --draft-window."),
+    draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s, time split) to stderr."),
+):
+    """Generate text, streaming tokens to stdout as they are committed."""
+    from .api import load, stream_generate
+
+    text = _read_prompt(prompt, prompt_opt)
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
+    if draft_window < 0 or draft_sink < 0:
+        raise DFlashError("--draft-window and --draft-sink must be >= 0")
+    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    use_draft = engine.draft is not None and not baseline
+    if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
+        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    stats = None
+    for r in stream_generate(
+        engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
+        baseline=baseline, chat_template=chat_template, system=system,
+        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        draft_window=(draft_sink, draft_window) if draft_window else None,
+        prefill_chunk=prefill_chunk,
+    ):
+        sys.stdout.write(r.text)
+        sys.stdout.flush()
+        stats = r.stats
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if verbose and stats is not None:
+        mode = "dflash" if use_draft else "baseline (plain decoding)"
+        typer.echo(_stats_table(stats, mode), err=True)
+
+
+@app.command()
+def info(
+    path: Path = typer.Argument(..., help="A target or draft folder."),
+    draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+):
+    """Describe a model folder: architecture, layer mix, quantization, size; and draft fit."""
+    from .info import describe
+
+    typer.echo(describe(path, draft))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point: user errors print one line and exit 2, no traceback."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except DFlashError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise SystemExit(2)
+    except KeyboardInterrupt:
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The decode loop (SPEC §3): prefill, draft, verify, accept, rollback.
+
+Plain autoregressive decoding is the same loop with no draft: every cycle
+verifies a block of one token (the anchor) and commits the bonus token.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .errors import DFlashError
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    cycles: int = 0
+    block_size: int = 1
+    # accept_hist[n] = cycles that committed n tokens (accepted drafts + bonus)
+    accept_hist: List[int] = field(default_factory=list)
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    rollback_time: float = 0.0
+    peak_memory: float = 0.0  # GB
+    finish_reason: Optional[str] = None
+
+    @property
+    def tau(self) -> float:
+        """Mean committed tokens per cycle."""
+        n = sum(i * c for i, c in enumerate(self.accept_hist))
+        return n / self.cycles if self.cycles else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from prefill; decode covers the rest.
+        n = max(self.generated_tokens - 1, 0)
+        return n / self.decode_time if self.decode_time else 0.0
+
+    @property
+    def other_time(self) -> float:
+        return max(self.decode_time - self.draft_time - self.verify_time - self.rollback_time, 0.0)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps,
+                 other_time=self.other_time)
+        return d
+
+
+def greedy(logits: mx.array) -> mx.array:
+    return mx.argmax(logits, axis=-1)
+
+
+def generate_tokens(
+    target,
+    prompt: Sequence[int],
+    *,
+    draft=None,
+    max_tokens: int = 256,
+    block_size: Optional[int] = None,
+    eos_token_ids: Sequence[int] = (),
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    draft_window=None,
+    prefill_chunk: int = 512,
+    max_context: Optional[int] = None,
+    stats: Optional[GenerationStats] = None,
+) -> Iterator[List[int]]:
+    """Yield lists of newly committed token ids until EOS or ``max_tokens``.
+
+    ``draft``: a bound DFlash draft (or anything with ``target_layer_ids``,
+    ``block_size``, ``make_cache(window)`` and ``__call__(features, anchor,
+    anchor_pos, block_size, cache) -> logits [B-1, V]``); None = plain decoding.
+    ``sampler`` maps logits [N, V] to ids [N] (default greedy). Every emitted
+    token is the target's own pick, so the output equals plain decoding with
+    the same sampler at temperature 0.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    prompt = list(prompt)
+    max_context = max_context or target.max_context
+    if not prompt:
+        raise DFlashError("empty prompt: give at least one token")
+    if max_tokens < 1:
+        raise DFlashError(f"max_tokens must be positive, got {max_tokens}")
+    if len(prompt) >= max_context:
+        raise DFlashError(
+            f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
+        )
+    if draft is not None:
+        limit = draft.block_size
+        block_size = block_size or limit
+        if not 2 <= block_size <= limit:
+            raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
+    else:
+        block_size = 1
+    sampler = sampler or greedy
+    eos = set(eos_token_ids)
+    stats.prompt_tokens = len(prompt)
+    stats.block_size = block_size
+    stats.accept_hist = [0] * (block_size + 1)
+    mx.reset_peak_memory()
+
+    capture = draft.target_layer_ids if draft is not None else ()
+    cache = target.make_cache()
+    tic = time.perf_counter()
+    logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
+    anchor = int(sampler(logits)[0].item())
+    stats.prefill_time = time.perf_counter() - tic
+    pos = len(prompt)  # position of the anchor (not yet in the target cache)
+    dcache = draft.make_cache(draft_window) if draft is not None else None
+
+    def emit(tokens: List[int]) -> List[int]:
+        out = []
+        for t in tokens:
+            out.append(t)
+            stats.generated_tokens += 1
+            if t in eos:
+                stats.finish_reason = "stop"
+                break
+            if stats.generated_tokens >= max_tokens:
+                stats.finish_reason = "length"
+                break
+        return out
+
+    yield emit([anchor])
+    tic = time.perf_counter()
+    while stats.finish_reason is None:
+        B = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
+        if B < 1:
+            stats.finish_reason = "length"  # context full
+            break
+        t0 = time.perf_counter()
+        drafted: List[int] = []
+        if draft is not None and B > 1:
+            dlogits = draft(feats, anchor, pos, B, dcache)
+            drafted = greedy(dlogits).tolist()
+            feats = None
+        t1 = time.perf_counter()
+        block = [anchor] + drafted
+        record = len(block) > 1
+        vlogits, vfeats = target.forward(block, cache, capture=capture, record=record)
+        picks = sampler(vlogits).tolist()
+        t2 = time.perf_counter()
+        a = 0
+        while a < len(drafted) and drafted[a] == picks[a]:
+            a += 1
+        n_keep = a + 1  # anchor + accepted drafts stay in the cache
+        if record:
+            cache.rollback(n_keep)
+            mx.eval(cache.state())
+        if draft is not None:
+            # Features of the committed rows become draft context. A draft
+            # skipped this cycle (B == 1) keeps its pending rows.
+            new = vfeats[:n_keep]
+            feats = new if feats is None else mx.concatenate([feats, new], axis=0)
+        t3 = time.perf_counter()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.rollback_time += t3 - t2
+        stats.cycles += 1
+        stats.accept_hist[n_keep] += 1
+        anchor = picks[a]
+        pos += n_keep
+        out = emit(drafted[:a] + [anchor])
+        stats.decode_time = time.perf_counter() - tic
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        yield out
+    stats.decode_time = time.perf_counter() - tic
+    stats.peak_memory = mx.get_peak_memory() / 1e9

@@ -1,0 +1,199 @@
+"""Loading safetensors folders: HF-format and MLX-format targets, z-lab drafts.
+
+Targets go through mlx-lm's own loader (sanitize: HF names, zero-centred
+norms, conv layout, fused MoE experts; quantized checkpoints with per-layer
+overrides). This module adds the checks that turn bad input into one clear
+:class:`DFlashError`.
+"""
+
+import glob
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from ..errors import DFlashError
+from ..models.draft import DFlashDraft, DraftConfig
+from ..models.qwen35 import SUPPORTED_MODEL_TYPES, Target
+
+_TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+def _folder(path, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DFlashError(f"{what} path does not exist: {p}")
+    if not p.is_dir():
+        raise DFlashError(f"{what} path is not a model folder: {p}")
+    return p
+
+
+def read_config(path, what: str = "model") -> dict:
+    p = _folder(path, what)
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+        raise DFlashError(f"{what} folder has no config.json (not a model folder?): {p}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot read {cfg_file}: {e}") from None
+
+
+def _weight_files(p: Path, what: str):
+    files = sorted(glob.glob(str(p / "*.safetensors")))
+    if not files:
+        raise DFlashError(f"{what} folder has no .safetensors weights: {p}")
+    return files
+
+
+def _cast(module: nn.Module, dtype) -> None:
+    if dtype is None:
+        return
+    module.update(tree_map(
+        lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+        module.parameters(),
+    ))
+
+
+def load_target(path, dtype=None, lazy: bool = False) -> Target:
+    """Load a Qwen3.5/3.6 target from an HF- or MLX-format folder.
+
+    ``lazy`` leaves weights unread until used (``info`` counts shapes only).
+    """
+    from mlx_lm.utils import load_model
+
+    p = _folder(path, "model")
+    cfg = read_config(p, "model")
+    mt = cfg.get("model_type")
+    override = None
+    if mt in _TEXT_TYPES:
+        override = {"model_type": _TEXT_TYPES[mt]}
+        mt = _TEXT_TYPES[mt]
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"unsupported model_type {mt!r} in {p / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    _weight_files(p, "model")
+    try:
+        model, config = load_model(p, lazy=lazy, model_config=override)
+    except DFlashError:
+        raise
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/OSError for bad folders
+        raise DFlashError(f"cannot load model from {p}: {type(e).__name__}: {e}") from None
+    _cast(model, dtype)
+    if dtype is not None:
+        mx.eval(model.parameters())
+    return Target(model, config)
+
+
+def load_tokenizer(path, eos_token_ids=None):
+    """mlx-lm's TokenizerWrapper (chat template, streaming detokenizer) for a folder."""
+    from mlx_lm.utils import load_tokenizer as _load
+
+    p = _folder(path, "tokenizer")
+    if not (p / "tokenizer.json").exists() and not (p / "tokenizer.model").exists():
+        raise DFlashError(f"no tokenizer.json or tokenizer.model in {p}")
+    try:
+        return _load(p, eos_token_ids=eos_token_ids)
+    except Exception as e:
+        raise DFlashError(f"cannot load tokenizer from {p}: {type(e).__name__}: {e}") from None
+
+
+def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
+    """Raise DFlashError naming the first field where draft and target disagree."""
+    if cfg.hidden_size != target.hidden_size:
+        raise DFlashError(
+            f"draft {where}: hidden_size {cfg.hidden_size} != target hidden_size "
+            f"{target.hidden_size} (the draft shares the target's embedding and lm_head)"
+        )
+    if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
+        raise DFlashError(
+            f"draft {where}: vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
+        raise DFlashError(
+            f"draft {where}: num_target_layers {cfg.num_target_layers} != target's "
+            f"{target.num_layers} layers (draft trained for another model?)"
+        )
+    if not cfg.target_layer_ids:
+        raise DFlashError(f"draft {where}: no dflash_config.target_layer_ids and no num_target_layers")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise DFlashError(
+            f"draft {where}: target_layer_ids {bad} out of range for a {target.num_layers}-layer target"
+        )
+    if cfg.mask_token_id is None:
+        raise DFlashError(f"draft {where}: dflash_config.mask_token_id is missing")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise DFlashError(
+            f"draft {where}: mask_token_id {cfg.mask_token_id} outside the target vocab "
+            f"(0..{target.vocab_size - 1})"
+        )
+    if cfg.block_size < 2:
+        raise DFlashError(f"draft {where}: block_size {cfg.block_size} < 2")
+    if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise DFlashError(
+            f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers"
+        )
+
+
+def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
+               group_size: int = 64, dtype=None) -> DFlashDraft:
+    """Load a z-lab-format DFlash v1 draft and bind it to ``target``.
+
+    ``quantize_bits`` (4 or 8) quantizes the draft's linear layers at load.
+    """
+    p = _folder(path, "draft")
+    raw = read_config(p, "draft")
+    where = str(p / "config.json")
+    try:
+        cfg = DraftConfig.from_dict(raw)
+    except KeyError as e:
+        raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
+    validate_draft(cfg, target, where)
+    weights = {}
+    for f in _weight_files(p, "draft"):
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:
+            raise DFlashError(f"cannot read draft weights {f}: {e}") from None
+    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    # Drafts ship without embedding/lm_head; ignore copies if a converter kept them.
+    weights = {k: v for k, v in weights.items()
+               if not k.startswith(("embed_tokens.", "lm_head."))}
+    fc = weights.get("fc.weight")
+    want = len(cfg.target_layer_ids) * target.hidden_size
+    if fc is not None and fc.shape[-1] != want:
+        raise DFlashError(
+            f"draft {p}: fc.weight takes {fc.shape[-1]} inputs but "
+            f"{len(cfg.target_layer_ids)} target layers x hidden {target.hidden_size} = {want}"
+        )
+    draft = DFlashDraft(cfg)
+    expected = {k for k, _ in tree_flatten(draft.parameters())}
+    missing = sorted(expected - set(weights))
+    extra = sorted(set(weights) - expected)
+    if missing or extra:
+        raise DFlashError(
+            f"draft {p}: weights do not match a DFlash v1 draft"
+            + (f"; missing {missing[:5]}" if missing else "")
+            + (f"; unexpected {extra[:5]}" if extra else "")
+        )
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise DFlashError(f"draft {p}: {e}") from None
+    _cast(draft, dtype)
+    if quantize_bits is not None:
+        if quantize_bits not in (4, 8):
+            raise DFlashError(f"draft quantization must be 4 or 8 bits, got {quantize_bits}")
+        nn.quantize(
+            draft, group_size=group_size, bits=quantize_bits,
+            class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
+        )
+    mx.eval(draft.parameters())
+    draft.eval()
+    return draft.bind(target)

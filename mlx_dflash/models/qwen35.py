@@ -1,0 +1,186 @@
+"""Qwen3.5 / Qwen3.6 hybrid target (dense ``qwen3_5`` and MoE ``qwen3_5_moe``).
+
+The parameters live in mlx-lm's module tree (so its checkpoint loading,
+sanitizing and quantization apply unchanged); the forward is our own, because
+verify needs what mlx-lm's does not provide: hidden-state capture, a DeltaNet
+tape for exact rollback, and a truncatable KV cache.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from .. import kernels
+from ..cache import DeltaNetState, KVBuffer, TargetCache
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+class Target:
+    """Wraps an mlx-lm ``qwen3_5`` / ``qwen3_5_moe`` Model with an owned forward."""
+
+    def __init__(self, model, config: Optional[dict] = None):
+        self.model = model
+        self.config = config or {}
+        lm = model.language_model
+        self.args = lm.args
+        self.lm = lm
+        self.layers = lm.model.layers
+        self.embed_tokens = lm.model.embed_tokens
+        self.norm = lm.model.norm
+        self.is_linear = [layer.is_linear for layer in self.layers]
+
+    # --- shape facts -----------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.args.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_context(self) -> int:
+        return int(self.args.max_position_embeddings)
+
+    def make_cache(self) -> TargetCache:
+        return TargetCache(self.is_linear)
+
+    # --- pieces shared with the draft --------------------------------------
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.embed_tokens.as_linear(h)
+        return self.lm.lm_head(h)
+
+    # --- forward -------------------------------------------------------------
+    def _attention(self, attn, x: mx.array, kv: KVBuffer) -> mx.array:
+        _, T, _ = x.shape
+        nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
+        q, gate = mx.split(attn.q_proj(x).reshape(1, T, nh, -1), 2, axis=-1)
+        gate = gate.reshape(1, T, -1)
+        k = attn.k_proj(x).reshape(1, T, nkv, -1)
+        v = attn.v_proj(x).reshape(1, T, nkv, -1).transpose(0, 2, 1, 3)
+        q = attn.q_norm(q).transpose(0, 2, 1, 3)
+        k = attn.k_norm(k).transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=kv.offset)
+        k = attn.rope(k, offset=kv.offset)
+        keys, values = kv.append(k, v)
+        # "causal" aligns the T queries with the last T keys.
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=attn.scale, mask="causal" if T > 1 else None
+        )
+        out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
+        return attn.o_proj(out * mx.sigmoid(gate))
+
+    def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool) -> mx.array:
+        _, T, _ = x.shape
+        Hk, Hv = la.num_k_heads, la.num_v_heads
+        Dk, Dv = la.head_k_dim, la.head_v_dim
+        K = la.conv_kernel_size
+        qkv = la.in_proj_qkv(x)
+        z = la.in_proj_z(x).reshape(1, T, Hv, Dv)
+        b = la.in_proj_b(x)
+        a = la.in_proj_a(x)
+        conv_state = st.conv
+        if conv_state is None:
+            conv_state = mx.zeros((1, K - 1, la.conv_dim), dtype=x.dtype)
+        conv_in = mx.concatenate([conv_state, qkv], axis=1)
+        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight)
+        qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
+        q = qc.reshape(1, T, Hk, Dk)
+        k = kc.reshape(1, T, Hk, Dk)
+        v = vc.reshape(1, T, Hv, Dv)
+        q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+        beta = mx.sigmoid(b)
+        g = compute_g(la.A_log, a, la.dt_bias)
+        ssm = st.ssm
+        if ssm is None:
+            ssm = mx.zeros((1, Hv, Dv, Dk), dtype=mx.float32)
+        y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record)
+        st.tape = (ssm, k, g, tape, conv_in, K) if record else None
+        st.ssm = new_ssm
+        st.conv = conv_in[:, -(K - 1) :]
+        out = la.norm(y, z)
+        return la.out_proj(out.reshape(1, T, -1))
+
+    def forward(
+        self,
+        tokens,
+        cache: TargetCache,
+        *,
+        capture: Sequence[int] = (),
+        record: bool = False,
+        logits: str = "all",
+    ) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """Run ``tokens`` (1-D ids) at positions cache.offset.. and extend the cache.
+
+        capture: layer ids whose outputs (residual stream after the layer) are
+            concatenated, in order, into features [T, len(capture) * H].
+        record: keep what :meth:`TargetCache.rollback` needs (verify).
+        logits: "all" -> [T, V]; "last" -> [1, V]; "none" -> None.
+        """
+        tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+        T = tokens.shape[0]
+        h = self.embed_tokens(tokens[None])
+        feats = {}
+        want = set(capture)
+        for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                r = self._deltanet(layer.linear_attn, x, c, record)
+            else:
+                r = self._attention(layer.self_attn, x, c)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in want:
+                feats[i] = h
+        cache.offset += T
+        cache.block = T if record else 0
+        features = None
+        if capture:
+            features = mx.concatenate([feats[i] for i in capture], axis=-1)[0]
+        if logits == "none":
+            return None, features
+        if logits == "last":
+            h = h[:, -1:]
+        return self.lm_head(self.norm(h))[0], features
+
+    def prefill(
+        self,
+        tokens: List[int],
+        cache: TargetCache,
+        *,
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """Chunked prefill. Returns last-row logits [1, V] and features of all rows."""
+        feats = []
+        logits = None
+        n = len(tokens)
+        for s in range(0, n, chunk_size):
+            last = s + chunk_size >= n
+            logits, f = self.forward(
+                tokens[s : s + chunk_size],
+                cache,
+                capture=capture,
+                logits="last" if last else "none",
+            )
+            if f is not None:
+                feats.append(f)
+            # Bound the lazy graph: materialise each chunk's cache.
+            mx.eval(cache.state(), *feats[-1:])
+        features = mx.concatenate(feats, axis=0) if feats else None
+        return logits, features
+
+    def __call__(self, tokens, cache: Optional[TargetCache] = None) -> mx.array:
+        """Plain logits [T, V] (a fresh cache when none is given)."""
+        cache = cache if cache is not None else self.make_cache()
+        return self.forward(tokens, cache)[0]
