@@ -73,6 +73,7 @@ def generate_tokens(
     prefill_chunk: int = 512,
     max_context: Optional[int] = None,
     stats: Optional[GenerationStats] = None,
+    cache=None,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
@@ -81,7 +82,9 @@ def generate_tokens(
     anchor_pos, block_size, cache) -> logits [B-1, V]``); None = plain decoding.
     ``sampler`` maps logits [N, V] to ids [N] (default greedy). Every emitted
     token is the target's own pick, so the output equals plain decoding with
-    the same sampler at temperature 0.
+    the same sampler at temperature 0. ``cache``: an empty
+    ``target.make_cache()`` to use (and inspect afterwards); it ends holding
+    the prompt and every emitted token but the last.
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -109,7 +112,7 @@ def generate_tokens(
     mx.reset_peak_memory()
 
     capture = draft.target_layer_ids if draft is not None else ()
-    cache = target.make_cache()
+    cache = cache if cache is not None else target.make_cache()
     tic = time.perf_counter()
     logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
     anchor = int(sampler(logits)[0].item())
@@ -156,7 +159,7 @@ def generate_tokens(
         if record:
             cache.rollback(n_keep)
             mx.eval(cache.state())
-        if draft is not None:
+        if vfeats is not None:
             # Features of the committed rows become draft context. A draft
             # skipped this cycle (B == 1) keeps its pending rows.
             new = vfeats[:n_keep]

@@ -1,0 +1,169 @@
+"""Speculative greedy output equals mlx-lm's greedy generation, token for token."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dflash import tiny
+from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.qwen35 import Target
+
+from conftest import reference_greedy
+
+PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300], [2, 450]]
+N = 24
+
+
+class ScriptedDraft:
+    """Test draft that proposes from a known continuation of the target.
+
+    ``accept``: how many of its proposals per cycle are right (None = all:
+    an oracle); proposals after that are deliberately wrong.
+    """
+
+    def __init__(self, prompt, reference, vocab, block_size=16, accept=None, seed=None):
+        self.rng = np.random.default_rng(seed) if seed is not None else None
+        self.seq = list(prompt) + list(reference)
+        self.vocab = vocab
+        self.block_size = block_size
+        self.accept = accept
+        self.target_layer_ids = []
+        self.calls = []
+
+    def make_cache(self, window=None):
+        return None
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        assert self.seq[anchor_pos] == anchor
+        self.calls.append(B)
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        accept = self.accept if self.rng is None else int(self.rng.integers(0, B))
+        for j in range(1, B):
+            p = anchor_pos + j
+            tok = self.seq[p] if p < len(self.seq) else 0
+            if accept is not None and j > accept:
+                tok = (tok + 1) % self.vocab
+            logits[j - 1, tok] = 1.0
+        return mx.array(logits)
+
+
+def run(target, prompt, n, **kw):
+    stats = GenerationStats()
+    out = []
+    for toks in generate_tokens(target, prompt, max_tokens=n, stats=stats, **kw):
+        out.extend(toks)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def random_drafts(dense, moe):
+    out = {}
+    for name, (cfg, _) in (("dense", dense), ("moe", moe)):
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=16,
+                                 layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        out[name] = tiny.build_draft(dcfg, seed=11)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["random", "partial", "oracle", "wrong"])
+@pytest.mark.parametrize("B", [2, 4, 16])
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_speculative_equals_mlx_lm_greedy(dense, moe, random_drafts, which, B, kind):
+    cfg, model = dense if which == "dense" else moe
+    target = Target(model)
+    for prompt in PROMPTS:
+        ref = reference_greedy(model, prompt, N)
+        base, _ = run(target, prompt, N)
+        assert base == ref
+        if kind == "random":
+            draft = random_drafts[which].bind(target)
+        elif kind == "partial":  # a random number of right proposals per cycle
+            draft = ScriptedDraft(prompt, ref, target.vocab_size, seed=len(prompt))
+        else:
+            draft = ScriptedDraft(prompt, ref, target.vocab_size, accept=None if kind == "oracle" else 0)
+        out, stats = run(target, prompt, N, draft=draft, block_size=B)
+        assert out == ref, (prompt, B, kind)
+        assert stats.generated_tokens == N and stats.finish_reason == "length"
+        assert sum(stats.accept_hist) == stats.cycles
+        assert sum(n * c for n, c in enumerate(stats.accept_hist)) == N - 1
+        if kind == "oracle":
+            # Every cycle accepts the whole block, save the last one cut by max tokens.
+            assert stats.accept_hist[B] == (N - 1) // B
+            assert stats.cycles == -(-(N - 1) // B)
+        if kind == "partial" and B > 2:
+            assert sum(stats.accept_hist[2:B]) > 0  # some cycles accept part of a block
+        if kind == "wrong":
+            assert stats.accept_hist[1] == stats.cycles == N - 1
+
+
+@pytest.mark.parametrize("accept", [0, 1, 2, 14])
+def test_cache_after_cycles_equals_plain_forward(any_model, accept):
+    cfg, model = any_model
+    target = Target(model)
+    prompt = PROMPTS[1]
+    ref = reference_greedy(model, prompt, N)
+    draft = ScriptedDraft(prompt, ref, target.vocab_size, accept=accept)
+    for n in (accept + 2, N):  # end right after the first cycle, and after many
+        cache = target.make_cache()
+        out, _ = run(target, prompt, n, draft=draft, block_size=16, cache=cache)
+        assert out == ref[:n]
+        fresh = target.make_cache()
+        target.prefill(prompt + out[:-1], fresh)
+        assert cache.offset == fresh.offset
+        for g, w in zip(cache.state(), fresh.state()):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+
+
+def test_eos_stops_and_is_never_overshot(dense):
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, N)
+    stop_at = 9
+    eos = ref[stop_at]
+    first = ref.index(eos)
+    draft = ScriptedDraft(prompt, ref, target.vocab_size)
+    for d in (None, draft):
+        out, stats = run(target, prompt, N, draft=d, block_size=16 if d else None, eos_token_ids=[eos])
+        assert out == ref[: first + 1]
+        assert stats.finish_reason == "stop"
+
+
+def test_block_never_exceeds_remaining_tokens(dense):
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, 10)
+    draft = ScriptedDraft(prompt, ref, target.vocab_size)
+    out, _ = run(target, prompt, 10, draft=draft, block_size=16)
+    assert out == ref
+    assert draft.calls == [9]  # one cycle drafts exactly the 9 tokens left
+    out, _ = run(target, prompt, 1, draft=draft, block_size=16)
+    assert out == ref[:1]
+
+
+def test_bad_arguments(dense):
+    target = Target(dense[1])
+    draft = ScriptedDraft([1], [2], target.vocab_size)
+    with pytest.raises(DFlashError, match="empty prompt"):
+        run(target, [], 4)
+    with pytest.raises(DFlashError, match="max_tokens"):
+        run(target, [1, 2], 0)
+    with pytest.raises(DFlashError, match="block size"):
+        run(target, [1, 2], 4, draft=draft, block_size=17)
+    with pytest.raises(DFlashError, match="block size"):
+        run(target, [1, 2], 4, draft=draft, block_size=1)
+    with pytest.raises(DFlashError, match="context limit"):
+        run(target, list(range(50)), 4, max_context=50)
+
+
+def test_generation_stops_at_context_limit(dense):
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, 12)
+    draft = ScriptedDraft(prompt, ref, target.vocab_size)
+    out, stats = run(target, prompt, 12, draft=draft, block_size=4, max_context=len(prompt) + 7)
+    assert out == ref[:8]  # positions up to the limit, plus the last bonus token
+    assert stats.finish_reason == "length"
