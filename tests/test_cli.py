@@ -1,0 +1,112 @@
+"""The mlx-dflash CLI: help, the embedded default run, and bad input (exit 2, no traceback)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlx_dflash import tiny
+from mlx_dflash.cli import main
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_help_lists_every_flag(capsys):
+    code, out, _ = cli(capsys, "--help")
+    assert code == 0 and "generate" in out and "info" in out
+    code, out, _ = cli(capsys, "generate", "--help")
+    assert code == 0
+    for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
+                 "--system", "--baseline", "--verbose", "--seed", "--temp", "--draft-window", "--dtype"):
+        assert flag in out, flag
+
+
+def test_console_script_runs_embedded_pair():
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "def fibonacci(n):",
+                        "-n", "12", "--verbose"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "tau" in r.stderr and "decode" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dflash_and_baseline_print_the_same_text(capsys):
+    code, a, _ = cli(capsys, "generate", "print(", "-n", "20")
+    assert code in (0, None)
+    code, b, _ = cli(capsys, "generate", "print(", "-n", "20", "--baseline")
+    assert code in (0, None)
+    assert a == b and a.strip()
+
+
+def test_prompt_from_stdin(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("import os"))
+    code, out, err = cli(capsys, "generate", "-", "-n", "4", "--no-chat-template")
+    assert code in (0, None), err
+
+
+@pytest.fixture(scope="module")
+def small_ctx_model(tmp_path_factory, tok_dir):
+    cfg = tiny.target_config(max_position_embeddings=16)
+    model = tiny.build_target(cfg, seed=1)
+    return tiny.save_mlx(model, cfg, tmp_path_factory.mktemp("m") / "target", tokenizer_dir=tok_dir)
+
+
+def bad_cases(tmp_path, small_ctx_model):
+    notmodel = tmp_path / "empty"
+    notmodel.mkdir()
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return [
+        (["generate", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
+        (["generate", "hi", "--model", str(notmodel)], "no config.json"),
+        (["generate", "hi", "--model", str(llama)], "unsupported model_type"),
+        (["generate", "hi", "--model", str(small_ctx_model),
+          "--draft", str(__import__("mlx_dflash").api.DEFAULT_DRAFT)], "hidden_size"),
+        (["generate", "hi", "--block-size", "17"], "block-size must be in 2..16"),
+        (["generate", "hi", "--block-size", "1"], "block-size must be in 2..16"),
+        (["generate", "   "], "empty prompt"),
+        (["generate"], "no prompt"),
+        (["generate", "hi", "--max-tokens", "0"], "must be positive"),
+        (["generate", "hi", "--max-tokens", "-3"], "must be positive"),
+        (["generate", "a b c d e f g h i j k l m n o p q r s t", "--no-chat-template",
+          "--model", str(small_ctx_model)], "context limit is 16"),
+        (["generate", "hi", "--temp", "-1"], "temperature"),
+        (["generate", "hi", "--dtype", "int8"], "--dtype"),
+        (["generate", "hi", "--draft-quantize", "3"], "4 or 8 bits"),
+        (["info", str(tmp_path / "missing")], "does not exist"),
+    ]
+
+
+def test_bad_input_exits_2_with_message(capsys, tmp_path, small_ctx_model):
+    for args, message in bad_cases(tmp_path, small_ctx_model):
+        code, out, err = cli(capsys, *args)
+        assert code == 2, (args, err)
+        assert message in err, (args, err)
+        assert "Traceback" not in err + out
+
+
+def test_bad_input_through_console_script(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "hi", "--model", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "error:" in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_info(capsys, small_ctx_model):
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    code, out, _ = cli(capsys, "info", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT))
+    assert code in (0, None)
+    assert "qwen3_5" in out and "6 Gated DeltaNet + 2 full attention" in out
+    assert "parameters:" in out and "size on disk:" in out and "fits" in out
+    code, out, _ = cli(capsys, "info", str(small_ctx_model), "--draft", str(DEFAULT_DRAFT))
+    assert "does NOT fit" in out and "hidden_size" in out
+    code, out, _ = cli(capsys, "info", str(DEFAULT_DRAFT))
+    assert "DFlash v1 draft" in out and "block size: 16" in out

@@ -1,0 +1,159 @@
+"""HF- and MLX-format folders (incl. 4-bit) through the public loader; bad input."""
+
+import copy
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.loading import load_draft, load_target
+from mlx_dflash.models.qwen35 import Target
+
+PROMPT = [1, 5, 9, 33, 71, 100, 4, 8, 200, 301, 17]
+
+
+def logits_of(target):
+    return target(PROMPT)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "mlx"])
+def test_folder_gives_same_logits_as_in_memory(any_model, tok_dir, tmp_path, fmt):
+    cfg, model = any_model
+    save = tiny.save_hf if fmt == "hf" else tiny.save_mlx
+    path = save(model, cfg, tmp_path / fmt, tokenizer_dir=tok_dir)
+    want = logits_of(Target(model))
+    got = logits_of(load_target(path))
+    assert mx.abs(got - want).max().item() <= 1e-5
+
+
+def test_hf_folder_holds_raw_conventions(dense, tmp_path):
+    cfg, model = dense
+    path = tiny.save_hf(model, cfg, tmp_path / "hf")
+    w = mx.load(str(path / "model.safetensors"))
+    assert "model.language_model.layers.0.linear_attn.conv1d.weight" in w
+    assert w["model.language_model.layers.0.linear_attn.conv1d.weight"].shape[1] == 1
+    # zero-centred: stored weight = scale - 1
+    stored = w["model.language_model.norm.weight"]
+    assert mx.allclose(stored + 1.0, model.language_model.model.norm.weight).item()
+
+
+def test_quantized_4bit_folder(any_model, tok_dir, tmp_path):
+    from mlx_lm.utils import quantize_model
+
+    cfg, model = any_model
+    path = tiny.save_mlx(model, cfg, tmp_path / "q4", tokenizer_dir=tok_dir,
+                         quantize={"bits": 4, "group_size": 32})
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["quantization"]["bits"] == 4
+    if cfg["text_config"].get("num_experts"):
+        # mlx-lm keeps the MoE router at 8 bits: a per-layer override.
+        assert any(isinstance(v, dict) and v.get("bits") == 8 for v in saved["quantization"].values())
+    qmodel, _ = quantize_model(copy.deepcopy(model), copy.deepcopy(cfg), group_size=32, bits=4)
+    want = logits_of(Target(qmodel))
+    got = logits_of(load_target(path))
+    assert mx.abs(got - want).max().item() <= 1e-4
+    # Quantization really happened, and it is close to the fp32 model.
+    fp = logits_of(Target(model))
+    assert mx.abs(got - fp).max().item() > 0
+
+
+def test_tokenizer_and_chat_template_from_folder(dense, tok_dir, tmp_path):
+    cfg, model = dense
+    path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
+    eng = mlx_dflash.load(path)
+    ids = eng.encode("hello world", chat_template=True, system="be brief")
+    text = eng.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system\nbe brief<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n")
+    assert eng.encode("hello world") == eng.tokenizer.encode("hello world", add_special_tokens=False)
+
+
+# --- bad input -----------------------------------------------------------------
+
+def test_missing_and_non_model_paths(tmp_path):
+    with pytest.raises(DFlashError, match="does not exist"):
+        load_target(tmp_path / "nope")
+    f = tmp_path / "file.txt"
+    f.write_text("x")
+    with pytest.raises(DFlashError, match="not a model folder"):
+        load_target(f)
+    with pytest.raises(DFlashError, match="no config.json"):
+        load_target(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(DFlashError, match="cannot read"):
+        load_target(tmp_path)
+
+
+def test_unsupported_model_type_and_missing_weights(dense, tmp_path):
+    cfg, model = dense
+    path = tiny.save_mlx(model, cfg, tmp_path / "m")
+    c = json.loads((path / "config.json").read_text())
+    c["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match="unsupported model_type 'llama'"):
+        load_target(path)
+    c["model_type"] = "qwen3_5"
+    (path / "config.json").write_text(json.dumps(c))
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(DFlashError, match="no .safetensors"):
+        load_target(path)
+
+
+def test_weights_not_matching_config(dense, tmp_path):
+    cfg, model = dense
+    path = tiny.save_mlx(model, cfg, tmp_path / "m")
+    c = json.loads((path / "config.json").read_text())
+    c["text_config"]["num_hidden_layers"] = 6
+    (path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match="cannot load model"):
+        load_target(path)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(dense, tmp_path_factory):
+    cfg, _ = dense
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    return tiny.save_draft(tiny.build_draft(dcfg, seed=2), dcfg, tmp_path_factory.mktemp("d") / "draft"), dcfg
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(hidden_size=32), "hidden_size 32 != target hidden_size 64"),
+        (lambda c: c.update(vocab_size=1000), "vocab_size 1000 != target vocab_size 512"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]), r"target_layer_ids \[9\] out of range"),
+        (lambda c: c["dflash_config"].update(mask_token_id=9999), "mask_token_id 9999 outside"),
+        (lambda c: c.update(num_target_layers=12), "num_target_layers 12 != target's 4"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 1, 2]), "fc.weight takes"),
+        (lambda c: c.update(block_size=1), "block_size 1 < 2"),
+    ],
+)
+def test_draft_mismatch_is_named(dense, draft_dir, tmp_path, edit, message):
+    target = Target(dense[1])
+    src, dcfg = draft_dir
+    dst = tmp_path / "draft"
+    shutil.copytree(src, dst)
+    c = copy.deepcopy(dcfg)
+    edit(c)
+    (dst / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match=message):
+        load_draft(dst, target)
+
+
+def test_draft_with_wrong_weights_or_bits(dense, draft_dir, tmp_path):
+    target = Target(dense[1])
+    src, _ = draft_dir
+    with pytest.raises(DFlashError, match="4 or 8 bits"):
+        load_draft(src, target, quantize_bits=3)
+    dst = tmp_path / "d2"
+    shutil.copytree(src, dst)
+    w = mx.load(str(dst / "model.safetensors"))
+    w.pop("norm.weight")
+    mx.save_safetensors(str(dst / "model.safetensors"), w)
+    with pytest.raises(DFlashError, match="missing"):
+        load_draft(dst, target)
