@@ -1,0 +1,47 @@
+"""Which BLAS this process uses, and a re-exec under OpenBLAS on Linux.
+
+mlx-cpu bundles the netlib reference BLAS, whose batched matmul cost grows
+linearly with the batch, so timings on Linux are taken with OpenBLAS
+preloaded (Debian package libopenblas0-pthread).
+"""
+
+import glob
+import os
+import platform
+import sys
+
+_CANDIDATES = [
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+] + glob.glob("/usr/lib/*/openblas*/libblas.so.3")
+
+
+def openblas_path():
+    for p in _CANDIDATES:
+        if os.path.exists(p):
+            return p
+    return None
+
+
+def ensure_openblas(mode: str = "auto") -> None:
+    """Re-exec this script with OpenBLAS preloaded when asked and available."""
+    if platform.system() != "Linux" or mode == "bundled":
+        return
+    lib = openblas_path()
+    if lib is None:
+        if mode == "openblas":
+            sys.exit("OpenBLAS not found: apt-get install libopenblas0-pthread")
+        return
+    if lib in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ, LD_PRELOAD=lib)
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+def describe() -> str:
+    if platform.system() == "Darwin":
+        return "Apple Accelerate / Metal (macOS)"
+    pre = os.environ.get("LD_PRELOAD", "")
+    if "openblas" in pre:
+        return f"OpenBLAS preloaded ({pre})"
+    return "mlx-cpu bundled reference BLAS (OpenBLAS not preloaded)"
