@@ -98,6 +98,18 @@ def _prep(q, k, v, g, beta, mask):
     return q, k, v, logg, beta
 
 
+def _single_step(q, k, v, g, beta, S, record):
+    """T == 1 (plain decoding): the recurrence directly, fewest ops."""
+    hv = v.shape[2]
+    q = _repeat_heads(q, hv)[:, 0]
+    k = _repeat_heads(k, hv)[:, 0]
+    S = S * g[:, 0][..., None, None]
+    delta = (v[:, 0] - (S * k[..., None, :]).sum(-1)) * beta[:, 0][..., None]
+    S = S + k[..., None, :] * delta[..., None]
+    y = (S * q[..., None, :]).sum(-1)[:, None].astype(q.dtype)
+    return y, S, delta[:, None] if record else None
+
+
 def gated_delta_chain(
     q: mx.array,
     k: mx.array,
@@ -126,6 +138,8 @@ def gated_delta_chain(
     """
     dtype = q.dtype
     T = q.shape[1]
+    if T == 1 and mask is None:
+        return _single_step(q, k, v, g, beta, state, record)
     q, k, v, logg, beta = _prep(q, k, v, g, beta, mask)
     ys, deltas = [], []
     S = state
