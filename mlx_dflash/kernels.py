@@ -193,9 +193,16 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array) -> mx.array:
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
     followed by the block's T rows; ``weight`` [C, K, 1] (MLX layout).
-    Returns [B, T, C].
+    Returns [B, T, C]. K shifted multiply-adds: about twice as fast on a CPU
+    as MLX's grouped conv1d for depthwise kernels.
     """
-    return nn.silu(mx.conv1d(conv_in, weight, groups=conv_in.shape[-1]))
+    K = weight.shape[1]
+    T = conv_in.shape[1] - K + 1
+    w = weight[:, :, 0].astype(conv_in.dtype)
+    out = conv_in[:, 0:T] * w[:, 0]
+    for j in range(1, K):
+        out = out + conv_in[:, j : j + T] * w[:, j]
+    return nn.silu(out)
 
 
 def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array:

@@ -19,6 +19,14 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# For a completion (base) model: the turns' text concatenated, the system
+# message as a leading comment line, so a chat-templated prompt is still code.
+COMPLETION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '# ' + message['content'] + '\\n' }}"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% endfor %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
 _CORPUS = """
@@ -211,7 +219,8 @@ def save_mlx(model, config: dict, path, tokenizer_dir: Optional[Path] = None,
     return path
 
 
-def build_tokenizer(path, vocab_size: int = 512, corpus: Optional[str] = None) -> Path:
+def build_tokenizer(path, vocab_size: int = 512, corpus: Optional[str] = None,
+                    chat_template: str = CHAT_TEMPLATE) -> Path:
     """Train a byte-level BPE tokenizer and write tokenizer.json +
     tokenizer_config.json (with a ChatML template) to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -236,8 +245,8 @@ def build_tokenizer(path, vocab_size: int = 512, corpus: Optional[str] = None) -
         "bos_token": None,
         "unk_token": None,
         "add_bos_token": False,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": 4096,
+        "chat_template": chat_template,
+        "model_max_length": 1000000,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return path

@@ -255,3 +255,87 @@ class DFlashDraft(nn.Module):
             h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.target.lm_head(self.norm(h[:, 1:]))[0]
+
+
+# --- training forward -----------------------------------------------------------
+
+def _rope_at(x: mx.array, positions: mx.array, base: float) -> mx.array:
+    """NeoX RoPE over the full head dim at explicit positions.
+    x [Bt, nh, S, D]; positions [Bt, S]. Matches nn.RoPE(D, traditional=False, base)."""
+    D = x.shape[-1]
+    inv = mx.power(base, -mx.arange(0, D, 2, dtype=mx.float32) / D)
+    ang = positions.astype(mx.float32)[:, None, :, None] * inv  # [Bt, 1, S, D/2]
+    cos, sin = mx.cos(ang), mx.sin(ang)
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def training_mask(anchors: mx.array, L: int, B: int, sliding_window: Optional[int] = None,
+                  block_causal: bool = True) -> mx.array:
+    """Boolean [Bt, m*B, L + m*B]: block j (anchor a_j) sees context positions
+    p < a_j (p >= a_j - (W-1) for a sliding layer) and its own block slots
+    (causally for a sliding layer with ``block_causal``); never another block."""
+    Bt, m = anchors.shape
+    a_row = mx.repeat(anchors, B, axis=1)  # [Bt, mB] anchor of each query row
+    ctx_pos = mx.arange(L)
+    ctx_ok = ctx_pos[None, None, :] < a_row[:, :, None]
+    if sliding_window is not None:
+        ctx_ok = ctx_ok & (ctx_pos[None, None, :] >= a_row[:, :, None] - (sliding_window - 1))
+    blk = mx.arange(m * B) // B
+    slot = mx.arange(m * B) % B
+    same = blk[:, None] == blk[None, :]
+    if sliding_window is not None and block_causal:
+        same = same & (slot[None, :] <= slot[:, None])
+    same = mx.broadcast_to(same[None], (Bt, m * B, m * B))
+    return mx.concatenate([ctx_ok, same], axis=-1)
+
+
+def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """Logits [Bt, m, B-1, V] for m blocks per sequence in one forward.
+
+    features [Bt, L, N*H] (target features at every position), tokens [Bt, L],
+    anchors [Bt, m] (1 <= a <= L - B). Block j is [tokens[a_j], MASK x (B-1)]
+    at positions a_j..a_j+B-1; it attends to the context before its anchor and
+    to itself, exactly as one inference cycle with the context cached.
+    """
+    cfg = draft.config
+    Bt, L, _ = features.shape
+    m = anchors.shape[1]
+    B = cfg.block_size
+    ctx = draft.hidden_norm(draft.fc(features))  # [Bt, L, H]
+    first = mx.take_along_axis(tokens, anchors, axis=1)  # [Bt, m]
+    ids = mx.concatenate([first[..., None], mx.full((Bt, m, B - 1), cfg.mask_token_id, dtype=tokens.dtype)], -1)
+    h = draft.target.embed(ids.reshape(Bt, m * B))
+    q_pos = (anchors[..., None] + mx.arange(B)).reshape(Bt, m * B)
+    c_pos = mx.broadcast_to(mx.arange(L)[None], (Bt, L))
+    masks = {}
+    for i, layer in enumerate(draft.layers):
+        at = layer.self_attn
+        sl = cfg.sliding_window if cfg.is_sliding(i) else None
+        if sl not in masks:
+            masks[sl] = training_mask(anchors, L, B, sl, cfg.sliding_block_causal)[:, None]
+        x = layer.input_layernorm(h)
+        nh, nkv = at.n_heads, at.n_kv
+        q = at.q_norm(at.q_proj(x).reshape(Bt, m * B, nh, -1)).transpose(0, 2, 1, 3)
+        q = _rope_at(q, q_pos, cfg.rope_theta)
+
+        def kv(rows, pos):
+            S = rows.shape[1]
+            k = at.k_norm(at.k_proj(rows).reshape(Bt, S, nkv, -1)).transpose(0, 2, 1, 3)
+            v = at.v_proj(rows).reshape(Bt, S, nkv, -1).transpose(0, 2, 1, 3)
+            return _rope_at(k, pos, cfg.rope_theta), v
+
+        kc, vc = kv(ctx, c_pos)
+        kb, vb = kv(x, q_pos)
+        keys = mx.concatenate([kc, kb], axis=2)
+        values = mx.concatenate([vc, vb], axis=2)
+        if nh != nkv:
+            keys = mx.repeat(keys, nh // nkv, axis=1)
+            values = mx.repeat(values, nh // nkv, axis=1)
+        scores = (q * at.scale) @ keys.swapaxes(-1, -2)
+        scores = mx.where(masks[sl], scores, -1e9)
+        out = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype) @ values
+        h = h + at.o_proj(out.transpose(0, 2, 1, 3).reshape(Bt, m * B, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = draft.target.lm_head(draft.norm(h)).reshape(Bt, m, B, -1)
+    return logits[:, :, 1:]

@@ -61,55 +61,56 @@ class Target:
         return self.lm.lm_head(h)
 
     # --- forward -------------------------------------------------------------
-    def _attention(self, attn, x: mx.array, kv: KVBuffer) -> mx.array:
-        _, T, _ = x.shape
+    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer]) -> mx.array:
+        B, T, _ = x.shape
         nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
-        q, gate = mx.split(attn.q_proj(x).reshape(1, T, nh, -1), 2, axis=-1)
-        gate = gate.reshape(1, T, -1)
-        k = attn.k_proj(x).reshape(1, T, nkv, -1)
-        v = attn.v_proj(x).reshape(1, T, nkv, -1).transpose(0, 2, 1, 3)
+        q, gate = mx.split(attn.q_proj(x).reshape(B, T, nh, -1), 2, axis=-1)
+        gate = gate.reshape(B, T, -1)
+        k = attn.k_proj(x).reshape(B, T, nkv, -1)
+        v = attn.v_proj(x).reshape(B, T, nkv, -1).transpose(0, 2, 1, 3)
         q = attn.q_norm(q).transpose(0, 2, 1, 3)
         k = attn.k_norm(k).transpose(0, 2, 1, 3)
-        q = attn.rope(q, offset=kv.offset)
-        k = attn.rope(k, offset=kv.offset)
-        keys, values = kv.append(k, v)
+        offset = kv.offset if kv is not None else 0
+        q = attn.rope(q, offset=offset)
+        k = attn.rope(k, offset=offset)
+        keys, values = kv.append(k, v) if kv is not None else (k, v)
         # "causal" aligns the T queries with the last T keys.
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=attn.scale, mask="causal" if T > 1 else None
         )
-        out = out.transpose(0, 2, 1, 3).reshape(1, T, -1)
+        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return attn.o_proj(out * mx.sigmoid(gate))
 
     def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool) -> mx.array:
-        _, T, _ = x.shape
+        B, T, _ = x.shape
         Hk, Hv = la.num_k_heads, la.num_v_heads
         Dk, Dv = la.head_k_dim, la.head_v_dim
         K = la.conv_kernel_size
         qkv = la.in_proj_qkv(x)
-        z = la.in_proj_z(x).reshape(1, T, Hv, Dv)
+        z = la.in_proj_z(x).reshape(B, T, Hv, Dv)
         b = la.in_proj_b(x)
         a = la.in_proj_a(x)
         conv_state = st.conv
         if conv_state is None:
-            conv_state = mx.zeros((1, K - 1, la.conv_dim), dtype=x.dtype)
+            conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
         conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight)
         qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
-        q = qc.reshape(1, T, Hk, Dk)
-        k = kc.reshape(1, T, Hk, Dk)
-        v = vc.reshape(1, T, Hv, Dv)
+        q = qc.reshape(B, T, Hk, Dk)
+        k = kc.reshape(B, T, Hk, Dk)
+        v = vc.reshape(B, T, Hv, Dv)
         q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
         beta = mx.sigmoid(b)
         g = compute_g(la.A_log, a, la.dt_bias)
         ssm = st.ssm
         if ssm is None:
-            ssm = mx.zeros((1, Hv, Dv, Dk), dtype=mx.float32)
+            ssm = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
         y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record)
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
         out = la.norm(y, z)
-        return la.out_proj(out.reshape(1, T, -1))
+        return la.out_proj(out.reshape(B, T, -1))
 
     def forward(
         self,
@@ -152,6 +153,25 @@ class Target:
         if logits == "last":
             h = h[:, -1:]
         return self.lm_head(self.norm(h))[0], features
+
+    def batch_forward(self, tokens: mx.array, capture: Sequence[int] = ()):
+        """No-cache forward of a batch [Bt, T] from position 0 (training, feature
+        extraction). Returns logits [Bt, T, V] and features [Bt, T, n*H] or None.
+        Differentiable."""
+        h = self.embed_tokens(tokens)
+        feats = {}
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                r = self._deltanet(layer.linear_attn, x, DeltaNetState(), False)
+            else:
+                r = self._attention(layer.self_attn, x, None)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in capture:
+                feats[i] = h
+        features = mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None
+        return self.lm_head(self.norm(h)), features
 
     def prefill(
         self,

@@ -1,0 +1,177 @@
+"""Build the trained benchmark pair and make it the embedded default.
+
+    python bench/make_pair.py [--out mlx_dflash/default_model] [--target-steps N] [--draft-steps N]
+
+1. A byte-level BPE tokenizer trained on the Python standard library's .py
+   sources (present on every machine; the file list is sorted and fixed).
+2. A small Qwen3.5 target (hidden 256, 6 Gated DeltaNet + 2 attention layers,
+   ~8M parameters) trained from scratch in MLX on those sources.
+3. A 2-layer DFlash draft trained with ``train_draft`` on the target's own
+   greedy continuations of prompts cut from held-out sources.
+
+Deterministic for a given Python version (fixed seeds, sorted inputs).
+"""
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import blas  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "__pycache__", "pydoc_data")
+
+
+def stdlib_sources(limit_bytes: int):
+    base = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in base.rglob("*.py") if not any(s in p.relative_to(base).parts[0] for s in SKIP)
+                   and not any(part.startswith("test") for part in p.relative_to(base).parts))
+    texts, total = [], 0
+    for f in files:
+        t = f.read_text(encoding="utf-8", errors="replace")
+        texts.append((str(f.relative_to(base)), t))
+        total += len(t)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def target_config():
+    from mlx_dflash import tiny
+
+    cfg = tiny.target_config(
+        vocab_size=2048, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, intermediate_size=768, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        full_attention_interval=4,
+    )
+    cfg["eos_token_id"] = cfg["text_config"]["eos_token_id"] = 2
+    return cfg
+
+
+def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=2e-3, log=print):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    from mlx_dflash import tiny
+    from mlx_dflash.models.qwen35 import Target
+
+    model = tiny.build_target(cfg, seed=0)
+    # Start from plain norms (1.0), as a real init would.
+    from mlx.utils import tree_flatten
+    model.load_weights([(k, mx.ones_like(v)) for k, v in tree_flatten(model.parameters())
+                        if k.endswith("norm.weight") and "linear_attn.norm" not in k], strict=False)
+    target = Target(model)
+    data = np.array(ids, dtype=np.int32)
+    warm = 100
+    sched = optim.join_schedules(
+        [optim.linear_schedule(lr * 0.01, lr, warm), optim.cosine_decay(lr, max(steps - warm, 1), lr * 0.1)], [warm])
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.1)
+
+    def loss_fn(x):
+        logits, _ = target.batch_forward(x[:, :-1])
+        return nn.losses.cross_entropy(logits, x[:, 1:]).mean()
+
+    lg = nn.value_and_grad(model, loss_fn)
+    rng = np.random.default_rng(0)
+    tic = time.perf_counter()
+    for step in range(steps):
+        starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+        x = mx.array(np.stack([data[s : s + seq_len + 1] for s in starts]))
+        loss, grads = lg(x)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        mx.eval(loss, model.parameters(), opt.state)
+        if (step + 1) % 25 == 0 or step == 0:
+            dt = time.perf_counter() - tic
+            log(f"target step {step + 1}/{steps} loss {loss.item():.3f} ({dt / (step + 1):.2f} s/step)")
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
+    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--draft-steps", type=int, default=600)
+    ap.add_argument("--prompts", type=int, default=320)
+    ap.add_argument("--corpus-mb", type=float, default=4.0)
+    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    args = ap.parse_args()
+    blas.ensure_openblas(args.blas)
+    log = lambda s: print(s, flush=True)
+    log(f"BLAS: {blas.describe()}")
+
+    import mlx.core as mx
+
+    from mlx_dflash import tiny
+    from mlx_dflash.train import TrainConfig, train_draft
+
+    t0 = time.perf_counter()
+    work = args.out.parent / (args.out.name + ".building")
+    if work.exists():
+        shutil.rmtree(work)
+    texts = stdlib_sources(int(args.corpus_mb * 1e6))
+    rnd = random.Random(0)
+    names = [n for n, _ in texts]
+    held = set(rnd.sample(names, max(len(names) // 10, 1)))
+    train_text = "\n".join(t for n, t in texts if n not in held)
+    held_text = [t for n, t in texts if n in held]
+    log(f"corpus: {len(texts)} stdlib files, {len(train_text) / 1e6:.1f} MB train, {len(held)} held out")
+
+    tdir = work / "target"
+    tiny.build_tokenizer(tdir, vocab_size=2048, corpus=train_text, chat_template=tiny.COMPLETION_TEMPLATE)
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    ids = tk.encode(train_text).ids
+    log(f"tokenizer: {tk.get_vocab_size()} tokens; corpus {len(ids)} tokens")
+
+    cfg = target_config()
+    model = train_target(cfg, ids, args.target_steps, log=log)
+    tiny.save_mlx(model, cfg, tdir, tokenizer_dir=tdir)
+    t1 = time.perf_counter()
+    log(f"target trained in {(t1 - t0) / 60:.1f} min")
+
+    # Prompts from held-out sources: a few lines starting at a def/class line.
+    prompts = []
+    for t in held_text:
+        lines = t.splitlines()
+        for i, l in enumerate(lines):
+            if l.lstrip().startswith(("def ", "class ")):
+                prompts.append("\n".join(lines[max(i - 2, 0) : i + 1]) + "\n")
+    rnd.shuffle(prompts)
+    prompts = prompts[: args.prompts]
+    pfile = work / "prompts.txt"
+    pfile.write_text("\n".join(json.dumps({"text": p}) for p in prompts) + "\n")
+    pjsonl = work / "prompts.jsonl"
+    pfile.rename(pjsonl)
+    tc = TrainConfig(block_size=16, num_layers=2, seq_len=128, gen_tokens=112, batch_size=8,
+                     blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
+                     log_every=25)
+    summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log)
+    pjsonl.unlink()
+    t2 = time.perf_counter()
+    log(f"draft trained in {(t2 - t1) / 60:.1f} min; final per-slot acc {summary['final_acc']}")
+    (work / "draft" / "train_summary.json").unlink()
+    (work / "BUILD.json").write_text(json.dumps({
+        "python": sys.version.split()[0], "target_steps": args.target_steps, "draft_steps": args.draft_steps,
+        "prompts": len(prompts), "minutes": round((t2 - t0) / 60, 1), "blas": blas.describe(),
+        "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],
+    }, indent=1))
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    work.rename(args.out)
+    log(f"wrote {args.out} in {(t2 - t0) / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()

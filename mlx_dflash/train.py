@@ -1,0 +1,371 @@
+"""Train a DFlash v1 draft for a supported target (``mlx-dflash train-draft``).
+
+Objective (DFlash paper): sample anchor positions; each block
+``[anchor token, MASK x (B-1)]`` attends to the target features of the context
+before its anchor and to its own slots (several blocks per sequence in one
+forward, see :func:`models.draft.train_logits`); cross-entropy on slots
+1..B-1 against the target's tokens, slot k weighted ``exp(-(k-1)/gamma)``.
+"""
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .errors import DFlashError
+from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_logits
+
+
+@dataclass
+class TrainConfig:
+    block_size: int = 16
+    num_layers: int = 2
+    target_layer_ids: Optional[List[int]] = None
+    mask_token_id: Optional[int] = None
+    intermediate_size: Optional[int] = None  # default: the target's
+    seq_len: int = 256
+    batch_size: int = 8
+    blocks_per_seq: int = 8
+    steps: int = 1000
+    lr: float = 6e-4
+    warmup: int = 50
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    gen_tokens: int = 192  # continuation length with generate_from
+    checkpoint_every: int = 200
+    init: str = "target"  # "target" (copy what fits) or "random"
+    seed: int = 0
+    log_every: int = 10
+
+
+# --- data -------------------------------------------------------------------------
+
+def read_texts(paths: Sequence, text_field: str = "text") -> List[str]:
+    """Plain text files (whole file) or JSONL (``text_field`` of each line)."""
+    texts = []
+    files = []
+    for p in paths:
+        p = Path(p).expanduser()
+        if not p.exists():
+            raise DFlashError(f"corpus path does not exist: {p}")
+        files.extend(sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p])
+    for f in files:
+        try:
+            raw = f.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise DFlashError(f"cannot read corpus file {f}: {e}") from None
+        if f.suffix == ".jsonl":
+            for n, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    raise DFlashError(f"{f}:{n}: not a JSON line") from None
+                if not isinstance(obj, dict) or text_field not in obj:
+                    raise DFlashError(f"{f}:{n}: no {text_field!r} field")
+                texts.append(str(obj[text_field]))
+        else:
+            texts.append(raw)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise DFlashError(f"corpus is empty: {', '.join(str(p) for p in paths)}")
+    return texts
+
+
+def corpus_sequences(tokenizer, texts: List[str], seq_len: int, eos: int) -> List[List[int]]:
+    ids: List[int] = []
+    for t in texts:
+        ids.extend(tokenizer.encode(t, add_special_tokens=False))
+        ids.append(eos)
+    seqs = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    if not seqs:
+        raise DFlashError(f"corpus has {len(ids)} tokens, fewer than one sequence of {seq_len}")
+    return seqs
+
+
+def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: int,
+                        progress=None) -> List[List[int]]:
+    """The target's own greedy continuations of each prompt (prompt + output)."""
+    from .decode import generate_tokens
+
+    seqs = []
+    for i, p in enumerate(prompts):
+        ids = engine.tokenizer.encode(p, add_special_tokens=False)[: seq_len // 2]
+        if not ids:
+            continue
+        out: List[int] = []
+        n = min(gen_tokens, seq_len - len(ids))
+        for toks in generate_tokens(engine.target, ids, max_tokens=n):
+            out.extend(toks)
+        seqs.append((ids + out)[:seq_len])
+        if progress:
+            progress(i + 1, len(prompts))
+    return seqs
+
+
+def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8):
+    """Target features (no gradient) for equal-length sequences: [n, L, N*H]."""
+    out = []
+    for s in range(0, len(seqs), batch):
+        toks = mx.array(seqs[s : s + batch])
+        _, f = target.batch_forward(toks, capture=layer_ids)
+        f = mx.stop_gradient(f)
+        mx.eval(f)
+        out.append(f)
+    return mx.concatenate(out, axis=0)
+
+
+# --- model init ---------------------------------------------------------------------
+
+def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
+    a = target.args
+    ids = tc.target_layer_ids or default_target_layer_ids(target.num_layers, tc.num_layers)
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": a.hidden_size,
+        "num_hidden_layers": tc.num_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "intermediate_size": tc.intermediate_size or a.intermediate_size or a.hidden_size * 3,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": float(a.rope_theta),
+        "max_position_embeddings": a.max_position_embeddings,
+        "vocab_size": a.vocab_size,
+        "num_target_layers": target.num_layers,
+        "block_size": tc.block_size,
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
+    }
+
+
+def init_from_target(draft: DFlashDraft, target) -> List[str]:
+    """Copy a target attention layer's weights into each draft layer where the
+    shapes allow (query half of the gated q_proj, k/v/o, q/k norms, a dense
+    MLP). Returns the copied parameter names."""
+    attn_layers = [l for l in target.layers if not l.is_linear]
+    copied = []
+    for i, dl in enumerate(draft.layers):
+        tl = attn_layers[-1 - (i % len(attn_layers))]
+        ta, da = tl.self_attn, dl.self_attn
+        if not isinstance(ta.q_proj, nn.Linear) or isinstance(ta.q_proj, nn.QuantizedLinear):
+            continue
+        nh, D = ta.num_attention_heads, ta.head_dim
+        wq = ta.q_proj.weight.reshape(nh, 2 * D, -1)[:, :D].reshape(nh * D, -1)
+        pairs = [
+            ("self_attn.q_proj.weight", wq, da.q_proj.weight),
+            ("self_attn.k_proj.weight", ta.k_proj.weight, da.k_proj.weight),
+            ("self_attn.v_proj.weight", ta.v_proj.weight, da.v_proj.weight),
+            ("self_attn.o_proj.weight", ta.o_proj.weight, da.o_proj.weight),
+            ("self_attn.q_norm.weight", ta.q_norm.weight, da.q_norm.weight),
+            ("self_attn.k_norm.weight", ta.k_norm.weight, da.k_norm.weight),
+            ("input_layernorm.weight", tl.input_layernorm.weight, dl.input_layernorm.weight),
+            ("post_attention_layernorm.weight", tl.post_attention_layernorm.weight,
+             dl.post_attention_layernorm.weight),
+        ]
+        mlp = tl.mlp
+        if hasattr(mlp, "gate_proj") and isinstance(mlp.gate_proj, nn.Linear) \
+                and not isinstance(mlp.gate_proj, nn.QuantizedLinear):
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                pairs.append((f"mlp.{n}.weight", getattr(mlp, n).weight, getattr(dl.mlp, n).weight))
+        updates = [(n, src.astype(dst.dtype)) for n, src, dst in pairs if src.shape == dst.shape]
+        dl.load_weights(updates, strict=False)
+        copied += [f"layers.{i}.{n}" for n, _ in updates]
+    return copied
+
+
+# --- loss ---------------------------------------------------------------------------
+
+def block_loss(draft, features, tokens, anchors, gamma: float):
+    """Weighted CE over slots 1..B-1, and per-slot accuracy [B-1]."""
+    B = draft.config.block_size
+    logits = train_logits(draft, features, tokens, anchors)  # [Bt, m, B-1, V]
+    idx = anchors[..., None] + mx.arange(1, B)
+    rows = mx.broadcast_to(tokens[:, None, :], (tokens.shape[0], anchors.shape[1], tokens.shape[1]))
+    labels = mx.take_along_axis(rows, idx, axis=-1)  # [Bt, m, B-1]
+    ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels)  # [Bt, m, B-1]
+    w = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
+    loss = (ce * w).sum(-1).mean() / w.sum()
+    acc = (mx.argmax(logits, -1) == labels).astype(mx.float32).mean(axis=(0, 1))
+    return loss, acc
+
+
+def sample_anchors(rng, n_seqs: int, m: int, L: int, B: int) -> np.ndarray:
+    hi = L - B  # last anchor whose whole block has labels
+    if hi < 1:
+        raise DFlashError(f"sequence length {L} too short for block size {B}")
+    return np.sort(rng.integers(1, hi + 1, size=(n_seqs, m)), axis=1)
+
+
+# --- main entry ---------------------------------------------------------------------
+
+def _schedule(tc: TrainConfig):
+    warm = max(tc.warmup, 1)
+    return optim.join_schedules(
+        [optim.linear_schedule(tc.lr * 0.01, tc.lr, warm),
+         optim.cosine_decay(tc.lr, max(tc.steps - warm, 1), tc.lr * 0.05)],
+        [warm],
+    )
+
+
+def _save_draft(draft, cfg: dict, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def train_draft(
+    target_path,
+    out,
+    *,
+    corpus: Optional[Sequence] = None,
+    generate_from=None,
+    text_field: str = "text",
+    feature_cache=None,
+    resume: bool = False,
+    config: Optional[TrainConfig] = None,
+    engine=None,
+    log=None,
+) -> dict:
+    """Train a draft for the target at ``target_path``; write a z-lab-format
+    folder to ``out`` (and checkpoints to ``out/checkpoint``). Returns a
+    summary dict (final loss, per-slot accuracy, steps, seconds)."""
+    from .api import load
+
+    tc = config or TrainConfig()
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    if (corpus is None) == (generate_from is None):
+        raise DFlashError("give exactly one data source: a corpus or --generate-from PROMPTS")
+    if not 2 <= tc.block_size <= 64:
+        raise DFlashError(f"block size must be in 2..64, got {tc.block_size}")
+    if tc.seq_len < tc.block_size + 2:
+        raise DFlashError(f"--seq-len {tc.seq_len} must exceed the block size {tc.block_size} + 1")
+    if tc.steps < 1 or tc.batch_size < 1 or tc.blocks_per_seq < 1 or tc.num_layers < 1:
+        raise DFlashError("steps, batch size, blocks per sequence and layers must be positive")
+    engine = engine or load(target_path, dtype=mx.float32)
+    target, tok = engine.target, engine.tokenizer
+    if tc.target_layer_ids is not None:
+        bad = [i for i in tc.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise DFlashError(f"target layer ids {bad} out of range for a {target.num_layers}-layer target")
+    mask_id = tc.mask_token_id
+    if mask_id is None:
+        vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+        mask_id = vocab.get("<|mask|>", target.vocab_size - 1)
+    if not 0 <= mask_id < target.vocab_size:
+        raise DFlashError(f"mask token id {mask_id} outside the target vocab")
+    out = Path(out)
+    ckpt = out / "checkpoint"
+    dcfg = make_draft_config(target, tc, mask_id)
+    ids = dcfg["dflash_config"]["target_layer_ids"]
+
+    # Data and features.
+    if corpus is not None:
+        eos = (list(tok.eos_token_ids) or [0])[0]
+        seqs = corpus_sequences(tok, read_texts(corpus, text_field), tc.seq_len, eos)
+    else:
+        pf = Path(generate_from).expanduser()
+        if not pf.is_file():
+            raise DFlashError(f"prompt file does not exist: {pf}")
+        prompts = read_texts([pf], text_field) if pf.suffix == ".jsonl" else \
+            [l for l in pf.read_text().splitlines() if l.strip()]
+        if not prompts:
+            raise DFlashError(f"prompt file is empty: {pf}")
+        log(f"generating target continuations for {len(prompts)} prompts")
+        seqs = generated_sequences(engine, prompts, tc.seq_len, tc.gen_tokens,
+                                   progress=lambda i, n: log(f"  {i}/{n}") if i % 50 == 0 or i == n else None)
+    L = min(len(s) for s in seqs)
+    if L < tc.block_size + 2:
+        raise DFlashError(f"sequences of {L} tokens are too short for block size {tc.block_size}")
+    seqs = [s[:L] for s in seqs]
+    key = hashlib.sha256(json.dumps([str(target_path), ids, seqs]).encode()).hexdigest()[:16]
+    feats = None
+    if feature_cache is not None:
+        fc = Path(feature_cache) / f"features-{key}.safetensors"
+        if fc.exists():
+            feats = mx.load(str(fc))["features"]
+            log(f"features from cache {fc}")
+    if feats is None:
+        t = time.perf_counter()
+        feats = compute_features(target, seqs, ids)
+        log(f"target features for {len(seqs)} x {L} tokens in {time.perf_counter() - t:.1f}s")
+        if feature_cache is not None:
+            Path(feature_cache).mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(fc), {"features": feats})
+    tokens = mx.array(seqs)
+
+    # Model and optimizer.
+    mx.random.seed(tc.seed)
+    draft = DFlashDraft(DraftConfig.from_dict(dcfg)).bind(target)
+    opt = optim.AdamW(learning_rate=_schedule(tc), weight_decay=tc.weight_decay)
+    start = 0
+    if resume:
+        state_file = ckpt / "state.json"
+        if not state_file.exists():
+            raise DFlashError(f"--resume: no checkpoint in {ckpt}")
+        draft.load_weights(str(ckpt / "model.safetensors"))
+        opt.init(draft.trainable_parameters())
+        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        start = json.loads(state_file.read_text())["step"]
+        log(f"resumed from step {start}")
+    elif tc.init == "target":
+        copied = init_from_target(draft, target)
+        log(f"initialised {len(copied)} draft tensors from the target")
+    mx.eval(draft.parameters())
+
+    loss_and_grad = nn.value_and_grad(draft, lambda f, t, a: block_loss(draft, f, t, a, tc.gamma))
+
+    def step_fn(f, t, a):
+        (loss, acc), grads = loss_and_grad(f, t, a)
+        grads, _ = optim.clip_grad_norm(grads, tc.grad_clip)
+        opt.update(draft, grads)
+        return loss, acc
+
+    n = tokens.shape[0]
+    history = []
+    tic = time.perf_counter()
+    done_tokens = 0
+    loss = acc = None
+    for step in range(start, tc.steps):
+        rng = np.random.default_rng([tc.seed, step])
+        idx = rng.choice(n, size=min(tc.batch_size, n), replace=n < tc.batch_size)
+        anchors = mx.array(sample_anchors(rng, len(idx), tc.blocks_per_seq, L, tc.block_size))
+        bi = mx.array(idx)
+        loss, acc = step_fn(feats[bi], tokens[bi], anchors)
+        mx.eval(loss, acc, draft.parameters(), opt.state)
+        done_tokens += len(idx) * tc.blocks_per_seq * (tc.block_size - 1)
+        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            dt = time.perf_counter() - tic
+            a = acc.tolist()
+            history.append({"step": step + 1, "loss": loss.item(), "acc": a})
+            log(f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}  acc@1 {a[0]:.2f}  "
+                f"acc(mean) {sum(a) / len(a):.2f}  {done_tokens / dt:.0f} tok/s")
+        if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
+            _save_draft(draft, dcfg, ckpt)
+            mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+            (ckpt / "state.json").write_text(json.dumps({"step": step + 1, "train": asdict(tc)}))
+    _save_draft(draft, dcfg, out)
+    summary = {
+        "steps": tc.steps,
+        "start_step": start,
+        "final_loss": loss.item() if loss is not None else None,
+        "final_acc": acc.tolist() if acc is not None else None,
+        "seconds": time.perf_counter() - tic,
+        "sequences": n,
+        "seq_len": L,
+        "history": history,
+    }
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
