@@ -128,6 +128,67 @@ def generate(
         typer.echo(_stats_table(stats, mode), err=True)
 
 
+@app.command("train-draft")
+def train_draft_cmd(
+    model: Path = typer.Option(..., "--model", "-m", help="Target folder the draft is trained for."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."),
+    corpus: Optional[List[Path]] = typer.Option(
+        None, "--corpus", help="Text files, folders of them, or JSONL files (repeatable)."),
+    generate_from: Optional[Path] = typer.Option(
+        None, "--generate-from", help="Prompt file (one per line, or JSONL): train on the target's own "
+                                      "greedy continuations of these prompts (drafts learn best on them)."),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field holding the text."),
+    feature_cache: Optional[Path] = typer.Option(
+        None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint (weights, optimizer, step)."),
+    block_size: int = typer.Option(16, "--block-size", "-b", help="Draft block size (anchor + B-1 masks)."),
+    layers: int = typer.Option(2, "--layers", help="Draft transformer layers."),
+    target_layer_ids: Optional[str] = typer.Option(
+        None, "--target-layer-ids", help="Comma list of target layers to read features from "
+                                         "(default: z-lab's spread for the number of draft layers)."),
+    mask_token_id: Optional[int] = typer.Option(
+        None, "--mask-token-id", help="Mask token (default: <|mask|> if in the vocab, else the last id)."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
+    blocks_per_seq: int = typer.Option(8, "--blocks-per-seq", help="Anchored blocks per sequence per step."),
+    steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate (AdamW, linear warmup then cosine)."),
+    warmup: int = typer.Option(50, "--warmup", help="Warmup steps."),
+    weight_decay: float = typer.Option(0.01, "--weight-decay", help="AdamW weight decay."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the global gradient norm to this."),
+    gamma: float = typer.Option(7.0, "--gamma", help="Slot k's loss weight is exp(-(k-1)/gamma)."),
+    gen_tokens: int = typer.Option(192, "--gen-tokens", help="Continuation length with --generate-from."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Save a checkpoint every N steps (0 = never)."),
+    init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
+    log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
+):
+    """Train a DFlash v1 draft for a target (corpus or the target's own outputs)."""
+    from .train import TrainConfig, train_draft
+
+    ids = None
+    if target_layer_ids:
+        try:
+            ids = [int(x) for x in target_layer_ids.split(",") if x.strip()]
+        except ValueError:
+            raise DFlashError(f"--target-layer-ids must be a comma list of integers, got {target_layer_ids!r}")
+    if init not in ("target", "random"):
+        raise DFlashError(f"--init must be 'target' or 'random', got {init!r}")
+    if lr <= 0 or gamma <= 0 or grad_clip <= 0:
+        raise DFlashError("--lr, --gamma and --grad-clip must be positive")
+    tc = TrainConfig(
+        block_size=block_size, num_layers=layers, target_layer_ids=ids, mask_token_id=mask_token_id,
+        seq_len=seq_len, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
+        warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
+        checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
+    )
+    summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
+                          text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
+    acc = summary["final_acc"] or []
+    typer.echo(f"wrote {out}: {summary['steps']} steps, final loss {summary['final_loss']:.3f}, "
+               f"mean per-slot accuracy {sum(acc) / max(len(acc), 1):.2f}")
+
+
 @app.command()
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder."),

@@ -1,0 +1,147 @@
+"""train-draft: loss goes down, the folder loads and decodes losslessly, the
+training mask isolates blocks, resume continues from the checkpoint."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.cli import main
+from mlx_dflash.models.draft import training_mask, train_logits
+from mlx_dflash.models.qwen35 import Target
+from mlx_dflash.train import TrainConfig, train_draft
+
+CFG = dict(seq_len=48, batch_size=4, blocks_per_seq=4, block_size=8, lr=3e-3, warmup=3, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tok_dir):
+    cfg = tiny.target_config(vocab_size=512)
+    model = tiny.build_target(cfg, seed=4)
+    d = tmp_path_factory.mktemp("train")
+    path = tiny.save_mlx(model, cfg, d / "target", tokenizer_dir=tok_dir)
+    corpus = d / "corpus.txt"
+    corpus.write_text(tiny._CORPUS * 6)
+    return path, corpus
+
+
+def test_training_lowers_loss_and_output_loads_losslessly(target_dir, tmp_path):
+    path, corpus = target_dir
+    s = train_draft(path, tmp_path / "draft", corpus=[corpus], config=TrainConfig(steps=25, **CFG), log=lambda _: None)
+    losses = [h["loss"] for h in s["history"]]
+    assert np.mean(losses[-5:]) < losses[0] - 0.3
+    eng = mlx_dflash.load(path, tmp_path / "draft")
+    assert eng.draft.block_size == 8
+    for prompt in ("def fib", "class Stack:"):
+        a = mlx_dflash.generate(eng, prompt, max_tokens=24)
+        b = mlx_dflash.generate(eng, prompt, max_tokens=24, baseline=True)
+        assert a.tokens == b.tokens and len(a.tokens) == 24
+
+
+def test_mask_block_sees_itself_and_only_earlier_context():
+    anchors = mx.array([[2, 5]])
+    m = np.array(training_mask(anchors, L=7, B=3))[0]
+    want = np.zeros((6, 7 + 6), bool)
+    want[0:3, 0:2] = True  # block 0 (anchor 2): context 0, 1
+    want[3:6, 0:5] = True  # block 1 (anchor 5): context 0..4
+    want[0:3, 7:10] = True  # own slots, bidirectional
+    want[3:6, 10:13] = True
+    assert (m == want).all()
+    ms = np.array(training_mask(anchors, L=7, B=3, sliding_window=3))[0]
+    want_s = want.copy()
+    want_s[0:3, 0:2] = [[True, True]] * 3  # p >= 2 - 2
+    want_s[3:6, 0:3] = False  # p >= 5 - 2 only
+    want_s[0:3, 7:10] = np.tril(np.ones((3, 3), bool))
+    want_s[3:6, 10:13] = np.tril(np.ones((3, 3), bool))
+    assert (ms == want_s).all()
+
+
+def test_training_forward_has_no_leak(dense):
+    cfg, model = dense
+    target = Target(model)
+    dcfg = tiny.draft_config(cfg, block_size=4, target_layer_ids=[0, 2])
+    draft = tiny.build_draft(dcfg, seed=1).bind(target)
+    L = 20
+    tokens = mx.random.randint(4, 500, (1, L), key=mx.random.key(0))
+    feats = mx.random.normal((1, L, 2 * 64), key=mx.random.key(1))
+    anchors = mx.array([[6, 12]])
+    base = train_logits(draft, feats, tokens, anchors)
+    # Features at or after an anchor must not change that block.
+    f2 = feats.at[:, 6:].add(5.0)
+    out = train_logits(draft, f2, tokens, anchors)
+    assert mx.allclose(out[:, 0], base[:, 0], atol=1e-5).item()
+    assert not mx.allclose(out[:, 1], base[:, 1], atol=1e-3).item()  # block 1 sees 6..11
+    # Tokens other than a block's anchor (e.g. its labels) never reach it.
+    t2 = tokens.at[:, 7:12].add(1)
+    out = train_logits(draft, feats, t2, anchors)
+    assert mx.allclose(out, base, atol=1e-5).item()
+
+
+def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
+    path, corpus = target_dir
+    quiet = lambda _: None
+    full = train_draft(path, tmp_path / "a", corpus=[corpus],
+                       config=TrainConfig(steps=6, checkpoint_every=0, **CFG), log=quiet)
+    part = train_draft(path, tmp_path / "b", corpus=[corpus],
+                       config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet)
+    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
+    resumed = train_draft(path, tmp_path / "b", corpus=[corpus], resume=True,
+                          config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet)
+    assert resumed["start_step"] == 3
+    assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
+    assert part["final_loss"] == pytest.approx(full["final_loss"])
+    assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4)
+    wa = mx.load(str(tmp_path / "a" / "model.safetensors"))
+    wb = mx.load(str(tmp_path / "b" / "model.safetensors"))
+    for k in wa:
+        assert mx.allclose(wa[k], wb[k], atol=1e-5).item(), k
+
+
+def test_generate_from_prompts_and_feature_cache(target_dir, tmp_path):
+    path, _ = target_dir
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fibonacci(n):\nclass Stack:\nimport os\n")
+    logs = []
+    cfg = TrainConfig(steps=2, gen_tokens=30, **{**CFG, "seq_len": 32})
+    train_draft(path, tmp_path / "d", generate_from=prompts, feature_cache=tmp_path / "fc", config=cfg, log=logs.append)
+    assert any("generating target continuations for 3 prompts" in l for l in logs)
+    logs.clear()
+    train_draft(path, tmp_path / "d", generate_from=prompts, feature_cache=tmp_path / "fc", config=cfg, log=logs.append)
+    assert any("features from cache" in l for l in logs)
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out + out.err
+
+
+def test_train_draft_cli(target_dir, tmp_path, capsys):
+    path, corpus = target_dir
+    code, out = cli(capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "d"), "--corpus", str(corpus),
+                    "--steps", "2", "--seq-len", "40", "--batch-size", "2", "--block-size", "4")
+    assert code in (0, None), out
+    assert "wrote" in out and (tmp_path / "d" / "config.json").exists()
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    base = ["train-draft", "-m", str(path), "-o", str(tmp_path / "x")]
+    for args, msg in [
+        (base + ["--corpus", str(tmp_path / "nope.txt")], "corpus path does not exist"),
+        (base + ["--corpus", str(empty)], "corpus is empty"),
+        (["train-draft", "-m", str(llama), "-o", str(tmp_path / "x"), "--corpus", str(corpus)], "unsupported model_type"),
+        (base + ["--corpus", str(corpus), "--block-size", "1"], "block size must be in 2..64"),
+        (base + ["--corpus", str(corpus), "--target-layer-ids", "0,9"], "out of range"),
+        (base + ["--corpus", str(corpus), "--target-layer-ids", "a,b"], "comma list"),
+        (base, "exactly one data source"),
+        (base + ["--corpus", str(corpus), "--resume"], "no checkpoint"),
+    ]:
+        code, out = cli(capsys, *args)
+        assert code == 2, (args, out)
+        assert msg in out and "Traceback" not in out, (args, out)
