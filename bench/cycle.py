@@ -15,8 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import blas  # noqa: E402
+from mlx_dflash import blas  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCKS = (1, 2, 4, 8, 16)

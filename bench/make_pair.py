@@ -22,8 +22,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import blas  # noqa: E402
+from mlx_dflash import blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "__pycache__", "pydoc_data")

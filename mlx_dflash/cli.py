@@ -190,6 +190,43 @@ def train_draft_cmd(
 
 
 @app.command()
+def bench(
+    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target folder (default: the embedded pair)."),
+    draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Draft folder (default: the embedded draft)."),
+    prompts: Path = typer.Option(Path("bench/prompts"), "--prompts", help="Folder of *.txt prompts."),
+    max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up (median reported)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
+                                       help="Wrap prompts in the tokenizer's chat template (when it has one)."),
+    out: Path = typer.Option(Path("bench/results"), "--out", help="Folder for NAME.json, NAME.md and NAME.png."),
+    name: str = typer.Option("bench", "--name", help="Base name of the result files."),
+    blas_mode: str = typer.Option("auto", "--blas", help="Linux: 'auto' preloads OpenBLAS when installed, "
+                                                         "'openblas' requires it, 'bundled' keeps mlx's reference BLAS."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+):
+    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
+    from . import blas
+    from .api import load
+    from .bench import read_prompts, run_bench, write_results
+
+    if blas_mode not in ("auto", "openblas", "bundled"):
+        raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
+    if any(n < 1 for n in max_tokens):
+        raise DFlashError("--max-tokens values must be positive")
+    blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    texts = read_prompts(prompts)
+    engine = load(model, draft, dtype=_dtype(dtype))
+    if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
+        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
+                    chat_template=chat_template, log=lambda s: typer.echo(s, err=True))
+    for p in write_results(res, out, name):
+        typer.echo(f"wrote {p}")
+
+
+@app.command()
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),

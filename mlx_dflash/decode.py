@@ -21,6 +21,7 @@ class GenerationStats:
     block_size: int = 1
     # accept_hist[n] = cycles that committed n tokens (accepted drafts + bonus)
     accept_hist: List[int] = field(default_factory=list)
+    cycle_commits: List[int] = field(default_factory=list)  # tokens committed by each cycle
     prefill_time: float = 0.0
     decode_time: float = 0.0
     draft_time: float = 0.0
@@ -170,6 +171,7 @@ def generate_tokens(
         stats.rollback_time += t3 - t2
         stats.cycles += 1
         stats.accept_hist[n_keep] += 1
+        stats.cycle_commits.append(n_keep)
         anchor = picks[a]
         pos += n_keep
         out = emit(drafted[:a] + [anchor])

@@ -23,19 +23,25 @@ def openblas_path():
     return None
 
 
-def ensure_openblas(mode: str = "auto") -> None:
-    """Re-exec this script with OpenBLAS preloaded when asked and available."""
+def ensure_openblas(mode: str = "auto", argv=None) -> None:
+    """Re-exec this process with OpenBLAS preloaded when asked and available.
+
+    ``argv``: the command line to re-run (default: this interpreter + sys.argv).
+    """
     if platform.system() != "Linux" or mode == "bundled":
         return
     lib = openblas_path()
     if lib is None:
         if mode == "openblas":
-            sys.exit("OpenBLAS not found: apt-get install libopenblas0-pthread")
+            from .errors import DFlashError
+
+            raise DFlashError("OpenBLAS not found: apt-get install libopenblas0-pthread")
         return
     if lib in os.environ.get("LD_PRELOAD", ""):
         return
     env = dict(os.environ, LD_PRELOAD=lib)
-    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+    argv = argv or [sys.executable] + sys.argv
+    os.execve(argv[0], argv, env)
 
 
 def describe() -> str:

@@ -1,0 +1,50 @@
+"""mlx-dflash bench: side-by-side modes, identical-token check, result files."""
+
+import json
+
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.bench import read_prompts, run_bench, write_results
+from mlx_dflash.cli import main
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.qwen35 import Target
+
+
+def test_bench_writes_json_markdown_plot(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
+    eng = mlx_dflash.load()
+    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, log=lambda _: None)
+    assert res["identical_tokens"] and len(res["results"]) == 2
+    for r in res["results"]:
+        assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash"}
+        assert r["modes"]["dflash"]["generated"] == r["modes"]["mlx-lm"]["generated"]
+        assert r["modes"]["mlx-lm"]["speedup"] == pytest.approx(1.0)
+    files = write_results(res, tmp_path / "out", "t")
+    assert [f.name for f in files] == ["t.json", "t.md", "t.png"]
+    assert json.loads(files[0].read_text())["results"][0]["prompt"] == "code"
+    assert "| code | 6 |" in files[1].read_text()
+    assert files[2].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_fails_loudly_on_token_mismatch(dense, moe, tok_dir, tmp_path):
+    # A target whose mlx-lm model differs from the one the engine decodes.
+    cfg, model = dense
+    target = Target(model)
+    target.model = tiny.build_target(cfg, seed=99)
+    dcfg = tiny.draft_config(cfg, block_size=4)
+    from mlx_dflash.loading import load_tokenizer
+
+    path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
+    eng = mlx_dflash.Engine(target, load_tokenizer(path), tiny.build_draft(dcfg).bind(target))
+    with pytest.raises(DFlashError, match="LOSSLESSNESS FAILURE"):
+        run_bench(eng, {"p": "def f(x):"}, max_tokens=[16], repeats=1, log=lambda _: None)
+
+
+def test_bench_cli_bad_prompts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompts", str(tmp_path / "none"), "--blas", "bundled"])
+    assert e.value.code == 2
+    assert "prompt folder does not exist" in capsys.readouterr().err
