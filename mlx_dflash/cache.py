@@ -40,6 +40,13 @@ class KVBuffer:
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def compact(self, start: int, rows) -> None:
+        """Move block rows ``start + rows[i]`` to ``start + i`` (an accepted tree path)."""
+        idx = mx.array([start + r for r in rows])
+        n = len(rows)
+        self.keys[:, :, start : start + n] = self.keys[:, :, idx]
+        self.values[:, :, start : start + n] = self.values[:, :, idx]
+
     def truncate(self, length: int) -> None:
         self.offset = min(self.offset, length)
 
@@ -63,14 +70,20 @@ class DeltaNetState:
         self.ssm: Optional[mx.array] = None
         self.tape = None
 
-    def rollback(self, n: int) -> None:
-        """Keep the first ``n`` tokens of the recorded block."""
-        ssm0, k, g, delta, conv_in, kernel_size = self.tape
+    def rollback(self, n: int, path=None) -> None:
+        """Keep the first ``n`` tokens of the recorded block, or (tree verify)
+        the tokens on ``path`` (block rows, root first; n == len(path))."""
+        ssm0, k, g, delta, conv_in, K = self.tape
         self.tape = None
-        if n == delta.shape[1]:
-            return  # everything accepted: the forward's state is already right
+        if path is None:
+            if n == delta.shape[1]:
+                return  # everything accepted: the forward's state is already right
+        else:
+            P = mx.array(path)
+            k, g, delta = k[:, P], g[:, P], delta[:, P]
+            conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
         self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n)
-        self.conv = kernels.conv_state_rollback(conv_in, n, kernel_size)
+        self.conv = kernels.conv_state_rollback(conv_in, n, K)
 
     def state(self) -> List[mx.array]:
         return [x for x in (self.conv, self.ssm) if x is not None]
@@ -84,18 +97,25 @@ class TargetCache:
         self.offset = 0  # positions held (including an unrolled-back block)
         self.block = 0  # tokens of the last recorded block, 0 if none pending
 
-    def rollback(self, n_keep: int) -> None:
-        """After a recorded forward of ``self.block`` tokens, keep ``n_keep``."""
+    def rollback(self, n_keep: int, path=None) -> None:
+        """After a recorded forward of ``self.block`` tokens, keep ``n_keep``:
+        the first ones (chain), or the block rows on ``path`` (tree verify,
+        root first; their KV is compacted to contiguous positions)."""
         if self.block == 0:
             raise RuntimeError("rollback without a recorded block")
         if not 1 <= n_keep <= self.block:
             raise ValueError(f"n_keep={n_keep} outside 1..{self.block}")
-        new_offset = self.offset - self.block + n_keep
+        if path is not None and len(path) != n_keep:
+            raise ValueError(f"path of {len(path)} rows for n_keep={n_keep}")
+        start = self.offset - self.block
+        new_offset = start + n_keep
         for c in self.layers:
             if isinstance(c, KVBuffer):
+                if path is not None:
+                    c.compact(start, path)
                 c.truncate(new_offset)
             else:
-                c.rollback(n_keep)
+                c.rollback(n_keep, path)
         self.offset = new_offset
         self.block = 0
 

@@ -80,8 +80,9 @@ def generate(
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
-    chat_template: bool = typer.Option(
-        True, "--chat-template/--no-chat-template", help="Wrap the prompt in the tokenizer's chat template."),
+    chat_template: Optional[bool] = typer.Option(
+        None, "--chat-template/--no-chat-template",
+        help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message (with the chat template)."),
     baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft (for comparison)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
@@ -107,6 +108,8 @@ def generate(
     if draft_window < 0 or draft_sink < 0:
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
     engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    if chat_template is None:
+        chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")

@@ -13,10 +13,11 @@ token (per-position capture) and no re-run of the projections (recompute).
 Rolling back to the whole block keeps the forward's own final state.
 """
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 def _repeat_heads(x: mx.array, hv: int) -> mx.array:
@@ -50,29 +51,42 @@ def _unit_lower_inverse(A: mx.array) -> mx.array:
     return P
 
 
-def _chunk(q, k, v, logg, beta, S):
+def _chunk(q, k, v, logg, beta, S, anc=None):
     """One chunk in closed form. Layout [B, H, T, D]; S [B, H, Dv, Dk].
 
-    With L_t = sum_{s<=t} log g_s and D_ts = exp(L_t - L_s) (s <= t):
-      delta = (I + A)^-1 beta * (v - exp(L) * (S k)),  A_ts = beta_t D_ts k_t.k_s (s < t)
-      y_t   = exp(L_t) S q_t + sum_{s<=t} D_ts (q_t.k_s) delta_s
-      S_T   = exp(L_T) S + sum_s D_Ts delta_s k_s^T
-    which is the recurrence S_t = g_t S_{t-1} + delta_t k_t^T unrolled.
+    ``anc`` [T, T] bool: anc[t, s] = token s is on token t's path (ancestor or
+    itself); None = a chain (lower triangle). With L_t = sum of log g over t's
+    path and D_ts = exp(L_t - L_s) for s on that path:
+      delta = (I + A)^-1 beta * (v - exp(L) * (S k)),  A_ts = beta_t D_ts k_t.k_s (s strictly before t)
+      y_t   = exp(L_t) S q_t + sum_{s on path(t)} D_ts (q_t.k_s) delta_s
+    which is S_t = g_t S_parent(t) + delta_t k_t^T unrolled. Returns y, the
+    state after the last token's path, and delta.
     """
     T = q.shape[2]
-    L = mx.cumsum(logg, axis=-1)  # [B, H, T]
+    tree = anc is not None
+    if not tree:
+        anc = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+        L = mx.cumsum(logg, axis=-1)  # [B, H, T]
+    else:
+        L = logg @ anc.astype(logg.dtype).T
     diff = L[..., :, None] - L[..., None, :]
-    lower = mx.tril(mx.ones((T, T), dtype=mx.bool_))
-    decay = mx.where(lower, mx.exp(mx.where(lower, diff, 0.0)), 0.0)
-    strict = mx.tril(mx.ones((T, T), dtype=mx.bool_), k=-1)
+    decay = mx.where(anc, mx.exp(mx.where(anc, diff, 0.0)), 0.0)
+    strict = anc & ~mx.eye(T, dtype=mx.bool_)
     St = S.swapaxes(-1, -2)  # [B, H, Dk, Dv]
     eL = mx.exp(L)[..., None]
     A = mx.where(strict, beta[..., None] * decay * (k @ k.swapaxes(-1, -2)), 0.0)
     rhs = beta[..., None] * (v - eL * (k @ St))
     delta = _unit_lower_inverse(A) @ rhs
     y = eL * (q @ St) + (decay * (q @ k.swapaxes(-1, -2))) @ delta
-    S = _advance(S, k, L, delta, T)
+    S = _path_state(S, k, L, delta, anc[-1]) if tree else _advance(S, k, L, delta, T)
     return y, S, delta
+
+
+def _path_state(S, k, L, delta, on_path):
+    """State after the last token of a tree, summing its path only."""
+    w = mx.where(on_path, mx.exp(L[..., -1:] - L), 0.0)[..., None]
+    upd = (delta * w).swapaxes(-1, -2) @ k
+    return mx.exp(L[..., -1])[..., None, None] * S + upd
 
 
 def _advance(S, k, L, delta, n):
@@ -188,20 +202,96 @@ def gated_delta_rollback(
     return S
 
 
-def causal_conv1d_silu(conv_in: mx.array, weight: mx.array) -> mx.array:
+def ancestor_matrix(parents: Sequence[int]) -> mx.array:
+    """anc[t, s] = s is on the path from the root to t (t itself included).
+    ``parents[t]`` < t, or -1 for a root."""
+    T = len(parents)
+    anc = np.zeros((T, T), dtype=bool)
+    for t, p in enumerate(parents):
+        if p >= t:
+            raise ValueError(f"parent {p} of node {t} must precede it")
+        if p >= 0:
+            anc[t] = anc[p]
+        anc[t, t] = True
+    return mx.array(anc)
+
+
+def gated_delta_tree(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    parents: Sequence[int],
+    *,
+    record: bool = False,
+) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
+    """The gated delta rule over a tree of T tokens (tree verify).
+
+    Token t starts from the state after its parent ``parents[t]`` (a root,
+    parent -1, from ``state``). Shapes as :func:`gated_delta_chain`. Returns y,
+    the state after the last token's path, and the tape ``delta``; restore any
+    node with :func:`gated_delta_rollback` on its path's rows
+    (:func:`path_rows`).
+    """
+    dtype = q.dtype
+    if q.shape[1] != len(parents):
+        raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
+    q, k, v, logg, beta = _prep(q, k, v, g, beta, None)
+    y, S, delta = _chunk(q, k, v, logg, beta, state, ancestor_matrix(parents))
+    y = y.transpose(0, 2, 1, 3).astype(dtype)
+    return y, S, delta.transpose(0, 2, 1, 3) if record else None
+
+
+def path_rows(parents: Sequence[int], node: int) -> List[int]:
+    """Token rows from the root to ``node``, root first."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def conv_windows(parents: Sequence[int], kernel_size: int) -> np.ndarray:
+    """Row indices into ``concat(conv_state, block)`` of each token's K-row
+    window, oldest first, gathered along the parent chain (chain: the usual
+    sliding window). Rows 0..K-2 are the conv state, row K-1+t is token t."""
+    K = kernel_size
+    idx = np.zeros((len(parents), K), dtype=np.int32)
+    for t in range(len(parents)):
+        cur, back = t, 0  # back = rows taken from the conv state so far
+        for j in range(K - 1, -1, -1):
+            if cur >= 0:
+                idx[t, j] = K - 1 + cur
+                cur = parents[cur]
+            else:
+                back += 1
+                idx[t, j] = K - 1 - back
+    return idx
+
+
+def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
+                       parents: Optional[Sequence[int]] = None) -> mx.array:
     """Depthwise causal conv1d + SiLU.
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
     followed by the block's T rows; ``weight`` [C, K, 1] (MLX layout).
+    ``parents`` (tree mode): each token's window follows its parent chain.
     Returns [B, T, C]. K shifted multiply-adds: about twice as fast on a CPU
     as MLX's grouped conv1d for depthwise kernels.
     """
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
     w = weight[:, :, 0].astype(conv_in.dtype)
-    out = conv_in[:, 0:T] * w[:, 0]
+    if parents is not None:
+        idx = conv_windows(parents, K)
+        rows = [conv_in[:, mx.array(idx[:, j])] for j in range(K)]
+    else:
+        rows = [conv_in[:, j : j + T] for j in range(K)]
+    out = rows[0] * w[:, 0]
     for j in range(1, K):
-        out = out + conv_in[:, j : j + T] * w[:, j]
+        out = out + rows[j] * w[:, j]
     return nn.silu(out)
 
 

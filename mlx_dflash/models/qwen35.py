@@ -61,7 +61,7 @@ class Target:
         return self.lm.lm_head(h)
 
     # --- forward -------------------------------------------------------------
-    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer]) -> mx.array:
+    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None) -> mx.array:
         B, T, _ = x.shape
         nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
         q, gate = mx.split(attn.q_proj(x).reshape(B, T, nh, -1), 2, axis=-1)
@@ -71,17 +71,24 @@ class Target:
         q = attn.q_norm(q).transpose(0, 2, 1, 3)
         k = attn.k_norm(k).transpose(0, 2, 1, 3)
         offset = kv.offset if kv is not None else 0
-        q = attn.rope(q, offset=offset)
-        k = attn.rope(k, offset=offset)
+        if tree is None:
+            q = attn.rope(q, offset=offset)
+            k = attn.rope(k, offset=offset)
+            mask = "causal" if T > 1 else None  # aligns the T queries with the last T keys
+        else:
+            # Node t sits at position offset + depth[t] and sees the committed
+            # context plus its own ancestors. RoPE per token: tokens as the batch.
+            depth, anc = tree
+            pos = offset + depth
+            q = attn.rope(q.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
+            k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
+            mask = mx.concatenate([mx.ones((T, offset), dtype=mx.bool_), anc], axis=1)
         keys, values = kv.append(k, v) if kv is not None else (k, v)
-        # "causal" aligns the T queries with the last T keys.
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=attn.scale, mask="causal" if T > 1 else None
-        )
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return attn.o_proj(out * mx.sigmoid(gate))
 
-    def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool) -> mx.array:
+    def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool, parents=None) -> mx.array:
         B, T, _ = x.shape
         Hk, Hv = la.num_k_heads, la.num_v_heads
         Dk, Dv = la.head_k_dim, la.head_v_dim
@@ -94,7 +101,7 @@ class Target:
         if conv_state is None:
             conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight)
+        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight, parents)
         qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
         q = qc.reshape(B, T, Hk, Dk)
         k = kc.reshape(B, T, Hk, Dk)
@@ -105,7 +112,10 @@ class Target:
         ssm = st.ssm
         if ssm is None:
             ssm = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-        y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record)
+        if parents is None:
+            y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record)
+        else:
+            y, new_ssm, tape = kernels.gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record)
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
@@ -120,6 +130,7 @@ class Target:
         capture: Sequence[int] = (),
         record: bool = False,
         logits: str = "all",
+        parents: Optional[Sequence[int]] = None,
     ) -> Tuple[Optional[mx.array], Optional[mx.array]]:
         """Run ``tokens`` (1-D ids) at positions cache.offset.. and extend the cache.
 
@@ -127,18 +138,28 @@ class Target:
             concatenated, in order, into features [T, len(capture) * H].
         record: keep what :meth:`TargetCache.rollback` needs (verify).
         logits: "all" -> [T, V]; "last" -> [1, V]; "none" -> None.
+        parents: tree verify. Token t's parent row (-1: the root, whose
+            parent is the last committed token); token t sits at position
+            offset + depth[t]. Needs ``record``; roll back to a path after.
         """
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         T = tokens.shape[0]
         h = self.embed_tokens(tokens[None])
         feats = {}
         want = set(capture)
+        tree = None
+        if parents is not None:
+            if not record:
+                raise ValueError("a tree forward must be recorded (it is always rolled back)")
+            parents = list(parents)
+            anc = kernels.ancestor_matrix(parents)
+            tree = (anc.astype(mx.int32).sum(axis=1) - 1, anc)
         for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
             x = layer.input_layernorm(h)
             if layer.is_linear:
-                r = self._deltanet(layer.linear_attn, x, c, record)
+                r = self._deltanet(layer.linear_attn, x, c, record, parents)
             else:
-                r = self._attention(layer.self_attn, x, c)
+                r = self._attention(layer.self_attn, x, c, tree)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in want:
