@@ -6,9 +6,9 @@ from .api import (
     GenerationResult,
     generate,
     load,
-    make_sampler,
     stream_generate,
 )
+from .sampling import Sampler
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 
@@ -21,7 +21,7 @@ __all__ = [
     "generate",
     "generate_tokens",
     "load",
-    "make_sampler",
+    "Sampler",
     "stream_generate",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import mlx.core as mx
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 from .loading import load_draft, load_target, load_tokenizer
+from .sampling import Sampler
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
@@ -90,22 +91,6 @@ class GenerationResult:
         return self.text
 
 
-def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
-    """Logits [N, V] -> ids [N]; mlx-lm's samplers on log-probabilities."""
-    if temperature < 0:
-        raise DFlashError(f"temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise DFlashError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0 or not 0.0 <= min_p < 1.0:
-        raise DFlashError("top_k must be >= 0 and min_p in [0, 1)")
-    if temperature == 0:
-        return None
-    from mlx_lm.sample_utils import make_sampler as _make
-
-    s = _make(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-    return lambda logits: s(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
 def stream_generate(
     engine: Engine,
     prompt: Union[str, Sequence[int]],
@@ -119,7 +104,11 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    repetition_context_size: int = 20,
     seed: Optional[int] = None,
+    tree_budget: int = 0,
+    tree_topk: int = 4,
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
 ) -> Iterator[GenerationResponse]:
@@ -129,14 +118,16 @@ def stream_generate(
     the same loop. At temperature 0 the tokens equal plain greedy decoding.
     At temperature > 0 every emitted token is the target's own sample (a
     draft token is kept only when it equals that sample), so the output
-    distribution is the target's.
+    distribution is exactly the target's; with the same ``seed`` the output
+    is the same token for token in plain, chain and tree mode.
+    ``tree_budget`` > 0 verifies a DDTree of that many draft nodes
+    (``tree_topk`` candidates per depth) instead of a chain.
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system)
-    sampler = make_sampler(temperature, top_p, top_k, min_p)
+    sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
+                      repetition_context_size, seed)
     if prefill_chunk < 1:
         raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
-    if seed is not None:
-        mx.random.seed(seed)
     draft = None if baseline else engine.draft
     if draft is None and block_size is not None and not baseline:
         raise DFlashError("a block size was given but no draft is loaded")
@@ -148,7 +139,7 @@ def stream_generate(
         engine.target, ids, draft=draft, max_tokens=max_tokens,
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
-        draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
+        tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

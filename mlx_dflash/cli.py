@@ -51,6 +51,8 @@ def _stats_table(s, mode: str) -> str:
         ("block size", f"{s.block_size}"),
         ("tau (tokens/cycle)", f"{s.tau:.2f}"),
         ("acceptance histogram", " ".join(f"{n}:{c}" for n, c in enumerate(s.accept_hist) if c)),
+        ("acceptance by depth", " ".join(f"{a:.2f}" for a in s.depth_acceptance)),
+        ("tokens verified per cycle", f"{s.mean_tree_size:.1f}"),
         ("prefill", f"{s.prefill_tps:.1f} tok/s ({s.prefill_time * 1e3:.1f} ms)"),
         ("decode", f"{s.decode_tps:.1f} tok/s ({s.decode_time * 1e3:.1f} ms)"),
     ]
@@ -89,7 +91,14 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling (reproducible runs)."),
+    repetition_penalty: float = typer.Option(
+        1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
+    repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
+    seed: Optional[int] = typer.Option(
+        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode."),
+    tree_budget: int = typer.Option(
+        0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
+    tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
     draft_window: int = typer.Option(
         0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
                                   "(plus --draft-sink first ones); 0 = keep all."),
@@ -117,7 +126,9 @@ def generate(
     for r in stream_generate(
         engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
         baseline=baseline, chat_template=chat_template, system=system,
-        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
+        tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
         prefill_chunk=prefill_chunk,
     ):

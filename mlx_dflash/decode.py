@@ -10,7 +10,10 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
+from . import ddtree
 from .errors import DFlashError
+from .kernels import path_rows as kernels_path
+from .sampling import Sampler
 
 
 @dataclass
@@ -22,6 +25,7 @@ class GenerationStats:
     # accept_hist[n] = cycles that committed n tokens (accepted drafts + bonus)
     accept_hist: List[int] = field(default_factory=list)
     cycle_commits: List[int] = field(default_factory=list)  # tokens committed by each cycle
+    tree_sizes: List[int] = field(default_factory=list)  # tokens verified by each cycle
     prefill_time: float = 0.0
     decode_time: float = 0.0
     draft_time: float = 0.0
@@ -35,6 +39,23 @@ class GenerationStats:
         """Mean committed tokens per cycle."""
         n = sum(i * c for i, c in enumerate(self.accept_hist))
         return n / self.cycles if self.cycles else 0.0
+
+    @property
+    def depth_acceptance(self) -> List[float]:
+        """Fraction of cycles whose accepted drafts reached depth d (d = 1, 2, ...)."""
+        if not self.cycles:
+            return []
+        out, reach = [], self.cycles
+        for n in range(1, len(self.accept_hist)):
+            reach -= self.accept_hist[n]
+            out.append(reach / self.cycles)
+        while out and out[-1] == 0:
+            out.pop()
+        return out
+
+    @property
+    def mean_tree_size(self) -> float:
+        return sum(self.tree_sizes) / len(self.tree_sizes) if self.tree_sizes else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -53,12 +74,22 @@ class GenerationStats:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps,
-                 other_time=self.other_time)
+                 other_time=self.other_time, depth_acceptance=self.depth_acceptance,
+                 mean_tree_size=self.mean_tree_size)
         return d
 
 
 def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
+
+
+def longest_match(drafted: List[int], picks: List[int]) -> int:
+    """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
+    target's pick for the row before it."""
+    a = 0
+    while a < len(drafted) and drafted[a] == picks[a]:
+        a += 1
+    return a
 
 
 def generate_tokens(
@@ -69,23 +100,28 @@ def generate_tokens(
     max_tokens: int = 256,
     block_size: Optional[int] = None,
     eos_token_ids: Sequence[int] = (),
-    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    sampler: Optional[Sampler] = None,
+    tree_budget: int = 0,
+    tree_topk: int = 4,
     draft_window=None,
     prefill_chunk: int = 512,
     max_context: Optional[int] = None,
     stats: Optional[GenerationStats] = None,
     cache=None,
+    acceptance: Callable[[List[int], List[int]], int] = longest_match,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
     ``draft``: a bound DFlash draft (or anything with ``target_layer_ids``,
     ``block_size``, ``make_cache(window)`` and ``__call__(features, anchor,
     anchor_pos, block_size, cache) -> logits [B-1, V]``); None = plain decoding.
-    ``sampler`` maps logits [N, V] to ids [N] (default greedy). Every emitted
-    token is the target's own pick, so the output equals plain decoding with
-    the same sampler at temperature 0. ``cache``: an empty
-    ``target.make_cache()`` to use (and inspect afterwards); it ends holding
-    the prompt and every emitted token but the last.
+    ``sampler``: a :class:`Sampler` (default greedy). Every emitted token is the
+    target's own pick for its position, so the output equals plain decoding
+    with the same sampler and seed. ``tree_budget`` > 0 verifies a DDTree of
+    that many nodes (``tree_topk`` candidates per depth) instead of a chain.
+    ``cache``: an empty ``target.make_cache()`` to use (and inspect afterwards);
+    it ends holding the prompt and every emitted token but the last.
+    ``acceptance``: the chain acceptance rule (a test hook; keep the default).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -98,6 +134,8 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    if tree_budget < 0 or tree_topk < 1:
+        raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     if draft is not None:
         limit = draft.block_size
         block_size = block_size or limit
@@ -105,18 +143,21 @@ def generate_tokens(
             raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
     else:
         block_size = 1
-    sampler = sampler or greedy
+        tree_budget = 0
+    sampler = sampler or Sampler(0.0, seed=0)
     eos = set(eos_token_ids)
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
-    stats.accept_hist = [0] * (block_size + 1)
+    hist_len = max(block_size, tree_budget + 1)
+    stats.accept_hist = [0] * (hist_len + 1)
     mx.reset_peak_memory()
+    history = prompt  # committed tokens (for repetition-penalty contexts)
 
     capture = draft.target_layer_ids if draft is not None else ()
     cache = cache if cache is not None else target.make_cache()
     tic = time.perf_counter()
     logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
-    anchor = int(sampler(logits)[0].item())
+    anchor = int(sampler(logits, [len(prompt)], [history] if sampler.needs_context else None)[0].item())
     stats.prefill_time = time.perf_counter() - tic
     pos = len(prompt)  # position of the anchor (not yet in the target cache)
     dcache = draft.make_cache(draft_window) if draft is not None else None
@@ -134,7 +175,8 @@ def generate_tokens(
                 break
         return out
 
-    yield emit([anchor])
+    history = history + emit([anchor])
+    yield history[-1:]
     tic = time.perf_counter()
     while stats.finish_reason is None:
         B = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
@@ -142,28 +184,46 @@ def generate_tokens(
             stats.finish_reason = "length"  # context full
             break
         t0 = time.perf_counter()
+        tree = None
         drafted: List[int] = []
         if draft is not None and B > 1:
             dlogits = draft(feats, anchor, pos, B, dcache)
-            drafted = greedy(dlogits).tolist()
             feats = None
+            if tree_budget > 0:
+                tree = ddtree.build(dlogits, anchor, tree_budget, tree_topk)
+            else:
+                drafted = greedy(dlogits).tolist()
         t1 = time.perf_counter()
-        block = [anchor] + drafted
+        if tree is not None:
+            block, parents, depths = tree.tokens, tree.parents, tree.depths
+        else:
+            block = [anchor] + drafted
+            parents, depths = None, range(len(block))
         record = len(block) > 1
-        vlogits, vfeats = target.forward(block, cache, capture=capture, record=record)
-        picks = sampler(vlogits).tolist()
+        vlogits, vfeats = target.forward(block, cache, capture=capture, record=record, parents=parents)
+        positions = [pos + 1 + d for d in depths]
+        contexts = None
+        if sampler.needs_context:
+            rows = [kernels_path(parents, i) for i in range(len(block))] if tree is not None \
+                else [list(range(i + 1)) for i in range(len(block))]
+            contexts = [history + [block[j] for j in r[1:]] for r in rows]
+        picks = sampler(vlogits, positions, contexts).tolist()
         t2 = time.perf_counter()
-        a = 0
-        while a < len(drafted) and drafted[a] == picks[a]:
-            a += 1
-        n_keep = a + 1  # anchor + accepted drafts stay in the cache
-        if record:
+        if tree is not None:
+            path = ddtree.walk(tree, picks)
+        else:
+            path = list(range(acceptance(drafted, picks) + 1))
+        n_keep = len(path)  # the anchor and the accepted drafts stay in the cache
+        if tree is not None:
+            cache.rollback(n_keep, path=path)
+            mx.eval(cache.state())
+        elif record:
             cache.rollback(n_keep)
             mx.eval(cache.state())
         if vfeats is not None:
             # Features of the committed rows become draft context. A draft
             # skipped this cycle (B == 1) keeps its pending rows.
-            new = vfeats[:n_keep]
+            new = vfeats[mx.array(path)] if tree is not None else vfeats[:n_keep]
             feats = new if feats is None else mx.concatenate([feats, new], axis=0)
         t3 = time.perf_counter()
         stats.draft_time += t1 - t0
@@ -172,9 +232,11 @@ def generate_tokens(
         stats.cycles += 1
         stats.accept_hist[n_keep] += 1
         stats.cycle_commits.append(n_keep)
-        anchor = picks[a]
+        stats.tree_sizes.append(len(block))
+        anchor = picks[path[-1]]
         pos += n_keep
-        out = emit(drafted[:a] + [anchor])
+        out = emit([block[i] for i in path[1:]] + [anchor])
+        history = history + out
         stats.decode_time = time.perf_counter() - tic
         stats.peak_memory = mx.get_peak_memory() / 1e9
         yield out

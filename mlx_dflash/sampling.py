@@ -1,0 +1,117 @@
+"""Samplers for the decode loop, exact under speculative decoding (SPEC §5).
+
+Every emitted token is the target's own pick for its row, and a drafted token
+is kept only when it equals that pick, so the output distribution is the
+target's whatever the draft proposes. Sampling is Gumbel-max with noise keyed
+by (seed, absolute position): the token at position p is the same function of
+the target's logits whether it is decoded plainly, in a chain block or at any
+node of a tree. Hence the same seed gives the same output in every mode.
+"""
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+from .errors import DFlashError
+
+
+class Sampler:
+    """temperature / top-k / top-p / min-p / repetition penalty, as mlx-lm's samplers.
+
+    ``__call__(logits [N, V], positions [N], contexts)`` -> ids [N]. ``contexts[i]``
+    (only when ``needs_context``) is the token history row i sees, most recent last.
+    """
+
+    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                 repetition_penalty: float = 1.0, repetition_context_size: int = 20,
+                 seed: Optional[int] = None):
+        if temperature < 0:
+            raise DFlashError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise DFlashError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise DFlashError(f"top_k must be >= 0, got {top_k}")
+        if not 0.0 <= min_p < 1.0:
+            raise DFlashError(f"min_p must be in [0, 1), got {min_p}")
+        if repetition_penalty <= 0:
+            raise DFlashError(f"repetition penalty must be positive, got {repetition_penalty}")
+        if repetition_context_size < 1:
+            raise DFlashError("repetition context size must be positive")
+        self.temperature = temperature
+        self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
+        self.repetition_penalty = repetition_penalty
+        self.repetition_context_size = repetition_context_size
+        if seed is None:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self.seed = seed
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_context(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    def _penalize(self, logits: mx.array, contexts: Sequence[Sequence[int]]) -> mx.array:
+        rows = []
+        p = self.repetition_penalty
+        for i, ctx in enumerate(contexts):
+            row = logits[i]
+            toks = sorted(set(ctx[-self.repetition_context_size:]))
+            if toks:
+                idx = mx.array(toks)
+                sel = row[idx]
+                row = row.at[idx].add(mx.where(sel < 0, sel * p, sel / p) - sel)
+            rows.append(row)
+        return mx.stack(rows)
+
+    def _filter(self, logits: mx.array) -> mx.array:
+        """Mask (to -inf) tokens outside top-k / top-p / min-p of softmax(logits)."""
+        neg = mx.array(-float("inf"), logits.dtype)
+        if self.top_k > 0 and self.top_k < logits.shape[-1]:
+            kth = mx.sort(logits, axis=-1)[:, -self.top_k][:, None]
+            logits = mx.where(logits < kth, neg, logits)
+        if self.min_p > 0:
+            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logits = mx.where(lp < lp.max(axis=-1, keepdims=True) + mx.log(mx.array(self.min_p)), neg, logits)
+        if self.top_p < 1.0:
+            order = mx.argsort(-logits, axis=-1)
+            sorted_l = mx.take_along_axis(logits, order, axis=-1)
+            probs = mx.softmax(sorted_l, axis=-1)
+            before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+            keep_sorted = before < self.top_p
+            keep = mx.zeros_like(keep_sorted)
+            keep = mx.put_along_axis(keep, order, keep_sorted, axis=-1)
+            logits = mx.where(keep, logits, neg)
+        return logits
+
+    def noise(self, positions: Sequence[int], vocab: int) -> mx.array:
+        """Gumbel noise [N, V], a fixed function of (seed, position)."""
+        return mx.stack([
+            mx.random.gumbel((vocab,), key=mx.random.key((self.seed * 1_000_003 + int(p)) % (2**63)))
+            for p in positions
+        ])
+
+    def probs(self, logits: mx.array, contexts=None) -> mx.array:
+        """The distribution a row is sampled from (for tests and diagnostics)."""
+        logits = logits.astype(mx.float32)
+        if self.needs_context:
+            logits = self._penalize(logits, contexts)
+        return mx.softmax(self._filter(logits / self.temperature), axis=-1)
+
+    def __call__(self, logits: mx.array, positions: Sequence[int],
+                 contexts: Optional[Sequence[Sequence[int]]] = None) -> mx.array:
+        logits = logits.astype(mx.float32)
+        if self.needs_context:
+            if contexts is None:
+                raise ValueError("repetition penalty needs each row's context")
+            logits = self._penalize(logits, contexts)
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        logits = self._filter(logits / self.temperature)
+        return mx.argmax(logits + self.noise(positions, logits.shape[-1]), axis=-1)
+
+
+def greedy_sampler() -> Sampler:
+    return Sampler(0.0, seed=0)
