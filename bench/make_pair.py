@@ -55,7 +55,7 @@ def target_config():
     return cfg
 
 
-def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=2e-3, log=print):
+def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=1e-3, log=print):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -71,7 +71,7 @@ def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=2e-3, log=print):
                         if k.endswith("norm.weight") and "linear_attn.norm" not in k], strict=False)
     target = Target(model)
     data = np.array(ids, dtype=np.int32)
-    warm = 100
+    warm = 50
     sched = optim.join_schedules(
         [optim.linear_schedule(lr * 0.01, lr, warm), optim.cosine_decay(lr, max(steps - warm, 1), lr * 0.1)], [warm])
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.1)
@@ -100,6 +100,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
     ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-lr", type=float, default=1e-3)
     ap.add_argument("--draft-steps", type=int, default=600)
     ap.add_argument("--prompts", type=int, default=320)
     ap.add_argument("--corpus-mb", type=float, default=4.0)
@@ -135,7 +136,7 @@ def main():
     log(f"tokenizer: {tk.get_vocab_size()} tokens; corpus {len(ids)} tokens")
 
     cfg = target_config()
-    model = train_target(cfg, ids, args.target_steps, log=log)
+    model = train_target(cfg, ids, args.target_steps, lr=args.target_lr, log=log)
     tiny.save_mlx(model, cfg, tdir, tokenizer_dir=tdir)
     t1 = time.perf_counter()
     log(f"target trained in {(t1 - t0) / 60:.1f} min")
