@@ -19,7 +19,7 @@ from . import blas
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 
-MODES = ("mlx-lm", "baseline", "dflash")
+BASE_MODES = ("mlx-lm", "baseline", "dflash")
 
 
 def read_prompts(folder: Path) -> Dict[str, str]:
@@ -50,17 +50,19 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
     }
 
 
-def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size):
+def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4):
     st = GenerationStats()
     toks: List[int] = []
     for t in generate_tokens(engine.target, ids, draft=draft, max_tokens=max_tokens,
-                             block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st):
+                             block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st,
+                             tree_budget=tree_budget, tree_topk=tree_topk):
         toks.extend(t)
     c = max(st.cycles, 1)
     return toks, {
         "decode_tps": st.decode_tps, "prefill_tps": st.prefill_tps, "peak_memory": st.peak_memory,
         "tau": st.tau, "accept_hist": st.accept_hist, "cycles": st.cycles,
-        "cycle_commits": st.cycle_commits,
+        "cycle_commits": st.cycle_commits, "depth_acceptance": st.depth_acceptance,
+        "mean_tree_size": st.mean_tree_size,
         "ms_per_cycle": {
             "draft": st.draft_time / c * 1e3, "verify": st.verify_time / c * 1e3,
             "rollback": st.rollback_time / c * 1e3, "other": st.other_time / c * 1e3,
@@ -81,7 +83,10 @@ def _median_run(fn, repeats: int):
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              log=print) -> dict:
+              tree_budget: int = 0, tree_topk: int = 4, log=print) -> dict:
+    """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
+    and, with ``tree_budget`` > 0, dflash-tree."""
+    modes = BASE_MODES + (("dflash-tree",) if tree_budget > 0 else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -92,17 +97,19 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         for n in max_tokens:
             row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
             tokens = {}
-            for mode in MODES:
+            for mode in modes:
                 if mode == "mlx-lm":
                     fn = lambda: _run_mlx_lm(engine, ids, n)
                 elif mode == "baseline":
                     fn = lambda: _run_engine(engine, ids, n, None, None)
-                else:
+                elif mode == "dflash":
                     fn = lambda: _run_engine(engine, ids, n, engine.draft, block_size)
+                else:
+                    fn = lambda: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget, tree_topk)
                 tokens[mode], row["modes"][mode] = _median_run(fn, repeats)
                 row["modes"][mode]["generated"] = len(tokens[mode])
             ref = tokens["mlx-lm"]
-            for mode in MODES[1:]:
+            for mode in modes[1:]:
                 if tokens[mode] != ref:
                     i = next((j for j, (a, b) in enumerate(zip(tokens[mode], ref)) if a != b),
                              min(len(ref), len(tokens[mode])))
@@ -110,46 +117,59 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                         f"LOSSLESSNESS FAILURE: {mode} differs from mlx-lm on prompt {name!r} "
                         f"(max {n}) at token {i}")
             base = row["modes"]["mlx-lm"]["decode_tps"]
-            for m in MODES:
+            for m in modes:
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
             d = row["modes"]["dflash"]
+            tr = row["modes"].get("dflash-tree")
             log(f"{name:<18} n={n:<4} mlx-lm {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
-                f"({d['speedup']:.2f}x, tau {d['tau']:.2f})")
+                f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
+                + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else ""))
             results.append(row)
     return {
         "machine": f"{platform.platform()} ({platform.machine()})",
         "blas": blas.describe(),
         "model": str(engine.model_path), "draft": str(engine.draft_path),
         "block_size": block_size or engine.draft.block_size,
+        "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
         "repeats": repeats, "identical_tokens": True, "results": results,
     }
 
 
 def to_markdown(res: dict) -> str:
+    modes = res["modes"]
+    tree = "dflash-tree" in modes
     lines = [
-        f"# mlx-dflash bench",
+        "# mlx-dflash bench",
         "",
         f"- machine: {res['machine']}",
         f"- BLAS: {res['blas']}",
-        f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}",
+        f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
+        + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
         f"- median of {res['repeats']} runs after a warm-up; all modes produced identical tokens "
         f"(temperature 0): {res['identical_tokens']}",
         "",
-        "| prompt | max | mlx-lm tok/s | baseline tok/s | dflash tok/s | speedup vs mlx-lm | tau | "
-        "draft/verify/rollback/other ms per cycle | peak GB |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
+        "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
+        + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")
+        + "dflash draft/verify/rollback/other ms per cycle | peak GB |",
+        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "") + "---|---:|",
     ]
     for r in res["results"]:
         m = r["modes"]
         d = m["dflash"]
         t = d["ms_per_cycle"]
-        lines.append(
-            f"| {r['prompt']} | {r['max_tokens']} | {m['mlx-lm']['decode_tps']:.1f} | "
-            f"{m['baseline']['decode_tps']:.1f} | {d['decode_tps']:.1f} | {d['speedup']:.2f}x | "
-            f"{d['tau']:.2f} | {t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f} | "
-            f"{d['peak_memory']:.3f} |")
-    lines += ["", "Acceptance histograms (committed tokens per cycle: count):", ""]
+        cells = [r["prompt"], str(r["max_tokens"])] + [f"{m[x]['decode_tps']:.1f}" for x in modes]
+        cells += [f"{d['speedup']:.2f}x", f"{d['tau']:.2f}"]
+        if tree:
+            tr = m["dflash-tree"]
+            cells += [f"{tr['speedup']:.2f}x", f"{tr['tau']:.2f}", f"{tr['mean_tree_size']:.1f}"]
+        cells += [f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
+                  f"{d['peak_memory']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    med = lambda mode, key: statistics.median(r["modes"][mode][key] for r in res["results"])
+    lines += ["", "Medians over all rows: " + ", ".join(
+        f"{x} {med(x, 'decode_tps'):.1f} tok/s ({med(x, 'speedup'):.2f}x)" for x in modes) + "."]
+    lines += ["", "Acceptance histograms, dflash chain (committed tokens per cycle: count):", ""]
     for r in res["results"]:
         h = r["modes"]["dflash"]["accept_hist"]
         lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
@@ -170,9 +190,11 @@ def plot(res: dict, path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
     labels = [f"{r['prompt']}\n{r['max_tokens']}" for r in rows]
     x = range(len(rows))
-    w = 0.27
-    for i, mode in enumerate(MODES):
-        a1.bar([j + (i - 1) * w for j in x], [r["modes"][mode]["decode_tps"] for r in rows], w, label=mode)
+    modes = res["modes"]
+    w = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        a1.bar([j + (i - (len(modes) - 1) / 2) * w for j in x],
+               [r["modes"][mode]["decode_tps"] for r in rows], w, label=mode)
     a1.set_xticks(list(x))
     a1.set_xticklabels(labels, fontsize=7)
     a1.set_ylabel("decode tok/s")

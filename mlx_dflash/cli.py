@@ -218,6 +218,8 @@ def bench(
     blas_mode: str = typer.Option("auto", "--blas", help="Linux: 'auto' preloads OpenBLAS when installed, "
                                                          "'openblas' requires it, 'bundled' keeps mlx's reference BLAS."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
+    tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
     from . import blas
@@ -235,7 +237,8 @@ def bench(
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
-                    chat_template=chat_template, log=lambda s: typer.echo(s, err=True))
+                    chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
+                    log=lambda s: typer.echo(s, err=True))
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 

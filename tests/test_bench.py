@@ -16,10 +16,11 @@ def test_bench_writes_json_markdown_plot(tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
     eng = mlx_dflash.load()
-    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, log=lambda _: None)
+    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, tree_budget=6,
+                    log=lambda _: None)
     assert res["identical_tokens"] and len(res["results"]) == 2
     for r in res["results"]:
-        assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash"}
+        assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash", "dflash-tree"}
         assert r["modes"]["dflash"]["generated"] == r["modes"]["mlx-lm"]["generated"]
         assert r["modes"]["mlx-lm"]["speedup"] == pytest.approx(1.0)
     files = write_results(res, tmp_path / "out", "t")
