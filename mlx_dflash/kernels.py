@@ -4,6 +4,13 @@ One function per kernel. Each has an MLX-ops body (the "twin") that is the
 reference and runs on every backend; Metal bodies with the same signatures
 arrive with the kernels issue and are chosen at call time.
 
+Dispatch: each public function takes ``force_twin``; without it, the Metal
+kernel (``metal/*.metal``) runs when ``mx.metal.is_available()`` and the
+default device is the GPU, decided at call time. The launch of each kernel
+(inputs, template, grid) is described once by a ``*_launch`` function, used
+both for the real dispatch and by the CPU test harness that executes the
+Metal sources on Linux (tests/metal_harness.py).
+
 Rollback design (SPEC §4): *tape*. The verify recurrence records, per token,
 `delta_t = beta_t * (v_t - (g_t S_{t-1}) k_t)`. With the pre-verify state S_0
 and the inputs k_t, g_t already at hand, rollback to n accepted tokens applies
@@ -13,6 +20,9 @@ token (per-position capture) and no re-run of the projections (recompute).
 Rolling back to the whole block keeps the forward's own final state.
 """
 
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -134,6 +144,7 @@ def gated_delta_chain(
     mask: Optional[mx.array] = None,
     *,
     record: bool = False,
+    force_twin: bool = False,
 ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
     """Gated delta rule over a block of T tokens.
 
@@ -150,6 +161,9 @@ def gated_delta_chain(
     instead of T sequential state updates): on a CPU a 16-token verify costs a
     few state-sized passes instead of 80.
     """
+    if use_metal(force_twin):
+        y, S, tape = run_metal(chain_launch(q, k, v, g, beta, state, mask))
+        return y, S, tape if record else None
     dtype = q.dtype
     T = q.shape[1]
     if T == 1 and mask is None:
@@ -163,7 +177,10 @@ def gated_delta_chain(
         ys.append(y)
         deltas.append(d)
     y = mx.concatenate(ys, axis=2) if len(ys) > 1 else ys[0]
-    y = y.transpose(0, 2, 1, 3).astype(dtype)
+    y = y.transpose(0, 2, 1, 3)
+    if mask is not None:
+        y = mx.where(mask[:, :, None, None], y, 0.0)  # padded tokens output 0
+    y = y.astype(dtype)
     tape = None
     if record:
         tape = mx.concatenate(deltas, axis=2) if len(deltas) > 1 else deltas[0]
@@ -178,6 +195,8 @@ def gated_delta_rollback(
     delta: mx.array,
     n: int,
     mask: Optional[mx.array] = None,
+    *,
+    force_twin: bool = False,
 ) -> mx.array:
     """State after the first ``n`` tokens of a recorded block.
 
@@ -188,6 +207,8 @@ def gated_delta_rollback(
     """
     if n == 0:
         return state0
+    if mask is None and use_metal(force_twin):
+        return run_metal(rollback_launch(state0, k, g, delta, range(n)))[0]
     hv = delta.shape[2]
     k = _repeat_heads(k[:, :n], hv).astype(mx.float32).transpose(0, 2, 1, 3)
     logg = _log_decay(g[:, :n]).transpose(0, 2, 1)
@@ -226,6 +247,7 @@ def gated_delta_tree(
     parents: Sequence[int],
     *,
     record: bool = False,
+    force_twin: bool = False,
 ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
     """The gated delta rule over a tree of T tokens (tree verify).
 
@@ -235,9 +257,12 @@ def gated_delta_tree(
     node with :func:`gated_delta_rollback` on its path's rows
     (:func:`path_rows`).
     """
-    dtype = q.dtype
     if q.shape[1] != len(parents):
         raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
+    if use_metal(force_twin):
+        y, S, tape = run_metal(tree_launch(q, k, v, g, beta, state, parents))
+        return y, S, tape if record else None
+    dtype = q.dtype
     q, k, v, logg, beta = _prep(q, k, v, g, beta, None)
     y, S, delta = _chunk(q, k, v, logg, beta, state, ancestor_matrix(parents))
     y = y.transpose(0, 2, 1, 3).astype(dtype)
@@ -272,7 +297,7 @@ def conv_windows(parents: Sequence[int], kernel_size: int) -> np.ndarray:
 
 
 def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
-                       parents: Optional[Sequence[int]] = None) -> mx.array:
+                       parents: Optional[Sequence[int]] = None, *, force_twin: bool = False) -> mx.array:
     """Depthwise causal conv1d + SiLU.
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
@@ -283,19 +308,127 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
     """
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
-    w = weight[:, :, 0].astype(conv_in.dtype)
+    if use_metal(force_twin):
+        chain = list(range(-1, T - 1))
+        idx = conv_windows(parents if parents is not None else chain, K)
+        return run_metal(conv_launch(conv_in, weight, idx))[0]
+    dtype = conv_in.dtype
+    x = conv_in.astype(mx.float32)  # accumulate in fp32, like the kernel
+    w = weight[:, :, 0].astype(dtype).astype(mx.float32)
     if parents is not None:
         idx = conv_windows(parents, K)
-        rows = [conv_in[:, mx.array(idx[:, j])] for j in range(K)]
+        rows = [x[:, mx.array(idx[:, j])] for j in range(K)]
     else:
-        rows = [conv_in[:, j : j + T] for j in range(K)]
+        rows = [x[:, j : j + T] for j in range(K)]
     out = rows[0] * w[:, 0]
     for j in range(1, K):
         out = out + rows[j] * w[:, j]
-    return nn.silu(out)
+    return nn.silu(out.astype(dtype).astype(mx.float32)).astype(dtype)
 
 
 def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array:
     """Conv state after the first ``n`` block tokens: rows n .. n+K-2 of
     ``concat(conv_state_prev, block)``."""
     return conv_in[:, n : n + kernel_size - 1]
+
+
+# --- Metal kernels ----------------------------------------------------------------
+
+METAL_DIR = Path(__file__).parent / "metal"
+
+
+@dataclass
+class Launch:
+    """One mx.fast.metal_kernel call: what to bind and how many threads."""
+
+    name: str  # metal/<name>.metal
+    inputs: List[Tuple[str, object]]  # (name, mx.array or python scalar)
+    outputs: List[Tuple[str, Tuple[int, ...], mx.Dtype]]
+    template: List[Tuple[str, object]]
+    grid: Tuple[int, int, int]
+    threadgroup: Tuple[int, int, int]
+
+
+def metal_source(name: str) -> str:
+    return (METAL_DIR / f"{name}.metal").read_text()
+
+
+def use_metal(force_twin: bool = False) -> bool:
+    return (not force_twin) and mx.metal.is_available() and mx.default_device() == mx.gpu
+
+
+@lru_cache(maxsize=None)
+def _compiled(name: str, inputs: Tuple[str, ...], outputs: Tuple[str, ...]):
+    return mx.fast.metal_kernel(
+        name=f"dflash_{name}", input_names=list(inputs), output_names=list(outputs),
+        source=metal_source(name),
+    )
+
+
+def run_metal(launch: Launch) -> List[mx.array]:
+    kern = _compiled(launch.name, tuple(n for n, _ in launch.inputs), tuple(n for n, _, _ in launch.outputs))
+    return kern(
+        inputs=[a for _, a in launch.inputs],
+        template=launch.template,
+        grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        output_shapes=[s for _, s, _ in launch.outputs],
+        output_dtypes=[d for _, _, d in launch.outputs],
+    )
+
+
+def chain_launch(q, k, v, g, beta, state, mask=None) -> Launch:
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    if mask is None:
+        mask = mx.ones((B, T), dtype=mx.bool_)
+    inputs = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state), ("T", T),
+              ("mask", mask)]
+    return Launch(
+        "gated_delta_chain", inputs,
+        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, mx.float32),
+         ("delta", (B, T, Hv, Dv), mx.float32)],
+        [("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        (32, Dv, B * Hv), (32, 1, 1),
+    )
+
+
+def tree_launch(q, k, v, g, beta, state, parents) -> Launch:
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    max_t = 1 << max(T - 1, 1).bit_length()  # one compiled kernel per power of two
+    return Launch(
+        "gated_delta_tree",
+        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state),
+         ("parents", mx.array(list(parents), dtype=mx.int32)), ("T", T)],
+        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, mx.float32),
+         ("delta", (B, T, Hv, Dv), mx.float32)],
+        [("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("MaxT", max_t)],
+        (32, Dv, B * Hv), (32, 1, 1),
+    )
+
+
+def rollback_launch(state0, k, g, delta, rows) -> Launch:
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = delta.shape[2:]
+    return Launch(
+        "gated_delta_rollback",
+        [("state0", state0), ("k", k), ("g", g), ("delta", delta),
+         ("rows", mx.array(list(rows), dtype=mx.int32)), ("n", len(rows)), ("T", T)],
+        [("state", state0.shape, mx.float32)],
+        [("InT", k.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        (Dk, Dv, B * Hv), (min(Dk, 32), 1, 1),
+    )
+
+
+def conv_launch(conv_in, weight, idx) -> Launch:
+    B, R, C = conv_in.shape
+    T, K = idx.shape
+    return Launch(
+        "conv1d_silu",
+        [("conv_in", conv_in), ("weight", weight[:, :, 0].astype(conv_in.dtype)),
+         ("idx", mx.array(idx, dtype=mx.int32)), ("R", R), ("T", T)],
+        [("out", (B, T, C), conv_in.dtype)],
+        [("InT", conv_in.dtype), ("K", K), ("C", C)],
+        (C, T, B), (min(C, 64), 1, 1),
+    )

@@ -1,0 +1,171 @@
+"""Execute Metal kernel bodies (mx.fast.metal_kernel sources) on a CPU.
+
+The body is wrapped into a C++ function with the same names MLX binds
+(inputs, outputs, template constants, thread attributes), compiled with the
+system C++ compiler against ``metal_compat.h``, and run over the whole grid:
+each threadgroup's threads are cooperative fibers that really meet at
+barriers and SIMD-group operations. Inputs and outputs travel as raw files.
+
+    outs = run(kernels.chain_launch(...))   # same Launch the real dispatch uses
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).parent
+CACHE = Path(tempfile.gettempdir()) / "mlx_dflash_metal_harness"
+
+CTYPES = {
+    mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat", mx.int32: "int",
+    mx.uint32: "uint", mx.bool_: "bool", mx.int64: "int64_t", mx.uint8: "uint8_t",
+}
+RAW = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16}  # how a dtype travels as bytes
+
+ATTRS = """uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,
+    uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup, uint3 threadgroups_per_grid,
+    uint thread_index_in_threadgroup, uint thread_index_in_simdgroup, uint simdgroup_index_in_threadgroup"""
+
+
+def compiler() -> str:
+    for c in ("c++", "g++", "clang++"):
+        if shutil.which(c):
+            return c
+    raise RuntimeError("no C++ compiler found")
+
+
+def _to_bytes(a: mx.array) -> bytes:
+    a = mx.contiguous(a)
+    if a.dtype in RAW:
+        a = a.view(RAW[a.dtype])
+    mx.eval(a)
+    return np.array(a).tobytes()
+
+
+def _from_bytes(raw: bytes, shape, dtype) -> mx.array:
+    if dtype in RAW:
+        return mx.array(np.frombuffer(raw, np.uint16).reshape(shape)).view(dtype)
+    np_dtype = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_}[dtype]
+    return mx.array(np.frombuffer(raw, np_dtype).reshape(shape))
+
+
+def generate(source: str, launch) -> str:
+    """The C++ translation unit for one kernel instantiation."""
+    consts = []
+    for name, value in launch.template:
+        if isinstance(value, mx.Dtype):
+            consts.append(f"using {name} = {CTYPES[value]};")
+        elif isinstance(value, bool):
+            consts.append(f"constexpr bool {name} = {'true' if value else 'false'};")
+        else:
+            consts.append(f"constexpr int {name} = {int(value)};")
+    params, args, loads = [], [], []
+    for i, (name, a) in enumerate(launch.inputs):
+        if isinstance(a, mx.array):
+            ct = CTYPES[a.dtype]
+            params.append(f"const device {ct}* {name}")
+            args.append(f"reinterpret_cast<const {ct}*>(g_in[{i}].data())")
+            loads.append(f"  g_in[{i}] = read_file(argv[{i + 1}]);")
+        else:
+            ct = "bool" if isinstance(a, bool) else "int"
+            params.append(f"const {ct} {name}")
+            args.append(str(int(a)))
+    n_in = len(launch.inputs)
+    stores = []
+    for j, (name, shape, dtype) in enumerate(launch.outputs):
+        ct = CTYPES[dtype]
+        params.append(f"device {ct}* {name}")
+        args.append(f"reinterpret_cast<{ct}*>(g_out[{j}].data())")
+        # 0xff bytes: NaN for floats, so an element the kernel never writes shows.
+        loads.append(f"  g_out[{j}].assign(sizeof({ct}) * {int(np.prod(shape))}, char(0xff));")
+        stores.append(f"  write_file(argv[{n_in + 1 + j}], g_out[{j}]);")
+    gx, gy, gz = launch.grid
+    tx, ty, tz = launch.threadgroup
+    nl = "\n"
+    return f"""#include "metal_compat.h"
+{nl.join(consts)}
+
+static void kernel_body({", ".join(params)},
+    {ATTRS}) {{
+  (void)thread_position_in_grid; (void)thread_position_in_threadgroup;
+  (void)threadgroup_position_in_grid; (void)threads_per_threadgroup; (void)threadgroups_per_grid;
+  (void)thread_index_in_threadgroup; (void)thread_index_in_simdgroup; (void)simdgroup_index_in_threadgroup;
+{source}
+}}
+
+static std::vector<char> read_file(const char* path) {{
+  FILE* f = std::fopen(path, "rb");
+  if (!f) {{ std::perror(path); std::exit(2); }}
+  std::fseek(f, 0, SEEK_END);
+  long n = std::ftell(f);
+  std::fseek(f, 0, SEEK_SET);
+  std::vector<char> buf(n);
+  if (n && std::fread(buf.data(), 1, n, f) != size_t(n)) std::exit(2);
+  std::fclose(f);
+  return buf;
+}}
+
+static void write_file(const char* path, const std::vector<char>& buf) {{
+  FILE* f = std::fopen(path, "wb");
+  std::fwrite(buf.data(), 1, buf.size(), f);
+  std::fclose(f);
+}}
+
+static std::vector<char> g_in[{max(n_in, 1)}], g_out[{max(len(launch.outputs), 1)}];
+
+static void thread_main(const harness::Thread& t) {{
+  kernel_body({", ".join(args)},
+              t.pos, t.local, t.group, t.tg, t.groups, t.linear, t.linear % 32, t.linear / 32);
+}}
+
+int main(int argc, char** argv) {{
+  (void)argc;
+{nl.join(loads)}
+  harness::dispatch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, thread_main);
+{nl.join(stores)}
+  return 0;
+}}
+"""
+
+
+def build(source: str, launch) -> Path:
+    code = generate(source, launch)
+    key = hashlib.sha256((code + (HERE / "metal_compat.h").read_text()).encode()).hexdigest()[:20]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    exe = CACHE / f"k_{key}"
+    if not exe.exists():
+        src = CACHE / f"k_{key}.cpp"
+        src.write_text(code)
+        r = subprocess.run([compiler(), "-std=c++17", "-O1", "-w", f"-I{HERE}", str(src), "-o", str(exe) + ".tmp"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"kernel {launch.name} does not compile:\n{r.stderr[-4000:]}")
+        os.replace(str(exe) + ".tmp", exe)
+    return exe
+
+
+def run(launch, source: str = None) -> List[mx.array]:
+    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file)."""
+    from mlx_dflash.kernels import metal_source
+
+    source = source if source is not None else metal_source(launch.name)
+    exe = build(source, launch)
+    with tempfile.TemporaryDirectory() as d:
+        files = []
+        for i, (name, a) in enumerate(launch.inputs):
+            p = Path(d) / f"in{i}"
+            p.write_bytes(_to_bytes(a) if isinstance(a, mx.array) else b"")
+            files.append(str(p))
+        outs = [str(Path(d) / f"out{j}") for j in range(len(launch.outputs))]
+        r = subprocess.run([str(exe)] + files + outs, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"kernel {launch.name} failed ({r.returncode}): {r.stderr[-2000:]}")
+        return [_from_bytes(Path(o).read_bytes(), shape, dtype)
+                for o, (_, shape, dtype) in zip(outs, launch.outputs)]
