@@ -9,6 +9,7 @@ import mlx.core as mx
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 from .loading import load_draft, load_target, load_tokenizer
+from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
 from .sampling import Sampler
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -52,7 +53,7 @@ def load(
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
 ) -> Engine:
-    """Load a target folder and, optionally, its DFlash draft folder.
+    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft folder.
 
     With no ``model`` the embedded default pair is loaded (target and draft).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
@@ -62,9 +63,14 @@ def load(
         model = DEFAULT_MODEL
         if draft is None:
             draft = DEFAULT_DRAFT
-    target = load_target(model, dtype=dtype)
+    if is_gguf(model):  # a llama.cpp file: weights and tokenizer from it
+        target, _ = load_gguf_target(model, dtype=dtype)
+        tok_dir = tokenizer_dir_for(model)
+    else:
+        target = load_target(model, dtype=dtype)
+        tok_dir = model
     eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
-    tokenizer = load_tokenizer(model, eos_token_ids=eos)
+    tokenizer = load_tokenizer(tok_dir, eos_token_ids=eos)
     d = None
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)

@@ -244,6 +244,46 @@ def bench(
 
 
 @app.command()
+def convert(
+    gguf_file: Path = typer.Argument(..., help="A qwen35 / qwen35moe GGUF file (llama.cpp)."),
+    out: Path = typer.Argument(..., help="Output MLX folder (safetensors, config.json, tokenizer, chat template)."),
+    keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float (no requantization)."),
+    bits: Optional[List[str]] = typer.Option(
+        None, "--bits", help="Per source type MLX bits, e.g. --bits Q6_K=4 --bits Q5_K=8 (repeatable). "
+                             "Default: 4-bit for 4-bit and lower sources, 8-bit for 5/6/8-bit, float for float."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype for float tensors (default: as stored)."),
+):
+    """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode."""
+    import time
+
+    from mlx_lm.utils import save_config, save_model
+
+    from .loading.gguf import load_gguf_target, open_gguf, write_tokenizer
+
+    bmap = {}
+    for b in bits or []:
+        k, _, v = b.partition("=")
+        if not v.isdigit() or int(v) not in (2, 3, 4, 5, 6, 8):
+            raise DFlashError(f"--bits takes TYPE=BITS with BITS in 2..8, got {b!r}")
+        bmap[k.upper()] = int(v)
+    if out.exists() and any(out.iterdir()):
+        raise DFlashError(f"output folder is not empty: {out}")
+    tic = time.perf_counter()
+
+    def progress(n, total, nbytes):
+        sys.stderr.write(f"\rdecoding tensors {n}/{total}  {nbytes / 1e6:8.1f} MB read")
+        sys.stderr.flush()
+
+    target, cfg = load_gguf_target(gguf_file, keep_precision=keep_precision, bits=bmap or None,
+                                   dtype=_dtype(dtype), progress=progress)
+    sys.stderr.write("\n")
+    save_model(out, target.model)
+    save_config(cfg, out / "config.json")
+    write_tokenizer(open_gguf(gguf_file), out)
+    typer.echo(f"wrote {out} in {time.perf_counter() - tic:.1f}s")
+
+
+@app.command()
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),

@@ -30,6 +30,10 @@ def describe(path, draft: Optional[Path] = None) -> str:
     from .models.draft import DraftConfig
 
     p = Path(path).expanduser()
+    from .loading.gguf import is_gguf
+
+    if is_gguf(p):
+        return describe_gguf(p)
     cfg = read_config(p)
     lines = [f"path: {p}"]
     if "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or []):
@@ -77,4 +81,33 @@ def describe(path, draft: Optional[Path] = None) -> str:
             lines.append(f"draft {draft}: fits (block size {d.block_size}, target layers {d.target_layer_ids})")
         except DFlashError as e:
             lines.append(f"draft {draft}: does NOT fit: {e}")
+    return "\n".join(lines)
+
+
+def describe_gguf(p: Path) -> str:
+    from collections import Counter
+
+    from .loading.gguf import field, gguf_config, open_gguf
+
+    reader = open_gguf(p)
+    cfg = gguf_config(reader)
+    t = cfg["text_config"]
+    types = Counter()
+    sizes = Counter()
+    for ten in reader.tensors:
+        types[ten.tensor_type.name] += 1
+        sizes[ten.tensor_type.name] += int(ten.n_bytes)
+    n_params = sum(int(ten.n_elements) for ten in reader.tensors)
+    n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
+    moe = f", MoE {t['num_experts']} experts top-{t['num_experts_per_tok']}" if t.get("num_experts") else ""
+    lines = [
+        f"path: {p}",
+        f"format: GGUF v{field(reader, 'GGUF.version', '?')}, architecture {field(reader, 'general.architecture')}"
+        f" -> {cfg['model_type']}{moe}",
+        f"layers: {t['num_hidden_layers']} ({n_lin} Gated DeltaNet + {t['num_hidden_layers'] - n_lin} full attention)",
+        f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
+        f"parameters: {n_params / 1e6:.2f} M; tensors: {len(reader.tensors)}",
+        "tensor types: " + ", ".join(f"{k} x{v} ({_fmt_bytes(sizes[k])})" for k, v in sorted(types.items())),
+        f"size on disk: {_fmt_bytes(p.stat().st_size)}",
+    ]
     return "\n".join(lines)
