@@ -9,6 +9,7 @@ from .api import (
     stream_generate,
 )
 from .sampling import Sampler
+from .train import TrainConfig, train_draft
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 
@@ -22,6 +23,8 @@ __all__ = [
     "generate_tokens",
     "load",
     "Sampler",
+    "TrainConfig",
+    "train_draft",
     "stream_generate",
 ]
 __version__ = "0.1.0"
