@@ -14,7 +14,7 @@ from gguf import GGUFWriter
 from gguf.quants import quantize
 from mlx.utils import tree_flatten
 
-from mlx_dflash.loading.gguf import tensor_map, tiled_to_grouped
+from mlx_dflash.loading.gguf import _heads, tensor_map, tiled_to_grouped
 
 
 def _f16(x):
@@ -77,13 +77,6 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
 
 def grouped_to_tiled(Hk, Hv):
     return np.argsort(tiled_to_grouped(Hk, Hv))
-
-
-def _heads(x, idx, axis):
-    Hv = len(idx)
-    shape = x.shape
-    x = x.reshape(shape[:axis] + (Hv, shape[axis] // Hv) + shape[axis + 1:])
-    return np.take(x, idx, axis=axis).reshape(shape)
 
 
 def inverse_transform(kind, w, cfg):
