@@ -184,3 +184,39 @@ def write_tokenizer_metadata(w, tokenizer_dir):
     w.add_eos_token_id(vocab[tc["eos_token"]])
     if tc.get("chat_template"):
         w.add_chat_template(tc["chat_template"])
+
+
+def write_draft_gguf(draft, dcfg, path, qtype=Q.F16, arch="dflash-draft"):
+    """A DFlash draft GGUF with the names llama.cpp-style draft converters use."""
+    from mlx_dflash.loading.gguf import _DRAFT_GLOBAL, _DRAFT_LAYER
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(dcfg["num_hidden_layers"])
+    w.add_embedding_length(dcfg["hidden_size"])
+    w.add_feed_forward_length(dcfg["intermediate_size"])
+    w.add_head_count(dcfg["num_attention_heads"])
+    w.add_head_count_kv(dcfg["num_key_value_heads"])
+    w.add_key_length(dcfg["head_dim"])
+    w.add_layer_norm_rms_eps(dcfg["rms_norm_eps"])
+    w.add_rope_freq_base(dcfg["rope_theta"])
+    w.add_uint32(f"{arch}.dflash.block_size", dcfg["block_size"])
+    w.add_array(f"{arch}.dflash.target_layer_ids", dcfg["dflash_config"]["target_layer_ids"])
+    w.add_uint32(f"{arch}.dflash.mask_token_id", dcfg["dflash_config"]["mask_token_id"])
+    params = {k: np.array(v.astype(__import__("mlx.core").core.float32)) for k, v in tree_flatten(draft.parameters())}
+    names = {k: v[0] for k, v in _DRAFT_GLOBAL.items()}
+    for i in range(dcfg["num_hidden_layers"]):
+        for ours, theirs in _DRAFT_LAYER.items():
+            names[f"layers.{i}.{ours}"] = f"blk.{i}.{theirs[0]}"
+    for ours, theirs in names.items():
+        arr = params[ours]
+        if arr.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(theirs, arr.astype(np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(theirs, arr.astype(np.float16))
+        else:
+            w.add_tensor(theirs, quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

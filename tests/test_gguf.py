@@ -199,3 +199,27 @@ def test_bad_gguf_files(wide, tmp_path, capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "error:" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("qt, tol", [(Q.F32, 1e-5), (Q.F16, 2e-2), (Q.BF16, 5e-2), (Q.Q8_0, 5e-2)])
+def test_gguf_draft_loads_like_a_folder_draft(dense, tmp_path, qt, tol):
+    from gguf_writer import write_draft_gguf
+    from mlx_dflash.loading import load_draft
+
+    cfg, model = dense
+    target = Target(model)
+    dcfg = tiny.draft_config(cfg, block_size=8, num_hidden_layers=2)
+    draft = tiny.build_draft(dcfg, seed=4).bind(target)
+    path = write_draft_gguf(draft, dcfg, tmp_path / "draft.gguf", qt)
+    loaded = load_draft(path, target, dtype=mx.float32)
+    assert loaded.block_size == 8 and loaded.target_layer_ids == dcfg["dflash_config"]["target_layer_ids"]
+    feats = mx.random.normal((9, 2 * 64), key=mx.random.key(0))
+    a = draft(feats, 5, 9, 8, draft.make_cache())
+    b = loaded(feats, 5, 9, 8, loaded.make_cache())
+    assert rel_err(b, a) <= tol
+    plain, spec = [], []
+    for t in generate_tokens(target, PROMPT, max_tokens=16):
+        plain.extend(t)
+    for t in generate_tokens(target, PROMPT, draft=loaded, max_tokens=16, block_size=8):
+        spec.extend(t)
+    assert spec == plain

@@ -372,3 +372,96 @@ def tokenizer_dir_for(path) -> Path:
     """A folder holding the GGUF's tokenizer files (made once per process)."""
     d = Path(tempfile.mkdtemp(prefix="mlx_dflash_gguf_tok_"))
     return write_tokenizer(open_gguf(path), d)
+
+
+# --- drafts ----------------------------------------------------------------------------
+
+# Draft converters disagree on a few names; accept each spelling seen.
+_DRAFT_GLOBAL = {
+    "fc.weight": ("dflash_fc.weight", "dflash.fc.weight", "fc.weight"),
+    "hidden_norm.weight": ("dflash_hidden_norm.weight", "dflash.hidden_norm.weight", "hidden_norm.weight"),
+    "norm.weight": ("output_norm.weight", "norm.weight"),
+}
+_DRAFT_LAYER = {
+    "input_layernorm.weight": ("attn_norm.weight",),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", "post_attention_norm.weight"),
+    "self_attn.q_proj.weight": ("attn_q.weight",),
+    "self_attn.k_proj.weight": ("attn_k.weight",),
+    "self_attn.v_proj.weight": ("attn_v.weight",),
+    "self_attn.o_proj.weight": ("attn_output.weight",),
+    "self_attn.q_norm.weight": ("attn_q_norm.weight",),
+    "self_attn.k_norm.weight": ("attn_k_norm.weight",),
+    "mlp.gate_proj.weight": ("ffn_gate.weight",),
+    "mlp.up_proj.weight": ("ffn_up.weight",),
+    "mlp.down_proj.weight": ("ffn_down.weight",),
+}
+_IGNORED_DRAFT = ("token_embd.weight", "output.weight")  # some converters keep the target's vocab tensors
+
+
+def gguf_draft_config(reader) -> dict:
+    """A z-lab-style draft config.json dict from GGUF draft metadata."""
+    arch = field(reader, "general.architecture") or ""
+    if "dflash" not in arch:
+        raise DFlashError(f"not a DFlash draft GGUF: architecture {arch!r}")
+    a = arch
+
+    def get(key, default=None):
+        return field(reader, f"{a}.{key}", default)
+
+    ids = get("dflash.target_layer_ids", get("target_layers"))
+    if ids is None:
+        raise DFlashError(f"draft GGUF has no {a}.dflash.target_layer_ids")
+    H = int(get("embedding_length") or 0)
+    nh = int(_first(get("attention.head_count") or 0))
+    if not H or not nh:
+        raise DFlashError("draft GGUF is missing embedding_length or attention.head_count")
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": H,
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": nh,
+        "num_key_value_heads": int(_first(get("attention.head_count_kv", nh))),
+        "head_dim": int(get("attention.key_length", H // nh)),
+        "intermediate_size": int(get("feed_forward_length")),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 1000000.0)),
+        "max_position_embeddings": int(get("context_length", 40960)),
+        "block_size": int(get("dflash.block_size", 16)),
+        "dflash_config": {"mask_token_id": get("dflash.mask_token_id"),
+                          "target_layer_ids": [int(i) for i in ids]},
+    }
+    sw = get("attention.sliding_window")
+    if sw:
+        cfg["sliding_window"] = int(sw)
+    return cfg
+
+
+def load_gguf_draft(path, target, *, dtype=None):
+    """Read a DFlash draft GGUF (F16/BF16/F32/Q8_0/...): returns (config dict,
+    weights dict under z-lab names, as float arrays)."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    cfg = gguf_draft_config(reader)
+    if cfg["dflash_config"]["mask_token_id"] is None:
+        cfg["dflash_config"]["mask_token_id"] = field(reader, "tokenizer.ggml.mask_token_id")
+    tensors = {t.name: t for t in reader.tensors}
+    wanted = dict(_DRAFT_GLOBAL)
+    for i in range(cfg["num_hidden_layers"]):
+        for ours, theirs in _DRAFT_LAYER.items():
+            wanted[f"layers.{i}.{ours}"] = tuple(f"blk.{i}.{n}" for n in theirs)
+    weights, used = {}, set()
+    for ours, names in wanted.items():
+        name = next((n for n in names if n in tensors), None)
+        if name is None:
+            raise DFlashError(f"draft GGUF {path}: missing tensor {names[0]}")
+        t = tensors[name]
+        w = dequantize(t.data, t.tensor_type)
+        src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(t.tensor_type.name,
+                                                            mx.float32 if t.tensor_type.name == "F32" else mx.float16)
+        weights[ours] = mx.array(np.asarray(w, np.float32)).astype(dtype or src)
+        used.add(name)
+    extra = sorted(set(tensors) - used - set(_IGNORED_DRAFT))
+    if extra:
+        raise DFlashError(f"draft GGUF {path}: unknown tensors {extra[:5]}")
+    return cfg, weights

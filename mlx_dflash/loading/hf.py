@@ -143,24 +143,31 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
 
 def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
                group_size: int = 64, dtype=None) -> DFlashDraft:
-    """Load a z-lab-format DFlash v1 draft and bind it to ``target``.
+    """Load a DFlash v1 draft (z-lab folder, or a draft GGUF file) and bind it to ``target``.
 
     ``quantize_bits`` (4 or 8) quantizes the draft's linear layers at load.
     """
-    p = _folder(path, "draft")
-    raw = read_config(p, "draft")
-    where = str(p / "config.json")
+    from .gguf import is_gguf, load_gguf_draft
+
+    p = Path(path).expanduser()
+    if is_gguf(p):
+        raw, weights = load_gguf_draft(p, target, dtype=dtype)
+        where = str(p)
+    else:
+        p = _folder(path, "draft")
+        raw = read_config(p, "draft")
+        where = str(p / "config.json")
+        weights = {}
+        for f in _weight_files(p, "draft"):
+            try:
+                weights.update(mx.load(f))
+            except Exception as e:
+                raise DFlashError(f"cannot read draft weights {f}: {e}") from None
     try:
         cfg = DraftConfig.from_dict(raw)
     except KeyError as e:
         raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
     validate_draft(cfg, target, where)
-    weights = {}
-    for f in _weight_files(p, "draft"):
-        try:
-            weights.update(mx.load(f))
-        except Exception as e:
-            raise DFlashError(f"cannot read draft weights {f}: {e}") from None
     weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
     # Drafts ship without embedding/lm_head; ignore copies if a converter kept them.
     weights = {k: v for k, v in weights.items()
