@@ -105,6 +105,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=320)
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    ap.add_argument("--draft-only", action="store_true",
+                    help="keep OUT/target (already trained) and rebuild only the draft")
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     log = lambda s: print(s, flush=True)
@@ -119,6 +121,8 @@ def main():
     work = args.out.parent / (args.out.name + ".building")
     if work.exists():
         shutil.rmtree(work)
+    if args.draft_only:
+        shutil.copytree(args.out / "target", work / "target")
     texts = stdlib_sources(int(args.corpus_mb * 1e6))
     rnd = random.Random(0)
     names = [n for n, _ in texts]
@@ -128,26 +132,34 @@ def main():
     log(f"corpus: {len(texts)} stdlib files, {len(train_text) / 1e6:.1f} MB train, {len(held)} held out")
 
     tdir = work / "target"
-    tiny.build_tokenizer(tdir, vocab_size=2048, corpus=train_text, chat_template=tiny.COMPLETION_TEMPLATE)
-    from tokenizers import Tokenizer
+    if not args.draft_only:
+        tiny.build_tokenizer(tdir, vocab_size=2048, corpus=train_text, chat_template=tiny.COMPLETION_TEMPLATE)
+        from tokenizers import Tokenizer
 
-    tk = Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    ids = tk.encode(train_text).ids
-    log(f"tokenizer: {tk.get_vocab_size()} tokens; corpus {len(ids)} tokens")
-
-    cfg = target_config()
-    model = train_target(cfg, ids, args.target_steps, lr=args.target_lr, log=log)
-    tiny.save_mlx(model, cfg, tdir, tokenizer_dir=tdir)
+        tk = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+        ids = tk.encode(train_text).ids
+        log(f"tokenizer: {tk.get_vocab_size()} tokens; corpus {len(ids)} tokens")
+        cfg = target_config()
+        model = train_target(cfg, ids, args.target_steps, lr=args.target_lr, log=log)
+        # Stored in float16 (the package stays small); load() reads it back as float32.
+        model.update(__import__("mlx.utils").utils.tree_map(lambda p: p.astype(mx.float16), model.parameters()))
+        tiny.save_mlx(model, cfg, tdir, tokenizer_dir=tdir)
     t1 = time.perf_counter()
     log(f"target trained in {(t1 - t0) / 60:.1f} min")
 
-    # Prompts from held-out sources: a few lines starting at a def/class line.
+    # Prompts: random ~16-token windows of the sources (held-out files first
+    # in line), cut at line starts; the draft learns the target's continuations
+    # of them. Many short, equally long prompts batch well during generation.
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(tdir / "tokenizer.json"))
     prompts = []
-    for t in held_text:
-        lines = t.splitlines()
-        for i, l in enumerate(lines):
-            if l.lstrip().startswith(("def ", "class ")):
-                prompts.append("\n".join(lines[max(i - 2, 0) : i + 1]) + "\n")
+    for t in held_text + [t for n, t in texts if n not in held]:
+        lines = t.splitlines(keepends=True)
+        for i in range(0, len(lines), 7):
+            ids = tk.encode("".join(lines[i : i + 3])).ids[:16]
+            if len(ids) >= 8:
+                prompts.append(tk.decode(ids))
     rnd.shuffle(prompts)
     prompts = prompts[: args.prompts]
     pfile = work / "prompts.txt"
@@ -158,6 +170,8 @@ def main():
                      blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
                      log_every=25)
     summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log)
+    dw = mx.load(str(work / "draft" / "model.safetensors"))  # float16 on disk, like the target
+    mx.save_safetensors(str(work / "draft" / "model.safetensors"), {k: v.astype(mx.float16) for k, v in dw.items()})
     pjsonl.unlink()
     t2 = time.perf_counter()
     log(f"draft trained in {(t2 - t1) / 60:.1f} min; final per-slot acc {summary['final_acc']}")

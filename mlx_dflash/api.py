@@ -55,7 +55,7 @@ def load(
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft folder.
 
-    With no ``model`` the embedded default pair is loaded (target and draft).
+    With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
     ``draft_quantize`` = 4 or 8 quantizes the draft at load.
     """
@@ -63,6 +63,8 @@ def load(
         model = DEFAULT_MODEL
         if draft is None:
             draft = DEFAULT_DRAFT
+        # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
+        dtype = dtype or mx.float32
     if is_gguf(model):  # a llama.cpp file: weights and tokenizer from it
         target, _ = load_gguf_target(model, dtype=dtype)
         tok_dir = tokenizer_dir_for(model)

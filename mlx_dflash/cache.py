@@ -29,8 +29,8 @@ class KVBuffer:
         end = self.offset + T
         if self.keys is None or end > self.keys.shape[2]:
             cap = ((end + self.step - 1) // self.step) * self.step
-            nk = mx.zeros((1, k.shape[1], cap, k.shape[3]), k.dtype)
-            nv = mx.zeros((1, v.shape[1], cap, v.shape[3]), v.dtype)
+            nk = mx.zeros((k.shape[0], k.shape[1], cap, k.shape[3]), k.dtype)
+            nv = mx.zeros((v.shape[0], v.shape[1], cap, v.shape[3]), v.dtype)
             if self.keys is not None and self.offset > 0:
                 nk[:, :, : self.offset] = self.keys[:, :, : self.offset]
                 nv[:, :, : self.offset] = self.values[:, :, : self.offset]

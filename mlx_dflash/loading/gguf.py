@@ -300,6 +300,7 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
         model.load_weights(updates, strict=False)
         mx.eval([u for _, u in updates])
         del arr, updates
+        mx.clear_cache()  # return the decode's temporaries, so peak memory stays one tensor deep
         done_bytes += int(t.n_bytes)
         if progress:
             progress(n, total, done_bytes)
