@@ -40,6 +40,17 @@ def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
     return cfg
 
 
+def _peak_rss_gb() -> float:
+    # VmHWM starts afresh at exec; ru_maxrss would carry over the parent's peak.
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1e9 if sys.platform == "darwin" else 1e6)
+
+
 def child(path: str) -> None:
     import mlx.core as mx
     from mlx_lm.utils import get_total_parameters
@@ -51,7 +62,7 @@ def child(path: str) -> None:
     dt = time.perf_counter() - t
     params = get_total_parameters(target.model)
     nbytes = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(target.model.parameters()))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KB -> GB on Linux
+    rss = _peak_rss_gb()
     print(json.dumps({"seconds": dt, "params": params, "mlx_bytes": nbytes, "peak_rss_gb": rss,
                       "mlx_peak_gb": mx.get_peak_memory() / 1e9}))
 
@@ -76,13 +87,13 @@ def main():
         res = json.loads(r.stdout.strip().splitlines()[-1])
         line = (f"| {args.hidden} x {args.layers} layers | {args.type} (+Q8_0 embeddings) | {res['params'] / 1e6:.0f} M | "
                 f"{path.stat().st_size / 1e9:.2f} GB | {res['mlx_bytes'] / 1e9:.2f} GB | {res['seconds']:.1f} s | "
-                f"{res['peak_rss_gb']:.2f} GB |")
+                f"{res['peak_rss_gb']:.2f} GB | {res['mlx_peak_gb']:.2f} GB |")
     print(line)
     out = RESULTS / "gguf-load.md"
     if not out.exists():
         out.write_text("# GGUF load: time and peak memory (Linux CPU, fresh process)\n\n"
-                       "| model | GGUF types | parameters | file | loaded MLX weights | load time | peak RSS |\n"
-                       "|---|---|---:|---:|---:|---:|---:|\n")
+                       "| model | GGUF types | parameters | file | loaded MLX weights | load time | peak RSS | MLX peak |\n"
+                       "|---|---|---:|---:|---:|---:|---:|---:|\n")
     with open(out, "a") as f:
         f.write(line + "\n")
 
