@@ -99,10 +99,10 @@ def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=1e-3, log=print):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
-    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--target-lr", type=float, default=1e-3)
-    ap.add_argument("--draft-steps", type=int, default=600)
-    ap.add_argument("--prompts", type=int, default=320)
+    ap.add_argument("--draft-steps", type=int, default=1500)
+    ap.add_argument("--prompts", type=int, default=6000)
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
     ap.add_argument("--draft-only", action="store_true",
@@ -177,8 +177,9 @@ def main():
     log(f"draft trained in {(t2 - t1) / 60:.1f} min; final per-slot acc {summary['final_acc']}")
     (work / "draft" / "train_summary.json").unlink()
     (work / "BUILD.json").write_text(json.dumps({
-        "python": sys.version.split()[0], "target_steps": args.target_steps, "draft_steps": args.draft_steps,
-        "prompts": len(prompts), "minutes": round((t2 - t0) / 60, 1), "blas": blas.describe(),
+        "python": sys.version.split()[0], "target_steps": None if args.draft_only else args.target_steps,
+        "draft_steps": args.draft_steps, "prompts": len(prompts), "minutes": round((t2 - t0) / 60, 1),
+        "blas": blas.describe(),
         "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],
     }, indent=1))
     if args.out.exists():
