@@ -225,7 +225,13 @@ def gated_delta_rollback(
 
 def ancestor_matrix(parents: Sequence[int]) -> mx.array:
     """anc[t, s] = s is on the path from the root to t (t itself included).
-    ``parents[t]`` < t, or -1 for a root."""
+    ``parents[t]`` < t, or -1 for a root. Cached: every layer of one tree
+    verify asks for the same tree."""
+    return _ancestor_matrix(tuple(parents))
+
+
+@lru_cache(maxsize=16)
+def _ancestor_matrix(parents: Tuple[int, ...]) -> mx.array:
     T = len(parents)
     anc = np.zeros((T, T), dtype=bool)
     for t, p in enumerate(parents):
@@ -281,7 +287,13 @@ def path_rows(parents: Sequence[int], node: int) -> List[int]:
 def conv_windows(parents: Sequence[int], kernel_size: int) -> np.ndarray:
     """Row indices into ``concat(conv_state, block)`` of each token's K-row
     window, oldest first, gathered along the parent chain (chain: the usual
-    sliding window). Rows 0..K-2 are the conv state, row K-1+t is token t."""
+    sliding window). Rows 0..K-2 are the conv state, row K-1+t is token t.
+    Cached per tree like :func:`ancestor_matrix`."""
+    return _conv_windows(tuple(parents), kernel_size)
+
+
+@lru_cache(maxsize=16)
+def _conv_windows(parents: Tuple[int, ...], kernel_size: int) -> np.ndarray:
     K = kernel_size
     idx = np.zeros((len(parents), K), dtype=np.int32)
     for t in range(len(parents)):

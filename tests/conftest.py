@@ -1,6 +1,7 @@
 """Shared fixtures: tiny fp32 random models (dense and MoE), a tokenizer, references."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_dflash import tiny
@@ -45,3 +46,14 @@ def reference_greedy(model, prompt, n):
 
 def target_of(model):
     return Target(model)
+
+
+def assert_cache_is_plain_forward(target, cache, tokens):
+    """``cache`` equals a fresh prefill over ``tokens`` (KV, DeltaNet and conv state)."""
+    fresh = target.make_cache()
+    target.prefill(list(tokens), fresh)
+    assert cache.offset == fresh.offset
+    got, want = cache.state(), fresh.state()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)

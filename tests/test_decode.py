@@ -9,7 +9,7 @@ from mlx_dflash.decode import GenerationStats, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 
-from conftest import reference_greedy
+from conftest import assert_cache_is_plain_forward, reference_greedy
 
 PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300], [2, 450]]
 N = 24
@@ -108,11 +108,7 @@ def test_cache_after_cycles_equals_plain_forward(any_model, accept):
         cache = target.make_cache()
         out, _ = run(target, prompt, n, draft=draft, block_size=16, cache=cache)
         assert out == ref[:n]
-        fresh = target.make_cache()
-        target.prefill(prompt + out[:-1], fresh)
-        assert cache.offset == fresh.offset
-        for g, w in zip(cache.state(), fresh.state()):
-            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+        assert_cache_is_plain_forward(target, cache, prompt + out[:-1])
 
 
 def test_eos_stops_and_is_never_overshot(dense):

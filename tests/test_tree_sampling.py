@@ -11,7 +11,7 @@ from mlx_dflash.decode import GenerationStats, generate_tokens, longest_match
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.sampling import Sampler
 
-from conftest import reference_greedy
+from conftest import assert_cache_is_plain_forward, reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
 
 N = 24
@@ -109,11 +109,7 @@ def test_tree_caches_equal_plain_forward(any_model, accept):
         draft = ScriptedDraft(prompt, ref, target.vocab_size, accept=accept)
         out, _ = run(target, prompt, n, draft=draft, block_size=8, tree_budget=12, tree_topk=3, cache=cache)
         assert out == ref[:n]
-        fresh = target.make_cache()
-        target.prefill(prompt + out[:-1], fresh)
-        assert cache.offset == fresh.offset
-        for g, w in zip(cache.state(), fresh.state()):
-            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-5)
+        assert_cache_is_plain_forward(target, cache, prompt + out[:-1])
 
 
 # --- sampling -------------------------------------------------------------------------
