@@ -25,6 +25,8 @@ from pathlib import Path
 from mlx_dflash import blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPT_LENGTHS = (16, 32, 48, 64)
+SEQ_LEN = 160  # prompt + continuation; also the draft's context window
 SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "__pycache__", "pydoc_data")
 
 
@@ -101,8 +103,8 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--target-lr", type=float, default=1e-3)
-    ap.add_argument("--draft-steps", type=int, default=1500)
-    ap.add_argument("--prompts", type=int, default=6000)
+    ap.add_argument("--draft-steps", type=int, default=3000)
+    ap.add_argument("--prompts", type=int, default=4000)
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
     ap.add_argument("--draft-only", action="store_true",
@@ -147,9 +149,9 @@ def main():
     t1 = time.perf_counter()
     log(f"target trained in {(t1 - t0) / 60:.1f} min")
 
-    # Prompts: random ~16-token windows of the sources (held-out files first
-    # in line), cut at line starts; the draft learns the target's continuations
-    # of them. Many short, equally long prompts batch well during generation.
+    # Prompts: windows of the sources starting at a line, 16 to 64 tokens long
+    # (real prompts are longer than a line or two); the draft learns the
+    # target's continuations of them. Four lengths keep generation batched.
     from tokenizers import Tokenizer
 
     tk = Tokenizer.from_file(str(tdir / "tokenizer.json"))
@@ -157,18 +159,19 @@ def main():
     for t in held_text + [t for n, t in texts if n not in held]:
         lines = t.splitlines(keepends=True)
         for i in range(0, len(lines), 7):
-            ids = tk.encode("".join(lines[i : i + 3])).ids[:16]
-            if len(ids) >= 8:
-                prompts.append(tk.decode(ids))
+            ids = tk.encode("".join(lines[i : i + 12])).ids
+            n = rnd.choice(PROMPT_LENGTHS)
+            if len(ids) >= n:
+                prompts.append(tk.decode(ids[:n]))
     rnd.shuffle(prompts)
     prompts = prompts[: args.prompts]
     pfile = work / "prompts.txt"
     pfile.write_text("\n".join(json.dumps({"text": p}) for p in prompts) + "\n")
     pjsonl = work / "prompts.jsonl"
     pfile.rename(pjsonl)
-    tc = TrainConfig(block_size=16, num_layers=2, seq_len=128, gen_tokens=112, batch_size=8,
+    tc = TrainConfig(block_size=16, num_layers=2, target_layer_ids=[1, 3, 5, 7], seq_len=SEQ_LEN, gen_tokens=SEQ_LEN, batch_size=8,
                      blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
-                     log_every=25)
+                     log_every=100)
     summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log)
     dw = mx.load(str(work / "draft" / "model.safetensors"))  # float16 on disk, like the target
     mx.save_safetensors(str(work / "draft" / "model.safetensors"), {k: v.astype(mx.float16) for k, v in dw.items()})
@@ -176,11 +179,17 @@ def main():
     t2 = time.perf_counter()
     log(f"draft trained in {(t2 - t1) / 60:.1f} min; final per-slot acc {summary['final_acc']}")
     (work / "draft" / "train_summary.json").unlink()
+    target_info = {"target_steps": args.target_steps, "target_minutes": round((t1 - t0) / 60, 1)}
+    if args.draft_only:  # the target (and its build record) is the one already there
+        old = json.loads((args.out / "BUILD.json").read_text()) if (args.out / "BUILD.json").exists() else {}
+        target_info = {k: old.get(k) for k in target_info}
     (work / "BUILD.json").write_text(json.dumps({
-        "python": sys.version.split()[0], "target_steps": None if args.draft_only else args.target_steps,
-        "draft_steps": args.draft_steps, "prompts": len(prompts), "minutes": round((t2 - t0) / 60, 1),
+        "python": sys.version.split()[0], **target_info,
+        "draft_steps": args.draft_steps, "prompts": len(prompts), "draft_minutes": round((t2 - t1) / 60, 1),
+        "draft_seq_len": SEQ_LEN, "draft_target_layer_ids": tc.target_layer_ids,
         "blas": blas.describe(),
         "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],
+        "note": "the draft rebuilt with --draft-only" if args.draft_only else "one full run",
     }, indent=1))
     if args.out.exists():
         shutil.rmtree(args.out)

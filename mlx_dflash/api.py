@@ -119,6 +119,7 @@ def stream_generate(
     tree_topk: int = 4,
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
+    profile: bool = False,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
@@ -130,6 +131,8 @@ def stream_generate(
     is the same token for token in plain, chain and tree mode.
     ``tree_budget`` > 0 verifies a DDTree of that many draft nodes
     (``tree_topk`` candidates per depth) instead of a chain.
+    ``profile=True`` synchronises after each phase so ``stats`` splits the
+    time into draft / verify / rollback (slower).
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
@@ -148,6 +151,7 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
+        profile=profile,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

@@ -50,12 +50,13 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
     }
 
 
-def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4):
+def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4,
+                profile=False):
     st = GenerationStats()
     toks: List[int] = []
     for t in generate_tokens(engine.target, ids, draft=draft, max_tokens=max_tokens,
                              block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st,
-                             tree_budget=tree_budget, tree_topk=tree_topk):
+                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile):
         toks.extend(t)
     c = max(st.cycles, 1)
     return toks, {
@@ -70,7 +71,10 @@ def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree
     }
 
 
-def _median_run(fn, repeats: int):
+def _median_run(fn, repeats: int, profile_fn=None):
+    """Median run by decode tok/s; ``profile_fn`` (engine modes) is one more
+    run, synchronised per phase, whose draft/verify/rollback split replaces
+    the unsplit timings of the timed runs."""
     fn()  # warm-up
     runs = [fn() for _ in range(repeats)]
     toks = runs[0][0]
@@ -78,7 +82,13 @@ def _median_run(fn, repeats: int):
         if t != toks:
             raise DFlashError("a mode produced different tokens across repeats at temperature 0")
     order = sorted(range(repeats), key=lambda i: runs[i][1]["decode_tps"])
-    return toks, runs[order[repeats // 2]][1]
+    best = runs[order[repeats // 2]][1]
+    if profile_fn is not None:
+        t, prof = profile_fn()
+        if t != toks:
+            raise DFlashError("a profiled run produced different tokens at temperature 0")
+        best["ms_per_cycle"] = prof["ms_per_cycle"]
+    return toks, best
 
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
@@ -99,14 +109,16 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             tokens = {}
             for mode in modes:
                 if mode == "mlx-lm":
-                    fn = lambda: _run_mlx_lm(engine, ids, n)
+                    fn = lambda p=False: _run_mlx_lm(engine, ids, n)
                 elif mode == "baseline":
-                    fn = lambda: _run_engine(engine, ids, n, None, None)
+                    fn = lambda p=False: _run_engine(engine, ids, n, None, None, profile=p)
                 elif mode == "dflash":
-                    fn = lambda: _run_engine(engine, ids, n, engine.draft, block_size)
+                    fn = lambda p=False: _run_engine(engine, ids, n, engine.draft, block_size, profile=p)
                 else:
-                    fn = lambda: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget, tree_topk)
-                tokens[mode], row["modes"][mode] = _median_run(fn, repeats)
+                    fn = lambda p=False: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
+                                                     tree_topk, profile=p)
+                prof = None if mode == "mlx-lm" else (lambda f=fn: f(True))
+                tokens[mode], row["modes"][mode] = _median_run(fn, repeats, prof)
                 row["modes"][mode]["generated"] = len(tokens[mode])
             ref = tokens["mlx-lm"]
             for mode in modes[1:]:

@@ -50,6 +50,12 @@ class KVBuffer:
     def truncate(self, length: int) -> None:
         self.offset = min(self.offset, length)
 
+    def snapshot(self):
+        return self.offset
+
+    def restore(self, snap) -> None:
+        self.offset = snap  # rows past it are garbage, as after a rollback
+
     def state(self) -> List[mx.array]:
         if self.keys is None:
             return []
@@ -85,6 +91,12 @@ class DeltaNetState:
         self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n)
         self.conv = kernels.conv_state_rollback(conv_in, n, K)
 
+    def snapshot(self):
+        return (self.conv, self.ssm, self.tape)  # arrays are immutable: references suffice
+
+    def restore(self, snap) -> None:
+        self.conv, self.ssm, self.tape = snap
+
     def state(self) -> List[mx.array]:
         return [x for x in (self.conv, self.ssm) if x is not None]
 
@@ -118,6 +130,16 @@ class TargetCache:
                 c.rollback(n_keep, path)
         self.offset = new_offset
         self.block = 0
+
+    def snapshot(self):
+        """A cheap handle on the current state (references, no copies)."""
+        return (self.offset, self.block, [c.snapshot() for c in self.layers])
+
+    def restore(self, snap) -> None:
+        """Return to a :meth:`snapshot` taken on this cache (later appends undone)."""
+        self.offset, self.block, layers = snap
+        for c, s in zip(self.layers, layers):
+            c.restore(s)
 
     def state(self) -> List[mx.array]:
         out = []

@@ -41,7 +41,7 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
     return text
 
 
-def _stats_table(s, mode: str) -> str:
+def _stats_table(s, mode: str, profile: bool = False) -> str:
     rows = [
         ("mode", mode),
         ("prompt tokens", f"{s.prompt_tokens}"),
@@ -56,7 +56,9 @@ def _stats_table(s, mode: str) -> str:
         ("prefill", f"{s.prefill_tps:.1f} tok/s ({s.prefill_time * 1e3:.1f} ms)"),
         ("decode", f"{s.decode_tps:.1f} tok/s ({s.decode_time * 1e3:.1f} ms)"),
     ]
-    if s.cycles:
+    if s.cycles and not profile:
+        rows.append(("time per cycle", f"{s.decode_time / s.cycles * 1e3:.2f} ms (--profile splits it)"))
+    elif s.cycles:
         c = s.cycles
         rows.append((
             "per cycle: draft/verify/rollback/other",
@@ -101,12 +103,16 @@ def generate(
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
     draft_window: int = typer.Option(
         0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
-                                  "(plus --draft-sink first ones); 0 = keep all."),
+                                  "(plus --draft-sink first ones); 0 = the draft's own: its "
+                                  "sliding window when every layer slides, else keep all."),
     draft_sink: int = typer.Option(16, "--draft-sink", help="First context positions always kept with --draft-window."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s, time split) to stderr."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."),
+    profile: bool = typer.Option(
+        False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
+                                 "draft / verify / rollback (a little slower)."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
@@ -130,7 +136,7 @@ def generate(
         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, profile=profile,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -139,7 +145,7 @@ def generate(
     sys.stdout.flush()
     if verbose and stats is not None:
         mode = "dflash" if use_draft else "baseline (plain decoding)"
-        typer.echo(_stats_table(stats, mode), err=True)
+        typer.echo(_stats_table(stats, mode, profile), err=True)
 
 
 @app.command("train-draft")
@@ -163,6 +169,10 @@ def train_draft_cmd(
     mask_token_id: Optional[int] = typer.Option(
         None, "--mask-token-id", help="Mask token (default: <|mask|> if in the vocab, else the last id)."),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
+    context_window: Optional[int] = typer.Option(
+        None, "--context-window", help="Context positions a block attends to, in training and at inference "
+                                      "(a sliding window on every draft layer). Default: --seq-len, the longest "
+                                      "context training shows; 0 = unlimited."),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
     blocks_per_seq: int = typer.Option(8, "--blocks-per-seq", help="Anchored blocks per sequence per step."),
     steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
@@ -192,7 +202,7 @@ def train_draft_cmd(
         raise DFlashError("--lr, --gamma and --grad-clip must be positive")
     tc = TrainConfig(
         block_size=block_size, num_layers=layers, target_layer_ids=ids, mask_token_id=mask_token_id,
-        seq_len=seq_len, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
+        seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
         warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
         checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
     )

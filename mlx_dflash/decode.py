@@ -83,6 +83,41 @@ def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
 
 
+def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_tokens, max_context, tic):
+    """Plain decoding with each step queued before the host reads the one
+    before it (as mlx-lm's ``generate_step``), so the device never waits on
+    Python. A step queued past the end is undone from a cache snapshot."""
+
+    def step(tok: mx.array, p: int):
+        snap = cache.snapshot()
+        logits, _ = target.forward(tok, cache)
+        nxt = sampler(logits, [p + 1]).astype(mx.int32)
+        mx.async_eval(nxt)
+        return snap, nxt
+
+    queued = step(mx.array([anchor], dtype=mx.int32), pos) if pos < max_context else None
+    while queued is not None:
+        _, cur = queued
+        queued = None
+        if stats.generated_tokens + 1 < max_tokens and pos + 1 < max_context:
+            queued = step(cur, pos + 1)
+        tok = cur.item()
+        pos += 1
+        stats.cycles += 1
+        stats.accept_hist[1] += 1
+        stats.cycle_commits.append(1)
+        stats.tree_sizes.append(1)
+        out = emit([tok])
+        if stats.finish_reason is not None and queued is not None:
+            cache.restore(queued[0])
+            queued = None
+        stats.decode_time = time.perf_counter() - tic
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        yield out
+    if stats.finish_reason is None:
+        stats.finish_reason = "length"  # context full
+
+
 def longest_match(drafted: List[int], picks: List[int]) -> int:
     """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
     target's pick for the row before it."""
@@ -109,6 +144,7 @@ def generate_tokens(
     stats: Optional[GenerationStats] = None,
     cache=None,
     acceptance: Callable[[List[int], List[int]], int] = longest_match,
+    profile: bool = False,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
@@ -122,6 +158,9 @@ def generate_tokens(
     ``cache``: an empty ``target.make_cache()`` to use (and inspect afterwards);
     it ends holding the prompt and every emitted token but the last.
     ``acceptance``: the chain acceptance rule (a test hook; keep the default).
+    ``profile``: synchronise after each phase so ``stats`` splits the time
+    into draft / verify / rollback (slower; without it the device work of a
+    cycle is queued as one graph and ``verify_time`` holds nearly all of it).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -178,6 +217,18 @@ def generate_tokens(
     history = history + emit([anchor])
     yield history[-1:]
     tic = time.perf_counter()
+    if draft is None and not sampler.needs_context and not profile:
+        yield from _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
+                                    max_tokens, max_context, tic)
+        return
+
+    def launch_draft(feats, anchor, pos, B):
+        """The draft's proposal for the next block, left lazy (chain: token
+        ids; tree: the logits ``ddtree.build`` reads)."""
+        dlogits = draft(feats, anchor, pos, B, dcache)
+        return dlogits if tree_budget > 0 else greedy(dlogits).astype(mx.int32)
+
+    pending = None  # the next cycle's draft, launched before yielding
     while stats.finish_reason is None:
         B = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
         if B < 1:
@@ -185,41 +236,57 @@ def generate_tokens(
             break
         t0 = time.perf_counter()
         tree = None
-        drafted: List[int] = []
+        drafted_arr = None
         if draft is not None and B > 1:
-            dlogits = draft(feats, anchor, pos, B, dcache)
+            proposal = pending if pending is not None else launch_draft(feats, anchor, pos, B)
             feats = None
             if tree_budget > 0:
-                tree = ddtree.build(dlogits, anchor, tree_budget, tree_topk)
+                tree = ddtree.build(proposal, anchor, tree_budget, tree_topk)
             else:
-                drafted = greedy(dlogits).tolist()
+                drafted_arr = proposal
+                if profile:
+                    mx.eval(drafted_arr)
+        pending = None
         t1 = time.perf_counter()
         if tree is not None:
             block, parents, depths = tree.tokens, tree.parents, tree.depths
+            block_in = block
         else:
-            block = [anchor] + drafted
-            parents, depths = None, range(len(block))
-        record = len(block) > 1
-        vlogits, vfeats = target.forward(block, cache, capture=capture, record=record, parents=parents)
+            parents = None
+            depths = range(B if drafted_arr is not None else 1)
+            anchor_arr = mx.array([anchor], dtype=mx.int32)
+            block_in = anchor_arr if drafted_arr is None else mx.concatenate([anchor_arr, drafted_arr])
+        record = len(depths) > 1
+        vlogits, vfeats = target.forward(block_in, cache, capture=capture, record=record, parents=parents)
         positions = [pos + 1 + d for d in depths]
         contexts = None
+        drafted: List[int] = []
         if sampler.needs_context:
+            if drafted_arr is not None:
+                drafted = drafted_arr.tolist()
+            if tree is None:
+                block = [anchor] + drafted
             rows = [kernels_path(parents, i) for i in range(len(block))] if tree is not None \
                 else [list(range(i + 1)) for i in range(len(block))]
             contexts = [history + [block[j] for j in r[1:]] for r in rows]
-        picks = sampler(vlogits, positions, contexts).tolist()
+        picks_arr = sampler(vlogits, positions, contexts)
+        # The one host sync of a cycle: the target's picks (and the drafts).
+        if drafted_arr is not None and not drafted:
+            mx.eval(picks_arr, drafted_arr)
+            drafted = drafted_arr.tolist()
+        picks = picks_arr.tolist()
         t2 = time.perf_counter()
         if tree is not None:
             path = ddtree.walk(tree, picks)
         else:
+            block = [anchor] + drafted
             path = list(range(acceptance(drafted, picks) + 1))
         n_keep = len(path)  # the anchor and the accepted drafts stay in the cache
-        if tree is not None:
-            cache.rollback(n_keep, path=path)
-            mx.eval(cache.state())
-        elif record:
-            cache.rollback(n_keep)
-            mx.eval(cache.state())
+        if record:
+            # Left lazy: the next cycle's forward evaluates it.
+            cache.rollback(n_keep, path=path if tree is not None else None)
+            if profile:
+                mx.eval(cache.state())
         if vfeats is not None:
             # Features of the committed rows become draft context. A draft
             # skipped this cycle (B == 1) keeps its pending rows.
@@ -237,6 +304,14 @@ def generate_tokens(
         pos += n_keep
         out = emit([block[i] for i in path[1:]] + [anchor])
         history = history + out
+        if draft is not None and not profile and stats.finish_reason is None:
+            # Start the next draft now, so it runs while the caller handles
+            # these tokens (detokenizing, printing).
+            nB = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
+            if nB > 1:
+                pending = launch_draft(feats, anchor, pos, nB)
+                feats = None
+                mx.async_eval(pending)
         stats.decode_time = time.perf_counter() - tic
         stats.peak_memory = mx.get_peak_memory() / 1e9
         yield out

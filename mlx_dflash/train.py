@@ -34,6 +34,10 @@ class TrainConfig:
     mask_token_id: Optional[int] = None
     intermediate_size: Optional[int] = None  # default: the target's
     seq_len: int = 256
+    # Context positions a block attends to (sliding window on every layer).
+    # None: seq_len, the longest context training shows the draft, so that
+    # inference never leaves the training distribution; 0: unlimited.
+    context_window: Optional[int] = None
     batch_size: int = 8
     blocks_per_seq: int = 8
     steps: int = 1000
@@ -96,12 +100,15 @@ def corpus_sequences(tokenizer, texts: List[str], seq_len: int, eos: int) -> Lis
 
 
 def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: int,
-                        progress=None, batch_size: int = 128) -> List[List[int]]:
-    """The target's own greedy continuations of each prompt (prompt + output).
+                        progress=None, batch_size: int = 64, capture: Sequence[int] = ()):
+    """The target's own greedy continuations of each prompt (prompt + output),
+    and with ``capture`` the target features of every position, taken from
+    the same forward passes (cached, as at inference) instead of a second pass.
 
     Prompts of equal token length decode together in one batch (a plain
     batched greedy loop over the target cache), which costs about as much
-    per step as a single sequence on small models.
+    per step as a single sequence on small models. Returns (sequences,
+    features: one [len, N*H] array per sequence, or None).
     """
     target, tok = engine.target, engine.tokenizer
     buckets = {}
@@ -109,33 +116,44 @@ def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: in
         ids = tok.encode(p, add_special_tokens=False)[-(seq_len // 2):]
         if ids:
             buckets.setdefault(len(ids), []).append(ids)
-    seqs, done, total = [], 0, sum(len(b) for b in buckets.values())
+    seqs, feats, done, total = [], [], 0, sum(len(b) for b in buckets.values())
     for n_prompt, group in sorted(buckets.items()):
         n_new = min(gen_tokens, seq_len - n_prompt)
         for s in range(0, len(group), batch_size):
             batch = mx.array(group[s : s + batch_size])
             cache = target.make_cache()
-            cache_out = []
+            cache_out, feat_out = [], []
             tokens = batch
-            for step in range(n_new):
-                # Batched forward on the cache: the same layers the decode loop uses.
-                logits = _batched_step(target, tokens, cache)
+            for step in range(n_new + (1 if capture else 0)):
+                # Batched forward on the cache: the same layers the decode loop
+                # uses. With capture, one more step gives the last token's features.
+                logits, f = _batched_step(target, tokens, cache, capture)
+                if f is not None:
+                    feat_out.append(f)
+                if step == n_new:
+                    mx.eval(f)
+                    break
                 nxt = mx.argmax(logits[:, -1], axis=-1)[:, None]
-                mx.eval(nxt, cache.state())
+                mx.eval(nxt, cache.state(), *feat_out[-1:])
                 cache_out.append(nxt)
                 tokens = nxt
             out = mx.concatenate([batch] + cache_out, axis=1).tolist()
             seqs.extend(o[:seq_len] for o in out)
+            if capture:
+                fb = mx.concatenate(feat_out, axis=1)[:, :seq_len]
+                feats.extend(fb[i] for i in range(fb.shape[0]))
             done += batch.shape[0]
             if progress:
                 progress(done, total)
-    return seqs
+    return seqs, (feats if capture else None)
 
 
-def _batched_step(target, tokens: mx.array, cache) -> mx.array:
-    """Logits [Bt, T, V] for tokens [Bt, T] appended to a batched cache."""
+def _batched_step(target, tokens: mx.array, cache, capture: Sequence[int] = ()):
+    """Logits [Bt, T, V] for tokens [Bt, T] appended to a batched cache, and
+    the features [Bt, T, N*H] of the ``capture`` layers (or None)."""
     h = target.embed_tokens(tokens)
-    for layer, c in zip(target.layers, cache.layers):
+    got = {}
+    for i, (layer, c) in enumerate(zip(target.layers, cache.layers)):
         x = layer.input_layernorm(h)
         if layer.is_linear:
             r = target._deltanet(layer.linear_attn, x, c, False)
@@ -143,8 +161,11 @@ def _batched_step(target, tokens: mx.array, cache) -> mx.array:
             r = target._attention(layer.self_attn, x, c)
         h = h + r
         h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if i in capture:
+            got[i] = h
     cache.offset += tokens.shape[1]
-    return target.lm_head(target.norm(h))
+    f = mx.concatenate([got[i] for i in capture], axis=-1) if capture else None
+    return target.lm_head(target.norm(h)), f
 
 
 def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8):
@@ -164,7 +185,7 @@ def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch:
 def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
     a = target.args
     ids = tc.target_layer_ids or default_target_layer_ids(target.num_layers, tc.num_layers)
-    return {
+    cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": a.hidden_size,
@@ -181,6 +202,13 @@ def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
         "block_size": tc.block_size,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
     }
+    window = tc.seq_len if tc.context_window is None else tc.context_window
+    if window:
+        # Every layer sees the last window-1 positions before its anchor;
+        # bidirectional inside the block, as the full-attention layers.
+        cfg.update(layer_types=["sliding_attention"] * tc.num_layers, sliding_window=window + 1,
+                   sliding_block_causal=False)
+    return cfg
 
 
 def init_from_target(draft: DFlashDraft, target) -> List[str]:
@@ -284,6 +312,8 @@ def train_draft(
         raise DFlashError(f"block size must be in 2..64, got {tc.block_size}")
     if tc.seq_len < tc.block_size + 2:
         raise DFlashError(f"--seq-len {tc.seq_len} must exceed the block size {tc.block_size} + 1")
+    if tc.context_window is not None and tc.context_window < 0:
+        raise DFlashError(f"context window must be >= 0, got {tc.context_window}")
     if tc.steps < 1 or tc.batch_size < 1 or tc.blocks_per_seq < 1 or tc.num_layers < 1:
         raise DFlashError("steps, batch size, blocks per sequence and layers must be positive")
     engine = engine or load(target_path, dtype=mx.float32)
@@ -303,10 +333,11 @@ def train_draft(
     dcfg = make_draft_config(target, tc, mask_id)
     ids = dcfg["dflash_config"]["target_layer_ids"]
 
-    # Data and features.
+    # Data and features (tokens [n, L], features [n, L, N*H]).
     if corpus is not None:
         eos = (list(tok.eos_token_ids) or [0])[0]
         seqs = corpus_sequences(tok, read_texts(corpus, text_field), tc.seq_len, eos)
+        source = seqs
     else:
         pf = Path(generate_from).expanduser()
         if not pf.is_file():
@@ -315,28 +346,35 @@ def train_draft(
             [l for l in pf.read_text().splitlines() if l.strip()]
         if not prompts:
             raise DFlashError(f"prompt file is empty: {pf}")
-        log(f"generating target continuations for {len(prompts)} prompts")
-        seqs = generated_sequences(engine, prompts, tc.seq_len, tc.gen_tokens,
-                                   progress=lambda i, n: log(f"  {i}/{n}") if i % 50 == 0 or i == n else None)
-    L = min(len(s) for s in seqs)
-    if L < tc.block_size + 2:
-        raise DFlashError(f"sequences of {L} tokens are too short for block size {tc.block_size}")
-    seqs = [s[:L] for s in seqs]
-    key = hashlib.sha256(json.dumps([str(target_path), ids, seqs]).encode()).hexdigest()[:16]
-    feats = None
-    if feature_cache is not None:
-        fc = Path(feature_cache) / f"features-{key}.safetensors"
-        if fc.exists():
-            feats = mx.load(str(fc))["features"]
-            log(f"features from cache {fc}")
-    if feats is None:
+        source = [prompts, tc.seq_len, tc.gen_tokens]
+    key = hashlib.sha256(json.dumps([str(target_path), ids, source]).encode()).hexdigest()[:16]
+    fc = Path(feature_cache) / f"features-{key}.safetensors" if feature_cache is not None else None
+    if fc is not None and fc.exists():
+        data = mx.load(str(fc))
+        tokens, feats = data["tokens"], data["features"]
+        log(f"tokens and features from cache {fc}")
+    else:
         t = time.perf_counter()
-        feats = compute_features(target, seqs, ids)
-        log(f"target features for {len(seqs)} x {L} tokens in {time.perf_counter() - t:.1f}s")
-        if feature_cache is not None:
-            Path(feature_cache).mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(str(fc), {"features": feats})
-    tokens = mx.array(seqs)
+        if corpus is not None:
+            L = min(len(s) for s in seqs)
+            feats = compute_features(target, seqs, ids)
+        else:
+            log(f"generating target continuations for {len(prompts)} prompts")
+            seqs, flist = generated_sequences(
+                engine, prompts, tc.seq_len, tc.gen_tokens, capture=ids,
+                progress=lambda i, n: log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)")
+                if i % 256 < 64 or i == n else None)
+            L = min(len(s) for s in seqs)
+            feats = mx.stack([f[:L] for f in flist])
+        if L < tc.block_size + 2:
+            raise DFlashError(f"sequences of {L} tokens are too short for block size {tc.block_size}")
+        tokens = mx.array([s[:L] for s in seqs])
+        mx.eval(tokens, feats)
+        log(f"target features for {tokens.shape[0]} x {L} tokens in {time.perf_counter() - t:.1f}s")
+        if fc is not None:
+            fc.parent.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(str(fc), {"tokens": tokens, "features": feats})
+    L = tokens.shape[1]
 
     # Model and optimizer.
     mx.random.seed(tc.seed)

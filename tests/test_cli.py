@@ -23,7 +23,8 @@ def test_help_lists_every_flag(capsys):
     code, out, _ = cli(capsys, "generate", "--help")
     assert code == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
-                 "--system", "--baseline", "--verbose", "--seed", "--temp", "--draft-window", "--dtype"):
+                 "--system", "--baseline", "--verbose", "--profile", "--seed", "--temp", "--draft-window",
+                 "--dtype"):
         assert flag in out, flag
 
 
@@ -40,6 +41,13 @@ def test_dflash_and_baseline_print_the_same_text(capsys):
     code, b, _ = cli(capsys, "generate", "print(", "-n", "20", "--baseline")
     assert code in (0, None)
     assert a == b and a.strip()
+
+
+def test_profile_adds_the_time_split(capsys):
+    code, _, err = cli(capsys, "generate", "def f(x):", "-n", "20", "--verbose")
+    assert code in (0, None) and "time per cycle" in err and "draft/verify/rollback" not in err
+    code, _, err = cli(capsys, "generate", "def f(x):", "-n", "20", "--verbose", "--profile")
+    assert code in (0, None) and "draft/verify/rollback" in err
 
 
 def test_prompt_from_stdin(capsys, monkeypatch):

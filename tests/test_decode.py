@@ -126,6 +126,38 @@ def test_eos_stops_and_is_never_overshot(dense):
         assert stats.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("profile", [False, True])
+def test_plain_loop_cache_is_exact_at_every_stop(dense, profile):
+    """The plain loop queues step n+1 before reading step n (profile=False);
+    a step queued past an EOS, max_tokens or the context limit is undone."""
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, N)
+    first = ref.index(ref[6])
+    cases = [dict(n=N, eos_token_ids=[ref[6]], want=ref[: first + 1], why="stop"),
+             dict(n=5, want=ref[:5], why="length"),
+             dict(n=N, max_context=len(prompt) + 7, want=ref[:8], why="length")]
+    for c in cases:
+        cache = target.make_cache()
+        out, stats = run(target, prompt, c["n"], cache=cache, profile=profile,
+                         eos_token_ids=c.get("eos_token_ids", ()), max_context=c.get("max_context"))
+        assert out == c["want"] and stats.finish_reason == c["why"]
+        assert stats.cycles == len(out) - 1 and stats.accept_hist[1] == stats.cycles
+        assert_cache_is_plain_forward(target, cache, prompt + out[:-1])
+
+
+def test_profile_mode_gives_same_tokens_and_a_time_split(dense):
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[2]
+    ref = reference_greedy(model, prompt, N)
+    draft = ScriptedDraft(prompt, ref, target.vocab_size, accept=3)
+    out, stats = run(target, prompt, N, draft=draft, block_size=8, profile=True)
+    assert out == ref
+    assert stats.draft_time > 0 and stats.verify_time > 0 and stats.rollback_time > 0
+
+
 def test_block_never_exceeds_remaining_tokens(dense):
     _, model = dense
     target = Target(model)

@@ -54,7 +54,8 @@ def draft_ref(draft, target, feats, anchor, anchor_pos, B, window=None):
         if cfg.layer_types and cfg.layer_types[i] == "sliding_attention":
             W = cfg.sliding_window
             allowed[:, :S] = (np.array(ctx_pos) >= anchor_pos - (W - 1))[None]
-            allowed[:, S:] = np.tril(np.ones((B, B), bool))
+            if cfg.sliding_block_causal:
+                allowed[:, S:] = np.tril(np.ones((B, B), bool))
         scores = np.where(allowed[None], scores, -np.inf)
         p = np.exp(scores - scores.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -91,6 +92,37 @@ def test_draft_matches_spec_reference_over_cycles(setup, window):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
     if window is not None:
         assert len(cache.positions) == sum(window)
+
+
+def test_all_sliding_draft_keeps_only_its_window_and_matches_training_forward(dense):
+    """A draft trained with a context window (every layer sliding, block
+    bidirectional) keeps W-1 context rows by default; each cycle's logits
+    equal the SPEC reference and the training forward over the same anchors."""
+    from mlx_dflash.models.draft import train_logits
+
+    cfg, model = dense
+    target = Target(model)
+    W = 9
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=6, target_layer_ids=[0, 2],
+                             layer_types=["sliding_attention"] * 2, sliding_window=W)
+    dcfg["sliding_block_causal"] = False
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    L = 48
+    feats = mx.random.normal((L, 2 * target.hidden_size), key=mx.random.key(2))
+    tokens = mx.random.randint(4, 400, (L,), key=mx.random.key(3))
+    cache = draft.make_cache()
+    anchors, pos, consumed = [], 3, 0
+    for adv in (0, 6, 2, 9, 1, 12, 5):
+        pos += adv
+        got = draft(feats[consumed:pos], int(tokens[pos].item()), pos, 6, cache)
+        consumed = pos
+        assert len(cache.positions) == min(pos, W - 1)
+        want = draft_ref(draft, target, feats, int(tokens[pos].item()), pos, 6)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        anchors.append((pos, got))
+    train = train_logits(draft, feats[None], tokens[None], mx.array([[a for a, _ in anchors]]))[0]
+    for j, (_, got) in enumerate(anchors):
+        np.testing.assert_allclose(np.array(train[j]), np.array(got), rtol=1e-4, atol=1e-4)
 
 
 def test_draft_rejects_out_of_step_context(setup):

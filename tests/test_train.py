@@ -111,6 +111,23 @@ def test_generate_from_prompts_and_feature_cache(target_dir, tmp_path):
     logs.clear()
     train_draft(path, tmp_path / "d", generate_from=prompts, feature_cache=tmp_path / "fc", config=cfg, log=logs.append)
     assert any("features from cache" in l for l in logs)
+    assert not any("generating" in l for l in logs)  # the cache holds the generated tokens too
+
+
+def test_generation_features_equal_a_plain_forward(target_dir):
+    """Features captured while generating (cached, token by token) are the
+    ones a no-cache forward over the finished sequences gives."""
+    from mlx_dflash.train import compute_features, generated_sequences
+
+    path, _ = target_dir
+    eng = mlx_dflash.load(path)
+    seqs, feats = generated_sequences(eng, ["def fibonacci(n):", "class Stack:", "import os"], 24, 20,
+                                      capture=[0, 2])
+    assert feats is not None and len(feats) == 3
+    for s, f in zip(seqs, feats):
+        ref = compute_features(eng.target, [s], [0, 2])[0]
+        assert f.shape == ref.shape == (len(s), 2 * eng.target.hidden_size)
+        np.testing.assert_allclose(np.array(f), np.array(ref), rtol=1e-4, atol=1e-4)
 
 
 def cli(capsys, *args):
@@ -126,6 +143,10 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
                     "--steps", "2", "--seq-len", "40", "--batch-size", "2", "--block-size", "4")
     assert code in (0, None), out
     assert "wrote" in out and (tmp_path / "d" / "config.json").exists()
+    dcfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    # The context window defaults to the training length: every layer slides over it.
+    assert dcfg["layer_types"] == ["sliding_attention"] * 2 and dcfg["sliding_window"] == 41
+    assert dcfg["sliding_block_causal"] is False
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")
     llama = tmp_path / "llama"
@@ -141,6 +162,7 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         (base + ["--corpus", str(corpus), "--target-layer-ids", "a,b"], "comma list"),
         (base, "exactly one data source"),
         (base + ["--corpus", str(corpus), "--resume"], "no checkpoint"),
+        (base + ["--corpus", str(corpus), "--context-window", "-3"], "context window must be >= 0"),
     ]:
         code, out = cli(capsys, *args)
         assert code == 2, (args, out)

@@ -184,7 +184,13 @@ class DFlashDraft(nn.Module):
         return self.config.block_size
 
     def make_cache(self, window: Optional[Tuple[int, int]] = None) -> DraftCache:
+        """``window`` (sink, recent) bounds the context rows kept. Default: when
+        every layer slides over W positions, only the last W-1 rows (all any
+        layer can see), so long generations cost what short ones do."""
         n = len(self.layers)
+        cfg = self.config
+        if window is None and cfg.sliding_window and all(cfg.is_sliding(i) for i in range(n)):
+            window = (0, cfg.sliding_window - 1)
         return DraftCache([None] * n, [None] * n, window=window)
 
     def _mask(self, i: int, cache: DraftCache, anchor_pos: int, B: int):
@@ -192,8 +198,11 @@ class DFlashDraft(nn.Module):
         cfg = self.config
         if not cfg.is_sliding(i) or cfg.sliding_window is None:
             return None
+        first = anchor_pos - (cfg.sliding_window - 1)
+        if not cfg.sliding_block_causal and (not cache.positions or cache.positions[0] >= first):
+            return None  # every cached row is in the window (a trimmed cache)
         pos = mx.array(cache.positions) if cache.positions else mx.zeros((0,), mx.int32)
-        ctx_ok = pos >= anchor_pos - (cfg.sliding_window - 1)
+        ctx_ok = pos >= first
         ctx_ok = mx.broadcast_to(ctx_ok[None], (B, pos.shape[0]))
         if cfg.sliding_block_causal:
             blk = mx.tril(mx.ones((B, B), dtype=mx.bool_))
