@@ -7,7 +7,9 @@
 2. A small Qwen3.5 target (hidden 256, 6 Gated DeltaNet + 2 attention layers,
    ~8M parameters) trained from scratch in MLX on those sources.
 3. A 2-layer DFlash draft trained with ``train_draft`` on the target's own
-   greedy continuations of prompts cut from held-out sources.
+   greedy continuations (features of target layers 1, 3, 5, 7 captured while
+   generating) of 16-64-token prompts cut from the sources, held-out files
+   first; its layers slide over the training sequence length.
 
 Deterministic for a given Python version (fixed seeds, sorted inputs).
 """
@@ -26,7 +28,6 @@ from mlx_dflash import blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LENGTHS = (16, 32, 48, 64)
-SEQ_LEN = 160  # prompt + continuation; also the draft's context window
 SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "__pycache__", "pydoc_data")
 
 
@@ -105,6 +106,8 @@ def main():
     ap.add_argument("--target-lr", type=float, default=1e-3)
     ap.add_argument("--draft-steps", type=int, default=3000)
     ap.add_argument("--prompts", type=int, default=4000)
+    ap.add_argument("--seq-len", type=int, default=160,
+                    help="draft training sequence (prompt + continuation); also the draft's context window")
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
     ap.add_argument("--draft-only", action="store_true",
@@ -169,7 +172,8 @@ def main():
     pfile.write_text("\n".join(json.dumps({"text": p}) for p in prompts) + "\n")
     pjsonl = work / "prompts.jsonl"
     pfile.rename(pjsonl)
-    tc = TrainConfig(block_size=16, num_layers=2, target_layer_ids=[1, 3, 5, 7], seq_len=SEQ_LEN, gen_tokens=SEQ_LEN, batch_size=8,
+    tc = TrainConfig(block_size=16, num_layers=2, target_layer_ids=[1, 3, 5, 7], seq_len=args.seq_len,
+                     gen_tokens=args.seq_len, batch_size=8,
                      blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
                      log_every=100)
     summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log)
@@ -186,7 +190,7 @@ def main():
     (work / "BUILD.json").write_text(json.dumps({
         "python": sys.version.split()[0], **target_info,
         "draft_steps": args.draft_steps, "prompts": len(prompts), "draft_minutes": round((t2 - t1) / 60, 1),
-        "draft_seq_len": SEQ_LEN, "draft_target_layer_ids": tc.target_layer_ids,
+        "draft_seq_len": args.seq_len, "draft_target_layer_ids": tc.target_layer_ids,
         "blas": blas.describe(),
         "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],
         "note": "the draft rebuilt with --draft-only" if args.draft_only else "one full run",

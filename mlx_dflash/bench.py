@@ -2,7 +2,8 @@
 
 Every mode decodes the same prompt token ids from the same weights; at
 temperature 0 all must produce identical tokens, or the run fails. Reports the
-median of ``repeats`` runs after one warm-up per (prompt, length, mode).
+median of ``repeats`` runs after one warm-up per (prompt, length, mode); the
+modes take turns within each repeat.
 """
 
 import json
@@ -64,6 +65,7 @@ def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree
         "tau": st.tau, "accept_hist": st.accept_hist, "cycles": st.cycles,
         "cycle_commits": st.cycle_commits, "depth_acceptance": st.depth_acceptance,
         "mean_tree_size": st.mean_tree_size,
+        "ms_per_cycle_timed": st.decode_time / c * 1e3,
         "ms_per_cycle": {
             "draft": st.draft_time / c * 1e3, "verify": st.verify_time / c * 1e3,
             "rollback": st.rollback_time / c * 1e3, "other": st.other_time / c * 1e3,
@@ -71,24 +73,32 @@ def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree
     }
 
 
-def _median_run(fn, repeats: int, profile_fn=None):
-    """Median run by decode tok/s; ``profile_fn`` (engine modes) is one more
-    run, synchronised per phase, whose draft/verify/rollback split replaces
-    the unsplit timings of the timed runs."""
-    fn()  # warm-up
-    runs = [fn() for _ in range(repeats)]
-    toks = runs[0][0]
-    for t, _ in runs[1:]:
-        if t != toks:
-            raise DFlashError("a mode produced different tokens across repeats at temperature 0")
-    order = sorted(range(repeats), key=lambda i: runs[i][1]["decode_tps"])
-    best = runs[order[repeats // 2]][1]
-    if profile_fn is not None:
-        t, prof = profile_fn()
-        if t != toks:
-            raise DFlashError("a profiled run produced different tokens at temperature 0")
-        best["ms_per_cycle"] = prof["ms_per_cycle"]
-    return toks, best
+def _interleaved_medians(fns: Dict[str, object], repeats: int):
+    """Per mode: the median run by decode tok/s. Modes take turns within each
+    repeat (after one warm-up each), so a machine that speeds up or slows
+    down over the minutes of a run shifts every mode alike and the ratios
+    stay side by side. Engine modes then get one more run, synchronised per
+    phase (``fn(True)``), whose draft/verify/rollback split replaces the
+    unsplit timings of the timed runs."""
+    for fn in fns.values():
+        fn(False)
+    runs = {m: [] for m in fns}
+    for _ in range(repeats):
+        for m, fn in fns.items():
+            runs[m].append(fn(False))
+    out = {}
+    for m, rs in runs.items():
+        toks = rs[0][0]
+        if any(t != toks for t, _ in rs[1:]):
+            raise DFlashError(f"{m} produced different tokens across repeats at temperature 0")
+        best = sorted((r[1] for r in rs), key=lambda s: s["decode_tps"])[repeats // 2]
+        if m != "mlx-lm":
+            t, prof = fns[m](True)
+            if t != toks:
+                raise DFlashError(f"a profiled {m} run produced different tokens at temperature 0")
+            best["ms_per_cycle"] = prof["ms_per_cycle"]
+        out[m] = (toks, best)
+    return out
 
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
@@ -106,20 +116,17 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         ids = engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
         for n in max_tokens:
             row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
+            fns = {
+                "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
+                "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
+                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p),
+                "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
+                                                     tree_topk, profile=p),
+            }
             tokens = {}
-            for mode in modes:
-                if mode == "mlx-lm":
-                    fn = lambda p=False: _run_mlx_lm(engine, ids, n)
-                elif mode == "baseline":
-                    fn = lambda p=False: _run_engine(engine, ids, n, None, None, profile=p)
-                elif mode == "dflash":
-                    fn = lambda p=False: _run_engine(engine, ids, n, engine.draft, block_size, profile=p)
-                else:
-                    fn = lambda p=False: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
-                                                     tree_topk, profile=p)
-                prof = None if mode == "mlx-lm" else (lambda f=fn: f(True))
-                tokens[mode], row["modes"][mode] = _median_run(fn, repeats, prof)
-                row["modes"][mode]["generated"] = len(tokens[mode])
+            for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
+                tokens[mode], row["modes"][mode] = toks, best
+                best["generated"] = len(toks)
             ref = tokens["mlx-lm"]
             for mode in modes[1:]:
                 if tokens[mode] != ref:
@@ -158,13 +165,15 @@ def to_markdown(res: dict) -> str:
         f"- BLAS: {res['blas']}",
         f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
         + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
-        f"- median of {res['repeats']} runs after a warm-up; all modes produced identical tokens "
+        f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
+        "the time split per cycle is from one more run synchronised after each phase; "
+        "all modes produced identical tokens "
         f"(temperature 0): {res['identical_tokens']}",
         "",
         "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
         + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")
-        + "dflash draft/verify/rollback/other ms per cycle | peak GB |",
-        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "") + "---|---:|",
+        + "dflash ms per cycle | dflash draft/verify/rollback/other ms (profiled) | peak GB |",
+        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "") + "---:|---|---:|",
     ]
     for r in res["results"]:
         m = r["modes"]
@@ -175,7 +184,8 @@ def to_markdown(res: dict) -> str:
         if tree:
             tr = m["dflash-tree"]
             cells += [f"{tr['speedup']:.2f}x", f"{tr['tau']:.2f}", f"{tr['mean_tree_size']:.1f}"]
-        cells += [f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
+        cells += [f"{d['ms_per_cycle_timed']:.1f}",
+                  f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
                   f"{d['peak_memory']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     med = lambda mode, key: statistics.median(r["modes"][mode][key] for r in res["results"])
