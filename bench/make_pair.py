@@ -104,9 +104,9 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--target-lr", type=float, default=1e-3)
-    ap.add_argument("--draft-steps", type=int, default=2600)
-    ap.add_argument("--prompts", type=int, default=2400)
-    ap.add_argument("--seq-len", type=int, default=256,
+    ap.add_argument("--draft-steps", type=int, default=3000)
+    ap.add_argument("--prompts", type=int, default=4000)
+    ap.add_argument("--seq-len", type=int, default=160,
                     help="draft training sequence (prompt + continuation); also the draft's context window")
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
