@@ -54,7 +54,7 @@ class KVBuffer:
         return self.offset
 
     def restore(self, snap) -> None:
-        self.offset = snap  # rows past it are garbage, as after a rollback
+        self.truncate(snap)
 
     def state(self) -> List[mx.array]:
         if self.keys is None:

@@ -67,6 +67,15 @@ class GenerationStats:
         n = max(self.generated_tokens - 1, 0)
         return n / self.decode_time if self.decode_time else 0.0
 
+    def add_cycle(self, committed: int, verified: int, tic: float) -> None:
+        """Book one verify cycle (``committed`` tokens kept of ``verified``)."""
+        self.cycles += 1
+        self.accept_hist[committed] += 1
+        self.cycle_commits.append(committed)
+        self.tree_sizes.append(verified)
+        self.decode_time = time.perf_counter() - tic
+        self.peak_memory = mx.get_peak_memory() / 1e9
+
     @property
     def other_time(self) -> float:
         return max(self.decode_time - self.draft_time - self.verify_time - self.rollback_time, 0.0)
@@ -103,16 +112,11 @@ def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_token
             queued = step(cur, pos + 1)
         tok = cur.item()
         pos += 1
-        stats.cycles += 1
-        stats.accept_hist[1] += 1
-        stats.cycle_commits.append(1)
-        stats.tree_sizes.append(1)
         out = emit([tok])
         if stats.finish_reason is not None and queued is not None:
             cache.restore(queued[0])
             queued = None
-        stats.decode_time = time.perf_counter() - tic
-        stats.peak_memory = mx.get_peak_memory() / 1e9
+        stats.add_cycle(1, 1, tic)
         yield out
     if stats.finish_reason is None:
         stats.finish_reason = "length"  # context full
@@ -222,6 +226,10 @@ def generate_tokens(
                                     max_tokens, max_context, tic)
         return
 
+    def block_len(pos):
+        """Tokens the next cycle verifies: the block, cut to what is left."""
+        return min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
+
     def launch_draft(feats, anchor, pos, B):
         """The draft's proposal for the next block, left lazy (chain: token
         ids; tree: the logits ``ddtree.build`` reads)."""
@@ -230,7 +238,7 @@ def generate_tokens(
 
     pending = None  # the next cycle's draft, launched before yielding
     while stats.finish_reason is None:
-        B = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
+        B = block_len(pos)
         if B < 1:
             stats.finish_reason = "length"  # context full
             break
@@ -260,25 +268,25 @@ def generate_tokens(
         vlogits, vfeats = target.forward(block_in, cache, capture=capture, record=record, parents=parents)
         positions = [pos + 1 + d for d in depths]
         contexts = None
-        drafted: List[int] = []
+        drafted: Optional[List[int]] = None
         if sampler.needs_context:
-            if drafted_arr is not None:
-                drafted = drafted_arr.tolist()
+            # Each row's penalty context includes the drafts before it: read them first.
+            drafted = drafted_arr.tolist() if drafted_arr is not None else []
             if tree is None:
                 block = [anchor] + drafted
             rows = [kernels_path(parents, i) for i in range(len(block))] if tree is not None \
                 else [list(range(i + 1)) for i in range(len(block))]
             contexts = [history + [block[j] for j in r[1:]] for r in rows]
         picks_arr = sampler(vlogits, positions, contexts)
-        # The one host sync of a cycle: the target's picks (and the drafts).
-        if drafted_arr is not None and not drafted:
-            mx.eval(picks_arr, drafted_arr)
+        if drafted is None and drafted_arr is not None:
+            mx.eval(picks_arr, drafted_arr)  # the one host sync of a cycle
             drafted = drafted_arr.tolist()
         picks = picks_arr.tolist()
         t2 = time.perf_counter()
         if tree is not None:
             path = ddtree.walk(tree, picks)
         else:
+            drafted = drafted or []
             block = [anchor] + drafted
             path = list(range(acceptance(drafted, picks) + 1))
         n_keep = len(path)  # the anchor and the accepted drafts stay in the cache
@@ -296,10 +304,6 @@ def generate_tokens(
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
         stats.rollback_time += t3 - t2
-        stats.cycles += 1
-        stats.accept_hist[n_keep] += 1
-        stats.cycle_commits.append(n_keep)
-        stats.tree_sizes.append(len(block))
         anchor = picks[path[-1]]
         pos += n_keep
         out = emit([block[i] for i in path[1:]] + [anchor])
@@ -307,13 +311,12 @@ def generate_tokens(
         if draft is not None and not profile and stats.finish_reason is None:
             # Start the next draft now, so it runs while the caller handles
             # these tokens (detokenizing, printing).
-            nB = min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
+            nB = block_len(pos)
             if nB > 1:
                 pending = launch_draft(feats, anchor, pos, nB)
                 feats = None
                 mx.async_eval(pending)
-        stats.decode_time = time.perf_counter() - tic
-        stats.peak_memory = mx.get_peak_memory() / 1e9
+        stats.add_cycle(n_keep, len(block), tic)
         yield out
     stats.decode_time = time.perf_counter() - tic
     stats.peak_memory = mx.get_peak_memory() / 1e9

@@ -151,20 +151,8 @@ def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: in
 def _batched_step(target, tokens: mx.array, cache, capture: Sequence[int] = ()):
     """Logits [Bt, T, V] for tokens [Bt, T] appended to a batched cache, and
     the features [Bt, T, N*H] of the ``capture`` layers (or None)."""
-    h = target.embed_tokens(tokens)
-    got = {}
-    for i, (layer, c) in enumerate(zip(target.layers, cache.layers)):
-        x = layer.input_layernorm(h)
-        if layer.is_linear:
-            r = target._deltanet(layer.linear_attn, x, c, False)
-        else:
-            r = target._attention(layer.self_attn, x, c)
-        h = h + r
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if i in capture:
-            got[i] = h
+    h, f = target.layers_forward(target.embed_tokens(tokens), cache.layers, capture=capture)
     cache.offset += tokens.shape[1]
-    f = mx.concatenate([got[i] for i in capture], axis=-1) if capture else None
     return target.lm_head(target.norm(h)), f
 
 

@@ -122,6 +122,25 @@ class Target:
         out = la.norm(y, z)
         return la.out_proj(out.reshape(B, T, -1))
 
+    def layers_forward(self, h: mx.array, caches, *, capture: Sequence[int] = (), record: bool = False,
+                       parents=None, tree=None) -> Tuple[mx.array, Optional[mx.array]]:
+        """The decoder layers over embeddings h [B, T, H] with per-layer caches
+        (None: no cache, from position 0). Returns the last hidden state and
+        the ``capture`` layers' outputs concatenated [B, T, N*H] (or None).
+        Callers advance ``cache.offset``."""
+        feats = {}
+        for i, (layer, c) in enumerate(zip(self.layers, caches)):
+            x = layer.input_layernorm(h)
+            if layer.is_linear:
+                r = self._deltanet(layer.linear_attn, x, c if c is not None else DeltaNetState(), record, parents)
+            else:
+                r = self._attention(layer.self_attn, x, c, tree)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in capture:
+                feats[i] = h
+        return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
+
     def forward(
         self,
         tokens,
@@ -144,9 +163,6 @@ class Target:
         """
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         T = tokens.shape[0]
-        h = self.embed_tokens(tokens[None])
-        feats = {}
-        want = set(capture)
         tree = None
         if parents is not None:
             if not record:
@@ -154,21 +170,12 @@ class Target:
             parents = list(parents)
             anc = kernels.ancestor_matrix(parents)
             tree = (anc.astype(mx.int32).sum(axis=1) - 1, anc)
-        for i, (layer, c) in enumerate(zip(self.layers, cache.layers)):
-            x = layer.input_layernorm(h)
-            if layer.is_linear:
-                r = self._deltanet(layer.linear_attn, x, c, record, parents)
-            else:
-                r = self._attention(layer.self_attn, x, c, tree)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in want:
-                feats[i] = h
+        h, features = self.layers_forward(self.embed_tokens(tokens[None]), cache.layers, capture=capture,
+                                          record=record, parents=parents, tree=tree)
         cache.offset += T
         cache.block = T if record else 0
-        features = None
-        if capture:
-            features = mx.concatenate([feats[i] for i in capture], axis=-1)[0]
+        if features is not None:
+            features = features[0]
         if logits == "none":
             return None, features
         if logits == "last":
@@ -179,19 +186,7 @@ class Target:
         """No-cache forward of a batch [Bt, T] from position 0 (training, feature
         extraction). Returns logits [Bt, T, V] and features [Bt, T, n*H] or None.
         Differentiable."""
-        h = self.embed_tokens(tokens)
-        feats = {}
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            if layer.is_linear:
-                r = self._deltanet(layer.linear_attn, x, DeltaNetState(), False)
-            else:
-                r = self._attention(layer.self_attn, x, None)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in capture:
-                feats[i] = h
-        features = mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None
+        h, features = self.layers_forward(self.embed_tokens(tokens), [None] * self.num_layers, capture=capture)
         return self.lm_head(self.norm(h)), features
 
     def prefill(
