@@ -304,6 +304,82 @@ def info(
     typer.echo(describe(path, draft))
 
 
+@app.command()
+def serve(
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="Target folder or GGUF file. Default: the embedded pair shipped with the package."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d", help="DFlash draft folder. Default: the embedded draft with the embedded target; "
+                                    "none (plain decoding) with another --model."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback unless told otherwise."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Require this key on every endpoint but /health "
+                                "('Authorization: Bearer KEY' or 'x-api-key: KEY')."),
+    model_name: Optional[str] = typer.Option(
+        None, "--model-name", help="Model id clients send and /v1/models lists (default: the --model "
+                                   "argument, or 'mlx-dflash' for the embedded pair)."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Default most tokens per reply when a request gives none."),
+    temp: float = typer.Option(0.0, "--temp", help="Default temperature when a request gives none (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass when a request gives none."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k when a request gives none; 0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p when a request gives none; 0 = off."),
+    block_size: Optional[int] = typer.Option(
+        None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
+    draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
+    timeout: float = typer.Option(
+        600.0, "--timeout", help="Seconds a request may take from arrival (queue + generation) before it is stopped."),
+    max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body accepted, in MiB (else HTTP 413)."),
+    chat_template_args: Optional[str] = typer.Option(
+        None, "--chat-template-args", help='JSON keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'; '
+                                          "a request's chat_template_kwargs override them."),
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
+):
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic (/v1/messages) APIs."""
+    import json
+
+    from .api import load
+    from .server import Settings, model_names
+    from .server import serve as run_server
+
+    if not 0 < port < 65536:
+        raise DFlashError(f"--port must be in 1..65535, got {port}")
+    if max_tokens < 1 or max_queue < 1 or timeout <= 0 or max_body_mb <= 0 or prefill_chunk < 1:
+        raise DFlashError("--max-tokens, --max-queue, --timeout, --max-body-mb and --prefill-chunk must be positive")
+    if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
+        raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    try:
+        template_args = json.loads(chat_template_args) if chat_template_args else {}
+    except ValueError as e:
+        raise DFlashError(f"--chat-template-args is not valid JSON: {e}") from None
+    if not isinstance(template_args, dict):
+        raise DFlashError("--chat-template-args must be a JSON object")
+    from .sampling import Sampler
+
+    Sampler(temp, top_p, top_k, min_p, seed=0)  # range checks before loading anything
+    mid, aliases = model_names(model)
+    settings = Settings(
+        model_id=model_name or mid, aliases=aliases if model_name is None else (mid, *aliases),
+        api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
+        timeout=timeout, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+        block_size=block_size, tree_budget=tree_budget, prefill_chunk=prefill_chunk,
+        chat_template_args=template_args,
+    )
+    dt = _dtype(dtype)
+
+    def load_engine():
+        engine = load(model, draft, dtype=dt, draft_quantize=draft_quantize)
+        if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
+            raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+        return engine
+
+    run_server(settings, load_engine, host=host, port=port, log_level=log_level)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: user errors print one line and exit 2, no traceback."""
     try:

@@ -1,0 +1,66 @@
+"""`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one engine.
+
+``app.py`` builds the FastAPI app (auth, limits, errors, shared request
+plumbing), ``openai.py`` and ``anthropic.py`` are the two API dialects,
+``tools.py`` parses reasoning and tool calls out of the model's text,
+``worker.py`` runs generations one at a time in arrival order and
+``metrics.py`` renders Prometheus counters.
+"""
+
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from .app import Settings, create_app, Server
+from .metrics import Metrics
+from .worker import Worker
+
+__all__ = ["Settings", "build", "serve"]
+
+
+def model_names(model: Optional[Path]):
+    """(served id, accepted aliases) for a --model argument (None: the embedded pair)."""
+    if model is None:
+        return "mlx-dflash", ("default",)
+    p = Path(model)
+    names = {str(model), p.name, str(p.resolve())}
+    return str(model), tuple(sorted(names - {str(model)}))
+
+
+def build(settings: Settings, load_engine: Callable[[], object]):
+    """Load the engine on its generation thread and return (app, worker)."""
+    metrics = Metrics()
+    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics)
+    worker.start()
+    metrics.queue_length = lambda: worker.queue_length
+    metrics.running = lambda: int(worker.running is not None)
+    metrics.prefix_cache = worker.prefix_cache
+    return create_app(Server(settings, worker, metrics)), worker
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(settings: Settings, load_engine: Callable[[], object], *, host: str = "127.0.0.1",
+          port: int = 8080, log_level: str = "info") -> None:
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
+    app, worker = build(settings, load_engine)
+    if not _loopback(host) and settings.api_key is None:
+        print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
+              file=sys.stderr)
+    print(f"mlx-dflash: serving '{settings.model_id}' on http://{host}:{port} "
+          "(OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        worker.stop()

@@ -1,0 +1,260 @@
+"""Anthropic dialect: POST /v1/messages (and /v1/messages/count_tokens)."""
+
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .app import APIError, Server, error_body, parse_body, read_json, sse
+from .tools import OutputParser
+
+router = APIRouter()
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Block(_Model):
+    type: str
+    text: Optional[str] = None
+    thinking: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[Dict[str, Any]] = None
+    tool_use_id: Optional[str] = None
+    content: Union[str, List["Block"], None] = None
+    is_error: Optional[bool] = None
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: Union[str, List[Block]]
+
+
+class Tool(_Model):
+    name: str
+    type: Optional[str] = None
+    description: Optional[str] = None
+    input_schema: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class CountRequest(_Model):
+    model: str
+    messages: List[Message] = Field(min_length=1)
+    system: Union[str, List[Block], None] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Optional[Dict[str, Any]] = None
+    thinking: Optional[Dict[str, Any]] = None
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int
+    stop_sequences: Optional[List[str]] = None
+    stream: bool = False
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+
+
+def _text(blocks, where: str) -> str:
+    if blocks is None:
+        return ""
+    if isinstance(blocks, str):
+        return blocks
+    out = []
+    for b in blocks:
+        if b.type != "text" or b.text is None:
+            raise APIError(400, f"{where}: only text blocks are supported here, got '{b.type}'")
+        out.append(b.text)
+    return "\n".join(out)
+
+
+def template_messages(req: CountRequest) -> List[dict]:
+    """Anthropic messages as chat-template messages (OpenAI roles, tool calls with object arguments)."""
+    out: List[Dict[str, Any]] = []
+    system = _text(req.system, "system")
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, reasoning, calls = [], [], []
+        for b in m.content:
+            if b.type == "text":
+                text.append(b.text or "")
+            elif b.type == "thinking" and m.role == "assistant":
+                reasoning.append(b.thinking or "")
+            elif b.type == "redacted_thinking":
+                continue
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.name:
+                    raise APIError(400, f"{where}: tool_use block without a name")
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": b.input or {}}})
+            elif b.type == "tool_result" and m.role == "user":
+                content = _text(b.content, f"{where} tool_result")
+                out.append({"role": "tool", "content": content, "tool_call_id": b.tool_use_id})
+            else:
+                raise APIError(400, f"{where}: content block type '{b.type}' is not supported "
+                                    f"in a {m.role} message")
+        if m.role == "user" and not text and any(b.type == "tool_result" for b in m.content):
+            continue  # only tool results: they are the tool messages above
+        msg: Dict[str, Any] = {"role": m.role, "content": "".join(text)}
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _tools(req: CountRequest) -> List[dict]:
+    if req.tool_choice and req.tool_choice.get("type") == "none":
+        return []
+    # Server-side tools (web search, ...) have a type and no schema: nothing here can run them.
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}}
+            for t in req.tools or [] if t.type in (None, "custom")]
+
+
+def _template_kwargs(req: CountRequest) -> Dict[str, Any]:
+    if req.thinking and req.thinking.get("type") in ("enabled", "disabled"):
+        return {"enable_thinking": req.thinking["type"] == "enabled"}
+    return {}
+
+
+def _prompt(server: Server, req: CountRequest):
+    tools = _tools(req)
+    ids, thinking = server.render_chat(template_messages(req), tools, _template_kwargs(req))
+    return ids, thinking, tools
+
+
+def _usage(d: Dict[str, Any]) -> dict:
+    # Anthropic counts cached prompt tokens apart from input_tokens.
+    return {"input_tokens": d["prompt_tokens"] - d["cached_tokens"], "output_tokens": d["generated_tokens"],
+            "cache_read_input_tokens": d["cached_tokens"], "cache_creation_input_tokens": 0}
+
+
+def _stop_reason(finish: str, d: Dict[str, Any], tool_calls: bool):
+    if d.get("stop_sequence"):
+        return "stop_sequence", d["stop_sequence"]
+    if finish == "length":
+        return "max_tokens", None
+    return ("tool_use" if tool_calls else "end_turn"), None
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request):
+    server: Server = request.app.state.server
+    req = parse_body(CountRequest, await read_json(request, server.settings.max_body_bytes))
+    server.check_model(req.model)
+    ids, _, _ = _prompt(server, req)
+    return {"input_tokens": len(ids)}
+
+
+@router.post("/v1/messages")
+async def messages(request: Request):
+    server: Server = request.app.state.server
+    req: MessagesRequest = parse_body(MessagesRequest, await read_json(request, server.settings.max_body_bytes))
+    server.check_model(req.model)
+    max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
+    ids, thinking, tools = _prompt(server, req)
+    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    job = server.submit(ids, max_tokens, sampling, req.stop_sequences or [])
+    parser = OutputParser(reasoning=thinking, tools=tools)
+    mid, model = "msg_" + uuid.uuid4().hex[:24], server.settings.model_id
+
+    if not req.stream:
+        blocks: List[Dict[str, Any]] = []
+        async for ev in server.events(job, request):
+            if ev[0] == "error":
+                raise APIError(ev[1], ev[2])
+            if ev[0] == "done":
+                if ev[1] == "timeout":
+                    raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
+                events = parser.finish()
+            else:
+                events = parser.feed(ev[1])
+            for kind, v in events:
+                if kind == "tool":
+                    blocks.append({"type": "tool_use", "id": "toolu_" + v.id, "name": v.name, "input": v.arguments})
+                    continue
+                key = "thinking" if kind == "reasoning" else "text"
+                if blocks and blocks[-1]["type"] == key:
+                    blocks[-1][key] += v
+                else:
+                    blocks.append({"type": key, key: v, **({"signature": ""} if key == "thinking" else {})})
+            if ev[0] == "done":
+                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
+                return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
+                                     "content": blocks, "stop_reason": reason, "stop_sequence": seq,
+                                     "usage": _usage(ev[2])})
+        raise APIError(499, "client closed the request")
+
+    async def stream():
+        open_kind, index, started = None, -1, False
+        first_stats = {"prompt_tokens": len(ids), "generated_tokens": 0, "cached_tokens": 0}
+
+        def start():
+            msg = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": _usage(first_stats)}
+            return sse({"type": "message_start", "message": msg}, "message_start")
+
+        def close():
+            nonlocal open_kind
+            if open_kind is None:
+                return ""
+            open_kind = None
+            return sse({"type": "content_block_stop", "index": index}, "content_block_stop")
+
+        def render(events):
+            nonlocal open_kind, index
+            for kind, v in events:
+                if kind == "tool":
+                    yield close()
+                    index += 1
+                    yield sse({"type": "content_block_start", "index": index,
+                               "content_block": {"type": "tool_use", "id": "toolu_" + v.id, "name": v.name,
+                                                 "input": {}}}, "content_block_start")
+                    yield sse({"type": "content_block_delta", "index": index,
+                               "delta": {"type": "input_json_delta", "partial_json": v.arguments_json}},
+                              "content_block_delta")
+                    open_kind = "tool"
+                    yield close()
+                    continue
+                key = "thinking" if kind == "reasoning" else "text"
+                if open_kind != key:
+                    yield close()
+                    index += 1
+                    block = {"type": key, key: ""}
+                    if key == "thinking":
+                        block["signature"] = ""
+                    yield sse({"type": "content_block_start", "index": index, "content_block": block},
+                              "content_block_start")
+                    open_kind = key
+                yield sse({"type": "content_block_delta", "index": index,
+                           "delta": {"type": f"{key}_delta", key: v}}, "content_block_delta")
+
+        yield start()
+        async for ev in server.events(job, request):
+            if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):
+                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
+                yield sse(error_body(request.url.path, status, message), "error")
+                return
+            for s in render(parser.feed(ev[1]) if ev[0] == "text" else parser.finish()):
+                if s:
+                    yield s
+            if ev[0] == "done":
+                yield close()
+                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
+                yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
+                           "usage": _usage(ev[2])}, "message_delta")
+                yield sse({"type": "message_stop"}, "message_stop")
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,333 @@
+"""The app factory and what both API dialects share: auth, body limit, errors,
+prompt rendering, job submission and the event stream of a running job."""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ValidationError
+
+from ..errors import DFlashError
+from ..sampling import Sampler
+from .metrics import Metrics
+from .tools import prompt_opens_thinking
+from .worker import Job, QueueFull, Worker
+
+log = logging.getLogger("mlx_dflash.server")
+
+
+@dataclass
+class Settings:
+    """What ``mlx-dflash serve`` was started with (generation defaults and limits)."""
+
+    model_id: str = "mlx-dflash"
+    aliases: Sequence[str] = ()
+    api_key: Optional[str] = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_queue: int = 64
+    timeout: float = 600.0
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    block_size: Optional[int] = None
+    tree_budget: int = 0
+    prefill_chunk: int = 512
+    chat_template_args: Dict[str, Any] = field(default_factory=dict)
+
+
+class APIError(Exception):
+    """A client error; rendered in the shape of the API the request used."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout"}
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 504: "timeout_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body(path: str, status: int, message: str, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    if is_anthropic(path):
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"),
+                                           "message": message}}
+    return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
+    return JSONResponse(error_body(path, status, message, **kw), status_code=status)
+
+
+class Server:
+    """The state behind the routes: settings, the engine worker and metrics."""
+
+    def __init__(self, settings: Settings, worker: Worker, metrics: Metrics):
+        self.settings = settings
+        self.worker = worker
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    @property
+    def engine(self):
+        return self.worker.engine
+
+    @property
+    def tokenizer(self):
+        return self.worker.engine.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.target.max_context
+
+    # --- request checks ----------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> None:
+        if name is None:
+            raise APIError(400, "missing required field 'model'", param="model")
+        if name != self.settings.model_id and name not in self.settings.aliases:
+            raise APIError(404, f"model '{name}' is not served here; this server serves "
+                                f"'{self.settings.model_id}' (GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    def check_max_tokens(self, n: Optional[int], param: str) -> int:
+        n = self.settings.max_tokens if n is None else n
+        if not 1 <= n <= self.max_context:
+            raise APIError(400, f"'{param}' must be in 1..{self.max_context}, got {n}", param=param)
+        return n
+
+    def check_prompt(self, ids: List[int]) -> None:
+        if not ids:
+            raise APIError(400, "empty prompt: the request renders to no tokens")
+        if len(ids) >= self.max_context:
+            raise APIError(400, f"prompt has {len(ids)} tokens; the context limit is {self.max_context}",
+                           code="context_length_exceeded")
+
+    def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None,
+                 repetition_penalty=None) -> Dict[str, Any]:
+        s = self.settings
+        kw = dict(
+            temperature=s.temperature if temperature is None else float(temperature),
+            top_p=s.top_p if top_p is None else float(top_p),
+            top_k=s.top_k if top_k is None else int(top_k),
+            min_p=s.min_p if min_p is None else float(min_p),
+            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+        )
+        try:  # the sampler's own range checks, with a fixed seed so no device work happens here
+            Sampler(kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"], kw["repetition_penalty"], seed=0)
+        except DFlashError as e:
+            raise APIError(400, str(e)) from None
+        kw["seed"] = seed
+        return kw
+
+    # --- prompts -------------------------------------------------------------------
+    def render_chat(self, messages: List[dict], tools: Optional[List[dict]],
+                    template_kwargs: Optional[Dict[str, Any]]) -> Tuple[List[int], bool]:
+        """Token ids of the chat prompt, and whether the template left a reasoning block open."""
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None) is None:
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        kwargs = dict(self.settings.chat_template_args)
+        kwargs.update(template_kwargs or {})
+        try:
+            text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                           tokenize=False, **kwargs)
+        except Exception as e:  # a template that rejects these messages (raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {e}") from None
+        ids = list(tok.encode(text, add_special_tokens=False))
+        self.check_prompt(ids)
+        return ids, prompt_opens_thinking(text)
+
+    def encode_text(self, prompt) -> List[int]:
+        if isinstance(prompt, list):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.engine.target.vocab_size]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        else:
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        self.check_prompt(ids)
+        return ids
+
+    # --- running ---------------------------------------------------------------------
+    def submit(self, ids: List[int], max_tokens: int, sampling: Dict[str, Any], stops: Sequence[str]) -> Job:
+        s = self.settings
+        gen = dict(max_tokens=max_tokens, prefill_chunk=s.prefill_chunk, **sampling)
+        if self.engine.draft is not None:
+            gen.update(block_size=s.block_size, tree_budget=s.tree_budget)
+        if not self.worker.alive:
+            raise APIError(503, "the generation thread has stopped; restart the server")
+        job = Job(ids, gen, list(stops), s.timeout, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            raise APIError(429, f"the server is busy: {s.max_queue} requests are already queued; "
+                                "retry later") from None
+        return job
+
+    async def events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
+        """The job's events until it ends; cancels it if the client disconnects or we stop early."""
+        getter = None
+        done = False
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.ensure_future(job.out.get())
+                finished, _ = await asyncio.wait({getter}, timeout=0.25)
+                if not finished:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                ev, getter = getter.result(), None
+                if ev[0] in ("done", "error"):
+                    done = True
+                yield ev
+                if done:
+                    return
+        finally:
+            if getter is not None:
+                getter.cancel()
+            if not done:
+                job.cancel()
+                self.metrics.record_cancel()
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request body as JSON, refusing bodies over ``limit`` bytes before reading them all."""
+    n = request.headers.get("content-length")
+    if n is not None and n.isdigit() and int(n) > limit:
+        raise APIError(413, f"request body is {n} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+def parse_body(model: type, body: Any) -> BaseModel:
+    """Validate a JSON body into ``model``; one clear 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise APIError(400, f"invalid field '{loc}': {err['msg']}", param=loc or None) from None
+
+
+def sse(data: Any, event: Optional[str] = None) -> str:
+    payload = json.dumps(data, ensure_ascii=False)
+    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+
+
+ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/v1/messages", "/v1/messages/count_tokens"}
+
+
+class CountRequests:
+    """Counts responses by endpoint and status (plain ASGI: streams and disconnects pass untouched)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.record_request(path if path in ENDPOINTS else "other", status[0])
+
+
+def create_app(server: Server) -> FastAPI:
+    from . import anthropic, openai
+
+    app = FastAPI(title="mlx-dflash", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+
+    async def require_key(request: Request) -> None:
+        key = server.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("x-api-key")
+        auth = request.headers.get("authorization", "")
+        if given is None and auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        # Constant-time comparison, on bytes so any header text is comparable.
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(request.url.path, e.status, e.message, param=e.param, code=e.code)
+
+    @app.exception_handler(404)
+    async def _not_found(request: Request, e):
+        return error_response(request.url.path, 404, f"no route {request.method} {request.url.path}")
+
+    @app.exception_handler(405)
+    async def _bad_method(request: Request, e):
+        return error_response(request.url.path, 405, f"method {request.method} not allowed on {request.url.path}")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(request.url.path, 500, f"internal error: {type(e).__name__}")
+
+    app.add_middleware(CountRequests, metrics=server.metrics)
+
+    @app.get("/health")
+    async def health():
+        ok = server.worker.alive
+        return JSONResponse({"status": "ok" if ok else "error", "model": server.settings.model_id,
+                             "queue_length": server.worker.queue_length},
+                            status_code=200 if ok else 503)
+
+    deps = [Depends(require_key)]
+
+    @app.get("/metrics", dependencies=deps)
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=deps)
+    async def models():
+        # One listing both SDKs accept: OpenAI's fields and Anthropic's side by side.
+        mid = server.settings.model_id
+        entry = {"id": mid, "object": "model", "type": "model", "display_name": mid,
+                 "created": server.created, "owned_by": "mlx-dflash",
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))}
+        return {"object": "list", "data": [entry], "has_more": False, "first_id": mid, "last_id": mid}
+
+    app.include_router(openai.router, dependencies=deps)
+    app.include_router(anthropic.router, dependencies=deps)
+    return app

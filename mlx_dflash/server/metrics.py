@@ -1,0 +1,89 @@
+"""Server counters, rendered in the Prometheus text exposition format."""
+
+import threading
+from collections import Counter
+from typing import Any, Callable, Dict, Optional
+
+
+def _prefix_cache_bytes(pc) -> int:
+    if pc is None:
+        return 0
+    for name in ("nbytes", "bytes_used", "size_bytes"):
+        v = getattr(pc, name, None)
+        if v is not None:
+            return int(v() if callable(v) else v)
+    return 0
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: Counter = Counter()  # (endpoint, status) -> count
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.cached_tokens = 0
+        self.cache_lookups = 0
+        self.cache_hits = 0
+        self.cycles = 0
+        self.cycle_tokens = 0.0  # tokens committed by verify cycles (tau numerator)
+        self.last_decode_tps = 0.0
+        self.cancelled = 0
+        self.queue_length: Callable[[], int] = lambda: 0
+        self.running: Callable[[], int] = lambda: 0
+        self.prefix_cache: Optional[Any] = None
+
+    def record_request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+
+    def record_generation(self, d: Dict[str, Any], prefix_cache=None) -> None:
+        with self._lock:
+            self.prompt_tokens += d["prompt_tokens"]
+            self.generated_tokens += d["generated_tokens"]
+            self.cached_tokens += d["cached_tokens"]
+            if d["prompt_tokens"]:
+                self.cache_lookups += 1
+                self.cache_hits += d["cached_tokens"] > 0
+            self.cycles += d["cycles"]
+            self.cycle_tokens += d["tau"] * d["cycles"]
+            if d["decode_tps"]:
+                self.last_decode_tps = d["decode_tps"]
+            self.prefix_cache = prefix_cache
+
+    def record_cancel(self) -> None:
+        with self._lock:
+            self.cancelled += 1
+
+    def render(self) -> str:
+        with self._lock:
+            out = []
+
+            def metric(name, kind, help_, samples):
+                out.append(f"# HELP mlx_dflash_{name} {help_}")
+                out.append(f"# TYPE mlx_dflash_{name} {kind}")
+                for labels, v in samples:
+                    out.append(f"mlx_dflash_{name}{labels} {v}")
+
+            metric("requests_total", "counter", "HTTP requests by endpoint and status.",
+                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+            metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
+                   [("", self.prompt_tokens)])
+            metric("generation_tokens_total", "counter", "Generated tokens.", [("", self.generated_tokens)])
+            metric("cancelled_total", "counter", "Generations stopped because the client went away.",
+                   [("", self.cancelled)])
+            metric("decode_cycles_total", "counter", "Draft/verify cycles.", [("", self.cycles)])
+            tau = self.cycle_tokens / self.cycles if self.cycles else 0.0
+            metric("tau", "gauge", "Mean tokens committed per cycle since start.", [("", f"{tau:.4f}")])
+            metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
+                   [("", f"{self.last_decode_tps:.2f}")])
+            metric("prefix_cache_lookups_total", "counter", "Generations that looked up the prefix cache.",
+                   [("", self.cache_lookups)])
+            metric("prefix_cache_hits_total", "counter", "Generations that reused a cached prefix.",
+                   [("", self.cache_hits)])
+            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
+                   [("", self.cached_tokens)])
+            metric("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.",
+                   [("", _prefix_cache_bytes(self.prefix_cache))])
+            metric("queue_length", "gauge", "Requests waiting for the engine.", [("", self.queue_length())])
+            metric("running_requests", "gauge", "Requests being generated (0 or 1).", [("", self.running())])
+            return "\n".join(out) + "\n"

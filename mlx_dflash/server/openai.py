@@ -1,0 +1,296 @@
+"""OpenAI dialect: POST /v1/chat/completions and /v1/completions."""
+
+import json
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .app import APIError, Server, error_body, parse_body, read_json, sse
+from .tools import OutputParser, ToolCall
+
+router = APIRouter()
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Model):
+    type: str
+    text: Optional[str] = None
+
+
+class FunctionCall(_Model):
+    name: str
+    arguments: Union[str, Dict[str, Any]] = "{}"
+
+
+class ToolCallIn(_Model):
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCall
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, List[ContentPart], None] = None
+    tool_calls: Optional[List[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+
+
+class Tool(_Model):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Union[str, List[str], None] = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class ChatRequest(_Sampling):
+    messages: List[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    tools: Optional[List[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, List[int]]
+
+
+def _text_of(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"{where}: only text content parts are supported, got '{part.type}'")
+        out.append(part.text)
+    return "".join(out)
+
+
+def template_messages(messages: List[Message]) -> List[dict]:
+    """OpenAI messages as the chat template expects them (tool-call arguments as objects)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        msg: Dict[str, Any] = {"role": role, "content": _text_of(m.content, f"messages[{i}]")}
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.tool_calls:
+            calls = []
+            for tc in m.tool_calls:
+                args = tc.function.arguments
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        raise APIError(400, f"messages[{i}]: tool call arguments are not valid JSON") from None
+                calls.append({"id": tc.id, "type": "function",
+                              "function": {"name": tc.function.name, "arguments": args}})
+            msg["tool_calls"] = calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def _stops(stop) -> List[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _usage(d: Dict[str, Any]) -> dict:
+    return {"prompt_tokens": d["prompt_tokens"], "completion_tokens": d["generated_tokens"],
+            "total_tokens": d["prompt_tokens"] + d["generated_tokens"],
+            "prompt_tokens_details": {"cached_tokens": d["cached_tokens"]}}
+
+
+def _tool_json(c: ToolCall, index: Optional[int] = None) -> dict:
+    out = {"id": "call_" + c.id, "type": "function",
+           "function": {"name": c.name, "arguments": c.arguments_json}}
+    if index is not None:
+        out = {"index": index, **out}
+    return out
+
+
+def _finish(reason: str, tool_calls: bool) -> str:
+    if reason == "stop" and tool_calls:
+        return "tool_calls"
+    return "length" if reason == "length" else "stop"
+
+
+async def _collect(server: Server, request: Request, job, parser: Optional[OutputParser]):
+    """Run a job to its end: (text, reasoning, tool calls, finish, stats)."""
+    text, reasoning, calls = [], [], []
+
+    def take(events):
+        for kind, v in events:
+            (text if kind == "text" else reasoning if kind == "reasoning" else calls).append(v)
+
+    async for ev in server.events(job, request):
+        if ev[0] == "text":
+            take(parser.feed(ev[1]) if parser else [("text", ev[1])])
+        elif ev[0] == "error":
+            raise APIError(ev[1], ev[2])
+        else:
+            if ev[1] == "timeout":
+                raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
+            if parser:
+                take(parser.finish())
+            return "".join(text), "".join(reasoning), calls, ev[1], ev[2]
+    raise APIError(499, "client closed the request")
+
+
+def _start(server: Server, ids, req, max_tokens: int):
+    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                               min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty)
+    return server.submit(ids, max_tokens, sampling, _stops(req.stop))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    server: Server = request.app.state.server
+    req: ChatRequest = parse_body(ChatRequest, await read_json(request, server.settings.max_body_bytes))
+    server.check_model(req.model)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    if req.max_completion_tokens is not None:
+        max_tokens = server.check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    else:
+        max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
+    # tool_choice "none" hides the tools; other choices are hints (no constrained decoding).
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
+    ids, thinking = server.render_chat(template_messages(req.messages), tools, req.chat_template_kwargs)
+    job = _start(server, ids, req, max_tokens)
+    parser = OutputParser(reasoning=thinking, tools=tools)
+    cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
+
+    if not req.stream:
+        text, reasoning, calls, finish, d = await _collect(server, request, job, parser)
+        msg: Dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [_tool_json(c) for c in calls]
+        return JSONResponse({
+            "id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": _finish(finish, bool(calls)),
+                         "logprobs": None}],
+            "usage": _usage(d),
+        })
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(delta, finish=None):
+        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    async def stream():
+        yield chunk({"role": "assistant", "content": ""})
+        n_calls = 0
+
+        def render(events):
+            nonlocal n_calls
+            for kind, v in events:
+                if kind == "text":
+                    yield chunk({"content": v})
+                elif kind == "reasoning":
+                    yield chunk({"reasoning_content": v})
+                else:
+                    yield chunk({"tool_calls": [_tool_json(v, n_calls)]})
+                    n_calls += 1
+
+        async for ev in server.events(job, request):
+            if ev[0] == "text":
+                for c in render(parser.feed(ev[1])):
+                    yield c
+            elif ev[0] == "error" or ev[1] == "timeout":
+                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
+                yield sse(error_body(request.url.path, status, message))
+                return
+            else:
+                for c in render(parser.finish()):
+                    yield c
+                yield chunk({}, _finish(ev[1], n_calls > 0))
+                if include_usage:
+                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                               "model": model, "choices": [], "usage": _usage(ev[2])})
+                yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    server: Server = request.app.state.server
+    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, server.settings.max_body_bytes))
+    server.check_model(req.model)
+    max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
+    if isinstance(req.prompt, str) and not req.prompt:
+        raise APIError(400, "empty prompt", param="prompt")
+    ids = server.encode_text(req.prompt)
+    job = _start(server, ids, req, max_tokens)
+    cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
+
+    if not req.stream:
+        text, _, _, finish, d = await _collect(server, request, job, None)
+        return JSONResponse({
+            "id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": _finish(finish, False), "logprobs": None}],
+            "usage": _usage(d),
+        })
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(text, finish=None):
+        return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+
+    async def stream():
+        async for ev in server.events(job, request):
+            if ev[0] == "text":
+                if ev[1]:
+                    yield chunk(ev[1])
+            elif ev[0] == "error" or ev[1] == "timeout":
+                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
+                yield sse(error_body(request.url.path, status, message))
+                return
+            else:
+                yield chunk("", _finish(ev[1], False))
+                if include_usage:
+                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": _usage(ev[2])})
+                yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
