@@ -1,0 +1,557 @@
+"""`mlx-dflash serve` end to end: real server processes on free loopback ports,
+driven by the official `openai` and `anthropic` clients (and httpx for raw HTTP).
+
+Two servers per run: the embedded pair (text equals ``mlx_dflash.generate``,
+concurrency, disconnects, bad input, auth) and a test-local tiny target rigged
+to answer one tool-using prompt with the Qwen3.5 tool-call format
+(reasoning + ``<tool_call><function=...>``), served with a random draft and a
+queue of one (tool calls, dialect parity, 429).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.server.tools import split_output
+
+anthropic = pytest.importorskip("anthropic")  # a test dependency ([test] extra)
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+MAX_NEW = 16  # tokens per request: the embedded target runs at tens of tokens/s on a loaded CPU
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m mlx_dflash serve`` on a free loopback port, stopped on close."""
+
+    def __init__(self, *args, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(self.port), "--log-level", "warning", *args],
+            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise RuntimeError("server did not come up in 120 s")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def metrics(self) -> dict:
+        text = httpx.get(self.url + "/metrics", headers={"x-api-key": KEY}, timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def openai(self, key=KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def anthropic(self, key=KEY):
+        return anthropic.Anthropic(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess("--api-key", KEY, "--max-body-mb", "0.5", log=tmp_path_factory.mktemp("srv") / "log.txt")
+    yield s
+    s.close()
+    assert s.proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return mlx_dflash.load()
+
+
+PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class Stack:\n",
+           "# Parse command line arguments\n"]
+
+
+def _expected(engine, prompt, chat=True, n=MAX_NEW):
+    ids = engine.encode(prompt, chat_template=chat)
+    return ids, mlx_dflash.generate(engine, ids, max_tokens=n)
+
+
+def _finish(result, n=MAX_NEW):
+    return "length" if result.stats.finish_reason == "length" else "stop"
+
+
+# --- text equals mlx_dflash.generate --------------------------------------------------------
+
+def test_openai_chat_equals_generate(server, engine):
+    ids, want = _expected(engine, PROMPTS[0])
+    client = server.openai()
+    r = client.chat.completions.create(model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == _finish(want)
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(want.tokens)
+    assert r.usage.total_tokens == len(ids) + len(want.tokens)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+    chunks = list(client.chat.completions.create(
+        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_completion_tokens=MAX_NEW,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [_finish(want)]
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == len(want.tokens)
+
+
+def test_openai_completions_equals_generate(server, engine):
+    ids, want = _expected(engine, PROMPTS[1], chat=False)
+    client = server.openai()
+    r = client.completions.create(model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW)
+    assert r.choices[0].text == want.text
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW, stream=True) if c.choices)
+    assert streamed == want.text
+
+
+def test_anthropic_messages_equal_generate(server, engine):
+    ids, want = _expected(engine, PROMPTS[2])
+    client = server.anthropic()
+    m = client.messages.create(model="mlx-dflash", max_tokens=MAX_NEW,
+                               messages=[{"role": "user", "content": PROMPTS[2]}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
+    assert m.stop_reason == ("max_tokens" if want.stats.finish_reason == "length" else "end_turn")
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
+    assert m.usage.output_tokens == len(want.tokens)
+    with client.messages.stream(model="mlx-dflash", max_tokens=MAX_NEW,
+                                messages=[{"role": "user", "content": PROMPTS[2]}]) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert "".join(pieces) == want.text and len(pieces) > 1
+    assert final.content[0].text == want.text and final.usage.output_tokens == len(want.tokens)
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == len(ids)
+    n = client.messages.count_tokens(model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[2]}])
+    assert n.input_tokens == len(ids)
+
+
+def test_stop_sequences(server, engine):
+    _, want = _expected(engine, PROMPTS[0])
+    stop = want.text[6:9]
+    cut = want.text[: want.text.find(stop)]
+    r = server.openai().chat.completions.create(
+        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_NEW, stop=[stop, "@@@"])
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < len(want.tokens)  # generation stopped early
+    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW, stop_sequences=[stop],
+                                           messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert m.content[0].text == cut and m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+
+
+def test_eight_concurrent_clients(server, engine):
+    want = {p: _expected(engine, p, n=8)[1].text for p in PROMPTS}
+
+    def one(i):
+        p = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            chunks = server.openai().chat.completions.create(
+                model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8, stream=True)
+            return p, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        if i % 4 == 0:
+            m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=8,
+                                                   messages=[{"role": "user", "content": p}])
+            return p, m.content[0].text
+        r = server.openai().chat.completions.create(
+            model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8)
+        return p, r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(one, range(8)))
+    assert len(results) == 8
+    for p, text in results:
+        assert text == want[p]
+
+
+def test_dropped_stream_frees_engine(server):
+    before = server.metrics()
+    body = {"model": "mlx-dflash", "messages": [{"role": "user", "content": PROMPTS[3]}],
+            "max_tokens": 2000, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", server.url + "/v1/chat/completions", json=body, headers={"x-api-key": KEY}) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    seen += 1
+                    if seen == 3:
+                        break  # leave mid-stream: closing the response drops the connection
+    tic = time.monotonic()
+    after = before
+    while time.monotonic() - tic < 30:
+        after = server.metrics()
+        if after["mlx_dflash_cancelled_total"] > before["mlx_dflash_cancelled_total"] and \
+                after["mlx_dflash_running_requests"] == 0:
+            break
+        time.sleep(0.1)
+    assert after["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + 1
+    assert after["mlx_dflash_running_requests"] == 0
+    generated = after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"]
+    assert 3 <= generated < 200  # stopped long before its 2000 tokens
+    # and the engine takes the next request at once
+    r = server.openai().completions.create(model="mlx-dflash", prompt="x = 1\n", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def _post(server, path, body, headers=None, raw=None):
+    h = {"x-api-key": KEY, **(headers or {})}
+    if raw is not None:
+        return httpx.post(server.url + path, content=raw, headers={**h, "content-type": "application/json"},
+                          timeout=60)
+    return httpx.post(server.url + path, json=body, headers=h, timeout=60)
+
+
+MSG = [{"role": "user", "content": "x = 1"}]
+BAD = [
+    # (path, json body or raw bytes, status, words in the message)
+    ("/v1/chat/completions", b"{not json", 400, "malformed JSON"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "gpt-9"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "text"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a " * 4200}]},
+     400, "context limit"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": [1, 99999999]}, 400, "vocabulary"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a" * 600_000}]},
+     413, "limit"),
+    ("/v1/messages", b"{", 400, "malformed JSON"),
+    ("/v1/messages", {"model": "mlx-dflash", "messages": MSG}, 400, "max_tokens"),
+    ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": MSG}, 404, "claude-x"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": -5, "messages": MSG}, 400, "max_tokens"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
+     400, "role"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "image"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "a " * 4200}]}, 400, "context limit"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "top_k": "x", "messages": MSG}, 400, "top_k"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_4xx_in_the_dialects_shape(server, path, body, status, words):
+    r = _post(server, path, None if isinstance(body, bytes) else body,
+              raw=body if isinstance(body, bytes) else None)
+    assert r.status_code == status, r.text
+    err = r.json()
+    if path.startswith("/v1/messages"):
+        assert err["type"] == "error" and set(err["error"]) == {"type", "message"}
+        assert words in err["error"]["message"]
+    else:
+        assert set(err["error"]) >= {"message", "type"} and words in err["error"]["message"]
+    # the server keeps serving
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_sdk_errors_and_next_request(server):
+    with pytest.raises(openai.NotFoundError):
+        server.openai().chat.completions.create(model="nope", messages=MSG, max_tokens=2)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        server.anthropic().messages.create(model="mlx-dflash", max_tokens=0, messages=MSG)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    r = server.openai().chat.completions.create(model="mlx-dflash", messages=MSG, max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_api_key(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.openai(key="wrong").models.list()
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        server.anthropic(key="wrong").messages.create(model="mlx-dflash", max_tokens=2, messages=MSG)
+    assert e.value.body["error"]["type"] == "authentication_error"
+    for path in ("/v1/models", "/metrics"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 401
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "mlx-dflash", "messages": MSG}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # /health needs no key
+    ok = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "mlx-dflash"
+    assert [m.id for m in server.openai().models.list()] == ["mlx-dflash"]
+
+
+def test_metrics(server):
+    m = server.metrics()
+    assert m['mlx_dflash_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
+    assert m["mlx_dflash_generation_tokens_total"] > 0 and m["mlx_dflash_decode_cycles_total"] > 0
+    assert m["mlx_dflash_tau"] > 1.0  # the embedded draft does get tokens accepted
+    assert m["mlx_dflash_queue_length"] == 0
+
+
+# --- tool calls: a tiny target rigged to answer with a Qwen3.5 tool call -------------
+
+# A Qwen3.5-style template: tools as JSON in the system turn, assistant tool calls in the XML
+# format, tool results as <tool_response> user turns, and an open <think> for the reply.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}</tools>\n"
+    "Call a tool as <tool_call><function=NAME><parameter=ARG>VALUE</parameter></function></tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>\n<function={{ tc.function.name }}>\n"
+    "{%- for k, v in tc.function.arguments.items() %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n{% endfor %}"
+    "</function>\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif m.role != 'system' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{%- endif %}"
+)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+REPLY = ("Let me check the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+         "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+# REPLY as six pieces, each one vocabulary entry the BPE merges never produce (so no piece
+# repeats and a bigram model can chain them); the model is rigged to emit them in turn.
+PIECES = ["Let me check the weather.", "\n</think>\n\n", "<tool_call>\n<function=get_weather>\n",
+          "<parameter=city>\nParis\n</parameter>\n", "<parameter=days>\n3\n</parameter>\n",
+          "</function>\n</tool_call>"]
+assert "".join(PIECES) == REPLY
+LOOP = "~"  # one byte: a single token in any byte-level BPE
+
+
+def _byte_level(text: str) -> str:
+    """GPT-2 byte-to-unicode spelling of ``text`` (how byte-level BPE vocabularies store tokens)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + n)
+            n += 1
+    return "".join(table[b] for b in text.encode())
+
+
+def _rig_tool_model(folder: Path) -> Path:
+    """A tiny Qwen3.5 target (DeltaNet + attention) whose greedy reply to any prompt ending like
+    the tool template's generation prompt is REPLY + EOS, and a random draft for it.
+
+    The layers' output projections are scaled down so the residual stream carries mainly the
+    current token's embedding: chain tokens get one-hot embeddings and the lm_head row of each
+    next token points at its predecessor's axis, a bigram chain over PIECES."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_tokenizer
+
+    tok_dir = tiny.build_tokenizer(folder / "tok", vocab_size=400, chat_template=TOOL_TEMPLATE,
+                                   corpus=json.dumps(WEATHER_TOOL) * 4 + TOOL_TEMPLATE + tiny._CORPUS)
+    from tokenizers import AddedToken, Tokenizer
+
+    spec = json.loads((tok_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    piece_ids = list(range(len(vocab), len(vocab) + len(PIECES)))
+    for i, piece in zip(piece_ids, PIECES):
+        vocab[_byte_level(piece)] = i
+    (tok_dir / "tokenizer.json").write_text(json.dumps(spec))
+    # Qwen3.5's reasoning and tool markers are added (non-special) tokens; with <think> in the
+    # vocabulary mlx-lm's tokenizer turns thinking on in the template, as for the real models.
+    t = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    t.add_tokens([AddedToken(m, special=False, normalized=False)
+                  for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    t.save(str(tok_dir / "tokenizer.json"))
+    tok = load_tokenizer(tok_dir)
+    prompt = tok.apply_chat_template(QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+    last = tok.encode(prompt, add_special_tokens=False)[-1]
+    chain = [last] + piece_ids + [tok.eos_token_id]
+
+    cfg = tiny.target_config(vocab_size=512)
+    model = tiny.build_target(cfg, seed=11)
+    params = dict(tree_flatten(model.parameters()))
+    updates = [(n, p * 0.01) for n, p in params.items()
+               if n.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))]
+    emb = params["language_model.model.embed_tokens.weight"] * 0.1
+    head = params["language_model.lm_head.weight"]
+    loop = tok.encode(LOOP, add_special_tokens=False)
+    assert len(loop) == 1 and loop[0] not in chain
+    # ... and LOOP is followed by itself: a reply that never ends (for queue and disconnect tests)
+    for k, (a, b) in enumerate([*zip(chain, chain[1:]), (loop[0], loop[0])]):
+        axis = mx.zeros((emb.shape[1],)).at[k].add(1.0)
+        emb[a] = axis
+        head[b] = 10.0 * axis
+    updates += [("language_model.model.embed_tokens.weight", emb), ("language_model.lm_head.weight", head)]
+    model.load_weights(updates, strict=False)
+    tiny.save_hf(model, cfg, folder / "target", tokenizer_dir=tok_dir)
+    dcfg = tiny.draft_config(cfg, block_size=8)
+    tiny.save_draft(tiny.build_draft(dcfg, seed=2), dcfg, folder / "draft")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tool_pair(tmp_path_factory):
+    return _rig_tool_model(tmp_path_factory.mktemp("toolpair"))
+
+
+@pytest.fixture(scope="module")
+def tool_server(tool_pair, tmp_path_factory):
+    s = ServerProcess("--model", str(tool_pair / "target"), "--draft", str(tool_pair / "draft"),
+                      "--model-name", "tiny-tools", "--api-key", KEY, "--max-queue", "1",
+                      log=tmp_path_factory.mktemp("tsrv") / "log.txt")
+    yield s
+    s.close()
+
+
+def test_tool_model_really_says_the_tool_call(tool_pair):
+    """The premise: generate() on this pair gives the scripted Qwen tool-call text."""
+    eng = mlx_dflash.load(tool_pair / "target", tool_pair / "draft")
+    prompt = eng.tokenizer.apply_chat_template(QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                                               tokenize=False)
+    out = mlx_dflash.generate(eng, eng.tokenizer.encode(prompt, add_special_tokens=False), max_tokens=100)
+    assert out.text == REPLY and out.stats.finish_reason == "stop"
+
+
+def test_openai_tool_calls(tool_server):
+    client = tool_server.openai()
+    r = client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=100)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.reasoning_content == "Let me check the weather."
+    assert not msg.content
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+
+    chunks = list(client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL],
+                                                 max_tokens=100, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    calls = [tc for d in deltas for tc in d.tool_calls or []]
+    assert reasoning == "Let me check the weather."
+    assert "".join(d.content or "" for d in deltas) == ""
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris", "days": 3})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_anthropic_tool_use(tool_server):
+    client = tool_server.anthropic()
+    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    m = client.messages.create(model="tiny-tools", max_tokens=100, messages=QUESTION, tools=[tool])
+    assert m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["thinking", "tool_use"]
+    assert m.content[0].thinking == "Let me check the weather."
+    assert (m.content[1].name, m.content[1].input) == ("get_weather", {"city": "Paris", "days": 3})
+    assert m.content[1].id.startswith("toolu_")
+    with client.messages.stream(model="tiny-tools", max_tokens=100, messages=QUESTION, tools=[tool]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["thinking", "tool_use"]
+    assert final.content[0].thinking == "Let me check the weather."
+    assert final.content[1].input == {"city": "Paris", "days": 3}
+
+
+def test_tool_result_turn_renders_alike_in_both_dialects(tool_server, tool_pair):
+    """A second turn carrying the tool result: both dialects send the model the same prompt
+    (same usage, same greedy reply), which is what generate() says for that conversation."""
+    eng = mlx_dflash.load(tool_pair / "target", tool_pair / "draft")
+    convo = QUESTION + [
+        {"role": "assistant", "content": "", "reasoning_content": "Let me check the weather.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    prompt = eng.tokenizer.apply_chat_template(convo, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
+    ids = eng.tokenizer.encode(prompt, add_special_tokens=False)
+    want = mlx_dflash.generate(eng, ids, max_tokens=12)
+
+    oa_convo = json.loads(json.dumps(convo))
+    oa_convo[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris", "days": 3})
+    r = tool_server.openai().chat.completions.create(model="tiny-tools", messages=oa_convo, tools=[WEATHER_TOOL],
+                                                     max_tokens=12)
+    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    m = tool_server.anthropic().messages.create(model="tiny-tools", max_tokens=12, tools=[tool], messages=[
+        QUESTION[0],
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Let me check the weather.", "signature": ""},
+            {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris", "days": 3}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny, 21 C"}]}])
+    assert r.usage.prompt_tokens == len(ids)
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
+    assert r.usage.completion_tokens == m.usage.output_tokens == len(want.tokens)
+    r_text = (getattr(r.choices[0].message, "reasoning_content", None) or "") + (r.choices[0].message.content or "")
+    m_text = "".join(getattr(b, "thinking", None) or getattr(b, "text", "") for b in m.content)
+    reasoning, content, _ = split_output(want.text, reasoning=True, tools=[WEATHER_TOOL])
+    assert r_text == m_text == reasoning + content
+
+
+def test_full_queue_gets_429_and_dropped_queued_requests_free_it(tool_server):
+    """--max-queue 1: one request generating, one waiting, the third is refused."""
+    body = {"model": "tiny-tools", "prompt": "push pop " + LOOP, "max_tokens": 4000, "stream": True}
+    headers = {"x-api-key": KEY}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", tool_server.url + "/v1/completions", json=body, headers=headers) as first:
+            lines = first.iter_lines()  # kept: a discarded iterator would close the response
+            next(lines)  # generating
+            with c.stream("POST", tool_server.url + "/v1/completions", json=body, headers=headers) as second:
+                assert second.status_code == 200  # accepted, queued behind the first
+                tic = time.monotonic()
+                while tool_server.metrics()["mlx_dflash_queue_length"] < 1 and time.monotonic() - tic < 10:
+                    time.sleep(0.05)
+                r = c.post(tool_server.url + "/v1/completions", json={**body, "stream": False}, headers=headers)
+                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+                r = c.post(tool_server.url + "/v1/messages", json={"model": "tiny-tools", "max_tokens": 5,
+                                                                   "messages": MSG}, headers=headers)
+                assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+    # both dropped: the engine is free again
+    r = tool_server.openai().completions.create(model="tiny-tools", prompt=LOOP, max_tokens=3)
+    assert r.usage.completion_tokens == 3 and r.choices[0].text == LOOP * 3

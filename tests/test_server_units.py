@@ -1,0 +1,238 @@
+"""Server pieces without a server: the tool-call/reasoning parser (checked against
+mlx-lm's own Qwen parsers), stop strings, message conversion and the engine worker."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from mlx_dflash.server import tools
+from mlx_dflash.server.metrics import Metrics
+from mlx_dflash.server.worker import Job, QueueFull, StopMatcher, Worker
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "hours": {"type": "array"}, "opts": {"type": "object"}, "zip": {"type": "string"}}}}}]
+
+# The Qwen3.5 / Qwen3-Coder XML style, as those models write it.
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+            "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=opts>\n{\"a\": {\"b\": null}}\n</parameter>\n"
+            "<parameter=zip>\n02139\n</parameter>\n</function>\n</tool_call>")
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def _body(call: str) -> str:
+    return call[len("<tool_call>"):-len("</tool_call>")]
+
+
+def test_xml_call_matches_mlx_lm_parser():
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    want = qwen3_coder.parse_tool_call(_body(XML_CALL), WEATHER)
+    (got,) = tools.parse_tool_call(_body(XML_CALL), WEATHER)
+    assert got.name == want["name"] == "get_weather"
+    assert got.arguments == want["arguments"]
+    assert got.arguments == {"city": "San Francisco", "days": 3, "metric": True, "hours": [1, 2],
+                             "opts": {"a": {"b": None}}, "zip": "02139"}
+
+
+def test_json_call_matches_mlx_lm_parser():
+    from mlx_lm.tool_parsers import json_tools
+
+    want = json_tools.parse_tool_call(_body(JSON_CALL))
+    (got,) = tools.parse_tool_call(_body(JSON_CALL), WEATHER)
+    assert (got.name, got.arguments) == (want["name"], want["arguments"])
+
+
+def test_xml_values_without_schema_and_multiline():
+    body = "<function=run>\n<parameter=code>\nprint(1)\n\nprint(2)\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>"
+    (c,) = tools.parse_tool_call(body, None)
+    assert c.arguments == {"code": "print(1)\n\nprint(2)", "n": 7}
+    # a typed integer that is not one stays text rather than failing
+    (c,) = tools.parse_tool_call("<function=get_weather><parameter=days>soon</parameter></function>", WEATHER)
+    assert c.arguments == {"days": "soon"}
+
+
+@pytest.mark.parametrize("bad", ["{not json}", '{"arguments": {}}', '{"name": "f", "arguments": [1]}',
+                                 "<function=>\n</function>", "plain words"])
+def test_unparseable_bodies_raise(bad):
+    with pytest.raises(ValueError):
+        tools.parse_tool_call(bad, WEATHER)
+
+
+def _stream(text, chunk, **kw):
+    p = tools.OutputParser(**kw)
+    events = []
+    for i in range(0, len(text), chunk):
+        events += p.feed(text[i:i + chunk])
+    events += p.finish()
+    return events, p
+
+
+def _split(events):
+    r = "".join(v for k, v in events if k == "reasoning")
+    t = "".join(v for k, v in events if k == "text")
+    return r, t, [(v.name, v.arguments) for k, v in events if k == "tool"]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+def test_streaming_split_is_chunking_independent(chunk):
+    out = ("I should look this up.\n</think>\n\nChecking both.\n" + XML_CALL + "\n" + JSON_CALL)
+    events, p = _stream(out, chunk, reasoning=True, tools=WEATHER)
+    r, t, calls = _split(events)
+    assert r == "I should look this up."
+    assert t == "Checking both."
+    assert [n for n, _ in calls] == ["get_weather", "get_weather"]
+    assert calls[1][1] == {"city": "Paris", "days": 2}
+    assert p.made_tool_call
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_plain_text_passes_through_unchanged(chunk):
+    text = "  def f(x):\n    return x < 3 and x > 1  # <tool or <think?\n\n"
+    events, _ = _stream(text, chunk)
+    assert _split(events) == ("", text, [])
+    events, _ = _stream(text, chunk, tools=WEATHER)  # tools offered but none called
+    assert _split(events) == ("", text, [])
+
+
+def test_model_opened_thinking_and_unterminated_call():
+    # <think> written by the model itself; the call ends at EOS without </tool_call>
+    out = "<think>hmm</think>\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
+    r, t, calls = _split(_stream(out, 3, tools=WEATHER)[0])
+    assert (r, t, calls) == ("hmm", "", [("get_weather", {"city": "Oslo"})])
+
+
+def test_unparseable_call_comes_back_as_text():
+    out = "Sure.\n<tool_call>\n{oops\n</tool_call>\nDone."
+    r, t, calls = _split(_stream(out, 2, tools=WEATHER)[0])
+    assert calls == [] and "<tool_call>\n{oops\n</tool_call>" in t and t.startswith("Sure.") and t.endswith("Done.")
+
+
+def test_prompt_opens_thinking():
+    assert tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not tools.prompt_opens_thinking("no markers")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 100])
+def test_stop_matcher(chunk):
+    text = "abc STOP def"
+    m = StopMatcher(["STOP", "xyz"])
+    out = "".join(m.feed(text[i:i + chunk]) for i in range(0, len(text), chunk) if not m.hit)
+    assert out == "abc " and m.hit and m.matched == "STOP"
+    m = StopMatcher(["STOP"])
+    out = "".join(m.feed(c) for c in "abc STO") + m.flush()
+    assert out == "abc STO" and not m.hit
+
+
+def test_anthropic_and_openai_messages_render_alike():
+    """The same conversation in both dialects gives the same chat-template messages."""
+    from mlx_dflash.server import anthropic as A
+    from mlx_dflash.server import openai as O
+
+    oa = O.ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+        {"role": "assistant", "content": "", "reasoning_content": "need a tool",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]})
+    an = A.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "be brief"}],
+                                           "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "need a tool", "signature": ""},
+                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
+    ]})
+    assert O.template_messages(oa.messages) == A.template_messages(an)
+
+
+# --- the engine worker, with a scripted generator in place of the model ---------------
+
+class _Gen:
+    """A stand-in for stream_generate: one piece per cycle, records how far it ran."""
+
+    log = []
+
+    def __init__(self, engine, ids, *, max_tokens, step_delay=0.0, **kw):
+        self.ids, self.n, self.delay = ids, max_tokens, step_delay
+        self.steps, self.closed = 0, False
+        _Gen.log.append(self)
+
+    def __iter__(self):
+        stats = SimpleNamespace(prompt_tokens=len(self.ids), generated_tokens=0, cycles=0, tau=1.0, decode_tps=1.0)
+        try:
+            for i in range(self.n):
+                time.sleep(self.delay)
+                self.steps += 1
+                stats.generated_tokens += 1
+                stats.cycles += 1
+                yield SimpleNamespace(text=f"{self.ids[0]}.{i} ", tokens=[i], stats=stats,
+                                      finish_reason="length" if i == self.n - 1 else None)
+        finally:
+            self.closed = True
+
+    def close(self):
+        self.closed = True
+
+
+def _gen_fn(engine, ids, **kw):
+    return iter(_Gen(engine, ids, **kw))
+
+
+def _collect(job):
+    async def run():
+        out = []
+        while True:
+            ev = await job.out.get()
+            out.append(ev)
+            if ev[0] in ("done", "error"):
+                return out
+    return run
+
+
+def test_worker_order_cancel_timeout_and_queue_bound():
+    _Gen.log = []
+    w = Worker(lambda: SimpleNamespace(), max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)
+    w.start()
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            # job a holds the engine until released, so b and c queue behind it
+            a = Job([1], {"max_tokens": 1000, "step_delay": 0.01}, [], 30.0, loop)
+            w.submit(a)
+            while not _Gen.log:
+                await asyncio.sleep(0.01)
+            b = Job([2], {"max_tokens": 3}, ["2.2"], 30.0, loop)
+            c = Job([3], {"max_tokens": 2}, [], 30.0, loop)
+            w.submit(b)
+            w.submit(c)
+            with pytest.raises(QueueFull):
+                w.submit(Job([4], {"max_tokens": 1}, [], 30.0, loop))
+            await asyncio.sleep(0.1)
+            a.cancel()  # the client went away: stopped after the current cycle
+            ra, rb, rc = [await _collect(j)() for j in (a, b, c)]
+            assert ra[-1][:2] == ("done", "cancelled")
+            ga = _Gen.log[0]
+            assert ga.closed and ga.steps < 1000
+            assert [g.ids[0] for g in _Gen.log] == [1, 2, 3]  # arrival order
+            assert "".join(e[1] for e in rb if e[0] == "text") == "2.0 2.1 "  # cut at the stop string
+            assert rb[-1][1] == "stop" and rb[-1][2]["stop_sequence"] == "2.2"
+            assert rc[-1][1] == "length" and rc[-1][2]["generated_tokens"] == 2
+            # a per-request timeout stops a running generation too
+            t = Job([5], {"max_tokens": 10_000, "step_delay": 0.01}, [], 0.2, loop)
+            w.submit(t)
+            rt = await _collect(t)()
+            assert rt[-1][1] == "timeout" and _Gen.log[-1].closed and _Gen.log[-1].steps < 10_000
+
+        asyncio.run(main())
+    finally:
+        w.stop()
+    assert not w.alive
