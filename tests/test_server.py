@@ -18,15 +18,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 import mlx_dflash
 from mlx_dflash import tiny
 from mlx_dflash.server.tools import split_output
-
-anthropic = pytest.importorskip("anthropic")  # a test dependency ([test] extra)
-openai = pytest.importorskip("openai")
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
