@@ -236,3 +236,21 @@ def test_worker_order_cancel_timeout_and_queue_bound():
     finally:
         w.stop()
     assert not w.alive
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["serve", "--port", "0"], "--port"),
+    (["serve", "--max-queue", "0"], "must be positive"),
+    (["serve", "--chat-template-args", "[1]"], "JSON object"),
+    (["serve", "--chat-template-args", "{oops"], "not valid JSON"),
+    (["serve", "--temp", "-1"], "temperature"),
+    (["serve", "--model", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_serve_cli_rejects_bad_flags_before_listening(argv, words, capsys):
+    from mlx_dflash.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err
