@@ -29,7 +29,7 @@ from mlx_dflash.server.tools import split_output
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"
-MAX_NEW = 16  # tokens per request: the embedded target runs at tens of tokens/s on a loaded CPU
+MAX_NEW = 12  # tokens per request: the embedded target runs at tens of tokens/s on a loaded CPU
 
 
 def _free_port() -> int:
@@ -531,6 +531,23 @@ def test_tool_result_turn_renders_alike_in_both_dialects(tool_server, tool_pair)
     m_text = "".join(getattr(b, "thinking", None) or getattr(b, "text", "") for b in m.content)
     reasoning, content, _ = split_output(want.text, reasoning=True, tools=[WEATHER_TOOL])
     assert r_text == m_text == reasoning + content
+
+
+def test_thinking_switch_reaches_the_template(tool_server, tool_pair):
+    """chat_template_kwargs (OpenAI) and thinking (Anthropic) both set the template's enable_thinking."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tool_pair / "target")
+    n = {on: len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=on))
+         for on in (True, False)}
+    assert n[True] != n[False]
+    for on in (True, False):
+        r = tool_server.openai().chat.completions.create(
+            model="tiny-tools", messages=QUESTION, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": on}})
+        thinking = {"type": "enabled", "budget_tokens": 1024} if on else {"type": "disabled"}
+        m = tool_server.anthropic().messages.create(model="tiny-tools", max_tokens=1, messages=QUESTION,
+                                                    thinking=thinking)
+        assert r.usage.prompt_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n[on]
 
 
 def test_full_queue_gets_429_and_dropped_queued_requests_free_it(tool_server):

@@ -36,7 +36,6 @@ def build(settings: Settings, load_engine: Callable[[], object]):
     worker.start()
     metrics.queue_length = lambda: worker.queue_length
     metrics.running = lambda: int(worker.running is not None)
-    metrics.prefix_cache = worker.prefix_cache
     return create_app(Server(settings, worker, metrics)), worker
 
 

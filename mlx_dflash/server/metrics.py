@@ -2,17 +2,13 @@
 
 import threading
 from collections import Counter
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 
 def _prefix_cache_bytes(pc) -> int:
     if pc is None:
         return 0
-    for name in ("nbytes", "bytes_used", "size_bytes"):
-        v = getattr(pc, name, None)
-        if v is not None:
-            return int(v() if callable(v) else v)
-    return 0
+    return int(getattr(pc, "nbytes", 0))
 
 
 class Metrics:
@@ -30,7 +26,7 @@ class Metrics:
         self.cancelled = 0
         self.queue_length: Callable[[], int] = lambda: 0
         self.running: Callable[[], int] = lambda: 0
-        self.prefix_cache: Optional[Any] = None
+        self.cache_bytes = 0
 
     def record_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -48,7 +44,8 @@ class Metrics:
             self.cycle_tokens += d["tau"] * d["cycles"]
             if d["decode_tps"]:
                 self.last_decode_tps = d["decode_tps"]
-            self.prefix_cache = prefix_cache
+            # read here, on the engine thread that changes the cache
+            self.cache_bytes = _prefix_cache_bytes(prefix_cache)
 
     def record_cancel(self) -> None:
         with self._lock:
@@ -83,7 +80,7 @@ class Metrics:
             metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
                    [("", self.cached_tokens)])
             metric("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.",
-                   [("", _prefix_cache_bytes(self.prefix_cache))])
+                   [("", self.cache_bytes)])
             metric("queue_length", "gauge", "Requests waiting for the engine.", [("", self.queue_length())])
             metric("running_requests", "gauge", "Requests being generated (0 or 1).", [("", self.running())])
             return "\n".join(out) + "\n"
