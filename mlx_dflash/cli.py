@@ -337,6 +337,11 @@ def serve(
     chat_template_args: Optional[str] = typer.Option(
         None, "--chat-template-args", help='JSON keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'; '
                                           "a request's chat_template_kwargs override them."),
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory budget of the shared prefix cache in bytes "
+                                           "(default: the prefix cache's own, a quarter of device memory)."),
+    no_prompt_cache: bool = typer.Option(
+        False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic (/v1/messages) APIs."""
@@ -350,6 +355,8 @@ def serve(
         raise DFlashError(f"--port must be in 1..65535, got {port}")
     if max_tokens < 1 or max_queue < 1 or timeout <= 0 or max_body_mb <= 0 or prefill_chunk < 1:
         raise DFlashError("--max-tokens, --max-queue, --timeout, --max-body-mb and --prefill-chunk must be positive")
+    if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
+        raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     try:
@@ -367,7 +374,8 @@ def serve(
         api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
         timeout=timeout, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         block_size=block_size, tree_budget=tree_budget, prefill_chunk=prefill_chunk,
-        chat_template_args=template_args,
+        chat_template_args=template_args, prompt_cache=not no_prompt_cache,
+        prompt_cache_bytes=prompt_cache_bytes,
     )
     dt = _dtype(dtype)
 

@@ -32,7 +32,8 @@ def model_names(model: Optional[Path]):
 def build(settings: Settings, load_engine: Callable[[], object]):
     """Load the engine on its generation thread and return (app, worker)."""
     metrics = Metrics()
-    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics)
+    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics,
+                    prompt_cache=settings.prompt_cache, prompt_cache_bytes=settings.prompt_cache_bytes)
     worker.start()
     metrics.queue_length = lambda: worker.queue_length
     metrics.running = lambda: int(worker.running is not None)

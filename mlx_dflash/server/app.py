@@ -41,6 +41,8 @@ class Settings:
     tree_budget: int = 0
     prefill_chunk: int = 512
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
+    prompt_cache: bool = True
+    prompt_cache_bytes: Optional[int] = None  # None: the prefix cache's default budget
 
 
 class APIError(Exception):

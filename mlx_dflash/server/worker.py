@@ -98,7 +98,8 @@ class Worker:
     """Owns the engine; runs queued jobs in arrival order on one thread."""
 
     def __init__(self, load_engine: Callable[[], Any], *, max_queue: int, metrics: Metrics,
-                 generate_fn: Optional[Callable] = None):
+                 generate_fn: Optional[Callable] = None, prompt_cache_bytes: Optional[int] = None,
+                 prompt_cache: bool = True):
         self._load = load_engine
         self._q: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
         self.metrics = metrics
@@ -109,6 +110,7 @@ class Worker:
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._main, name="mlx-dflash-engine", daemon=True)
         self._generate = generate_fn
+        self._cache_bytes, self._use_cache = prompt_cache_bytes, prompt_cache
 
     # --- lifecycle ---------------------------------------------------------------
     def start(self):
@@ -170,10 +172,13 @@ class Worker:
                 self.running = None
 
     def _make_prefix_cache(self):
+        """One prefix cache for every request: a client resending its history prefills only the new part."""
         import mlx_dflash
 
         cls = getattr(mlx_dflash, "PrefixCache", None)
-        return cls() if cls is not None else None
+        if cls is None or not self._use_cache:
+            return None
+        return cls(max_bytes=self._cache_bytes)
 
     def _run(self, job: Job) -> None:
         now = time.monotonic()
