@@ -55,10 +55,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def start_server(args):
+def start_server(args, prompt_cache: bool = True):
     port = _free_port()
     cmd = [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(port), "--log-level", "warning",
-           "--max-queue", str(max(64, args.concurrency))]
+           "--max-queue", str(max(64, args.concurrency))] + ([] if prompt_cache else ["--no-prompt-cache"])
     if args.model:
         cmd += ["--model", args.model]
     if args.draft:
@@ -111,31 +111,13 @@ def one_request(url, headers, model, messages, max_tokens):
     return ttft, time.perf_counter() - tic, "".join(text), usage
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="A running server (loopback only). Default: start one here.")
-    ap.add_argument("--model-name", default="mlx-dflash", help="Model id to send (default: the embedded pair's).")
-    ap.add_argument("--model", help="--model for the server this script starts.")
-    ap.add_argument("--draft", help="--draft for the server this script starts.")
-    ap.add_argument("--api-key", help="Key for a server started with --api-key.")
-    ap.add_argument("-n", "--requests", type=int, default=24, help="Total requests (default 24).")
-    ap.add_argument("-c", "--concurrency", type=int, default=4, help="Concurrent clients (default 4).")
-    ap.add_argument("--max-tokens", type=int, default=48, help="max_tokens per request (default 48).")
-    ap.add_argument("--time-limit", type=float, default=600, help="Start no request after this many seconds.")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve-load"),
-                    help="Output path without extension (.md and .json are written).")
-    args = ap.parse_args()
-    if not 1 <= args.concurrency <= args.requests <= 10_000:
-        raise SystemExit("need 1 <= concurrency <= requests <= 10000")
-
+def run_once(args, prompt_cache: bool):
+    """One load run (a fresh server unless --url); returns (summary, per-request rows, errors)."""
     proc = None
     if args.url:
-        host = urlparse(args.url).hostname
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            raise SystemExit("--url must be a loopback address")
         url = args.url.rstrip("/")
     else:
-        proc, url = start_server(args)
+        proc, url = start_server(args, prompt_cache)
     headers = {"x-api-key": args.api_key} if args.api_key else {}
     prompts = sorted((ROOT / "bench" / "prompts").glob("*.txt"))
     try:
@@ -188,6 +170,7 @@ def main():
     later = [r for r in results if r["turn"] > 0]  # turns that resend a history
     d_cycles = after["mlx_dflash_decode_cycles_total"] - before["mlx_dflash_decode_cycles_total"]
     summary = {
+        "prompt_cache": prompt_cache if not args.url else "as the server runs",
         "requests": len(results), "errors": len(errors), "concurrency": args.concurrency,
         "max_tokens": args.max_tokens, "wall_s": wall,
         "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95),
@@ -197,35 +180,72 @@ def main():
         "prefix_hit_rate_tokens": cached / prompt if prompt else 0.0,
         "prefix_hit_rate_requests": (sum(r["cached_tokens"] > 0 for r in later) / len(later)) if later else 0.0,
         "cycles": d_cycles,
+        # tokens committed by verify cycles (each request's first token comes from prefill)
         "tau": (after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"]
                 - len(results)) / d_cycles if d_cycles else 0.0,
-        "server": url if args.url else f"started here: {args.model or 'embedded pair'}",
-        "blas": getattr(args, "blas", "BLAS of the running server not known"),
     }
+    return summary, results, errors
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="A running server (loopback only). Default: start one here.")
+    ap.add_argument("--model-name", default="mlx-dflash", help="Model id to send (default: the embedded pair's).")
+    ap.add_argument("--model", help="--model for the server this script starts.")
+    ap.add_argument("--draft", help="--draft for the server this script starts.")
+    ap.add_argument("--api-key", help="Key for a server started with --api-key.")
+    ap.add_argument("-n", "--requests", type=int, default=24, help="Total requests (default 24).")
+    ap.add_argument("-c", "--concurrency", type=int, default=4, help="Concurrent clients (default 4).")
+    ap.add_argument("--max-tokens", type=int, default=48, help="max_tokens per request (default 48).")
+    ap.add_argument("--time-limit", type=float, default=600, help="Start no request after this many seconds.")
+    ap.add_argument("--compare-no-cache", action="store_true",
+                    help="Also run the same load on a server started with --no-prompt-cache.")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve-load"),
+                    help="Output path without extension (.md and .json are written).")
+    args = ap.parse_args()
+    if not 1 <= args.concurrency <= args.requests <= 10_000:
+        raise SystemExit("need 1 <= concurrency <= requests <= 10000")
+    if args.url and urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit("--url must be a loopback address")
+    if args.url and args.compare_no_cache:
+        raise SystemExit("--compare-no-cache starts its own servers; drop --url")
+
+    runs = [run_once(args, True)]
+    if args.compare_no_cache:
+        runs.append(run_once(args, False))
+    where = args.url or f"a server started here on {args.model or 'the embedded pair'}"
+    blas = getattr(args, "blas", "BLAS of the running server not known")
+    cmd = f"python bench/serve_load.py -n {args.requests} -c {args.concurrency} --max-tokens {args.max_tokens}" + \
+        (" --compare-no-cache" if args.compare_no_cache else "")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"summary": summary, "requests": results,
-                                                    "errors": errors}, indent=2))
+    out.with_suffix(".json").write_text(json.dumps(
+        {"command": cmd, "server": where, "blas": blas,
+         "runs": [{"summary": s, "requests": r, "errors": e} for s, r, e in runs]}, indent=2))
     md = [
         "# serve load",
         "",
-        f"`python bench/serve_load.py -n {args.requests} -c {args.concurrency} --max-tokens {args.max_tokens}`"
-        f" against {summary['server']}; {summary['blas']}.",
-        f"{args.concurrency} clients, each a conversation resending its history every turn; greedy; streamed.",
+        f"`{cmd}` against {where}; {blas}.",
+        f"{args.concurrency} clients at once, each a conversation that resends its history every turn "
+        "(its prompt, the replies, a new user line); greedy; streamed; TTFT includes the wait in the queue.",
         "",
-        "| requests | errors | wall s | TTFT p50 s | TTFT p95 s | latency p50 s | latency p95 s | tok/s |"
-        " prompt tokens | cached tokens | prefix hit rate (tokens) | later turns with a hit | tau |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {len(results)} | {len(errors)} | {wall:.1f} | {summary['ttft_p50_s']:.3f} | {summary['ttft_p95_s']:.3f} | "
-        f"{summary['latency_p50_s']:.2f} | {summary['latency_p95_s']:.2f} | {summary['tokens_per_s']:.1f} | "
-        f"{prompt} | {cached} | {summary['prefix_hit_rate_tokens']:.1%} | "
-        f"{summary['prefix_hit_rate_requests']:.0%} | {summary['tau']:.2f} |",
-        "",
+        "| prefix cache | requests | errors | wall s | TTFT p50 s | TTFT p95 s | latency p50 s | latency p95 s |"
+        " tok/s | prompt tokens | cached tokens | hit rate (tokens) | later turns with a hit | tau |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for s, _, _ in runs:
+        md.append(
+            f"| {'on' if s['prompt_cache'] is True else 'off' if s['prompt_cache'] is False else s['prompt_cache']} "
+            f"| {s['requests']} | {s['errors']} | {s['wall_s']:.1f} | {s['ttft_p50_s']:.3f} | {s['ttft_p95_s']:.3f} | "
+            f"{s['latency_p50_s']:.2f} | {s['latency_p95_s']:.2f} | {s['tokens_per_s']:.1f} | "
+            f"{s['prompt_tokens']} | {s['cached_tokens']} | {s['prefix_hit_rate_tokens']:.1%} | "
+            f"{s['prefix_hit_rate_requests']:.0%} | {s['tau']:.2f} |")
+    md.append("")
     out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))
-    if errors:
-        print(f"{len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+    for s, _, e in runs:
+        if e:
+            print(f"{len(e)} errors, first: {e[0]}", file=sys.stderr)
 
 
 if __name__ == "__main__":
