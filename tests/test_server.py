@@ -168,6 +168,20 @@ def test_anthropic_messages_equal_generate(server, engine):
     assert n.input_tokens == len(ids)
 
 
+def test_sampling_settings_and_seed_equal_generate(server, engine):
+    ids = engine.encode(PROMPTS[3], chat_template=True)
+    want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    r = server.openai().chat.completions.create(
+        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=MAX_NEW,
+        temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 40})
+    assert r.choices[0].message.content == want.text
+    # (this SDK version has no temperature/top_p/top_k arguments; the API fields go in the body)
+    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW,
+                                           messages=[{"role": "user", "content": PROMPTS[3]}],
+                                           extra_body={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7})
+    assert m.content[0].text == want.text
+
+
 def test_stop_sequences(server, engine):
     _, want = _expected(engine, PROMPTS[0])
     stop = want.text[6:9]

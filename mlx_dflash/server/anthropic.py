@@ -57,6 +57,7 @@ class MessagesRequest(CountRequest):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
+    seed: Optional[int] = None  # not in Anthropic's API; accepted for reproducible sampling
 
 
 def _text(blocks, where: str) -> str:
@@ -164,7 +165,7 @@ async def messages(request: Request):
     server.check_model(req.model)
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     ids, thinking, tools = _prompt(server, req)
-    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
+    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
     job = server.submit(ids, max_tokens, sampling, req.stop_sequences or [])
     parser = OutputParser(reasoning=thinking, tools=tools)
     mid, model = "msg_" + uuid.uuid4().hex[:24], server.settings.model_id
