@@ -4,9 +4,12 @@ The body is wrapped into a C++ function with the same names MLX binds
 (inputs, outputs, template constants, thread attributes), compiled with the
 system C++ compiler against ``metal_compat.h``, and run over the whole grid:
 each threadgroup's threads are cooperative fibers that really meet at
-barriers and SIMD-group operations. Inputs and outputs travel as raw files.
+barriers and SIMD-group operations, run in the order ``order`` names:
+"forward" (thread index order), "reverse", or "random:SEED" (a new
+permutation at every pass). Inputs and outputs travel as raw files.
 
     outs = run(kernels.chain_launch(...))   # same Launch the real dispatch uses
+    outs = run(launch, order="reverse")
 """
 
 import hashlib
@@ -72,7 +75,7 @@ def generate(source: str, launch) -> str:
             ct = CTYPES[a.dtype]
             params.append(f"const device {ct}* {name}")
             args.append(f"reinterpret_cast<const {ct}*>(g_in[{i}].data())")
-            loads.append(f"  g_in[{i}] = read_file(argv[{i + 1}]);")
+            loads.append(f"  g_in[{i}] = read_file(argv[{i + 2}]);")
         else:
             ct = "bool" if isinstance(a, bool) else "int"
             params.append(f"const {ct} {name}")
@@ -85,7 +88,7 @@ def generate(source: str, launch) -> str:
         args.append(f"reinterpret_cast<{ct}*>(g_out[{j}].data())")
         # 0xff bytes: NaN for floats, so an element the kernel never writes shows.
         loads.append(f"  g_out[{j}].assign(sizeof({ct}) * {int(np.prod(shape))}, char(0xff));")
-        stores.append(f"  write_file(argv[{n_in + 1 + j}], g_out[{j}]);")
+        stores.append(f"  write_file(argv[{n_in + 2 + j}], g_out[{j}]);")
     gx, gy, gz = launch.grid
     tx, ty, tz = launch.threadgroup
     nl = "\n"
@@ -127,6 +130,12 @@ static void thread_main(const harness::Thread& t) {{
 
 int main(int argc, char** argv) {{
   (void)argc;
+  const char* order = argv[1];  // forward | reverse | random:SEED
+  if (std::strcmp(order, "reverse") == 0) harness::order().mode = 1;
+  if (std::strncmp(order, "random:", 7) == 0) {{
+    harness::order().mode = 2;
+    harness::order().rng.seed(unsigned(std::atoi(order + 7)));
+  }}
 {nl.join(loads)}
   harness::dispatch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, thread_main);
 {nl.join(stores)}
@@ -151,8 +160,12 @@ def build(source: str, launch) -> Path:
     return exe
 
 
-def run(launch, source: str = None) -> List[mx.array]:
-    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file)."""
+ORDERS = ("forward", "reverse", "random:1", "random:2")
+
+
+def run(launch, source: str = None, order: str = "forward") -> List[mx.array]:
+    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file),
+    threads taking turns in ``order``."""
     from mlx_dflash.kernels import metal_source
 
     source = source if source is not None else metal_source(launch.name)
@@ -164,7 +177,7 @@ def run(launch, source: str = None) -> List[mx.array]:
             p.write_bytes(_to_bytes(a) if isinstance(a, mx.array) else b"")
             files.append(str(p))
         outs = [str(Path(d) / f"out{j}") for j in range(len(launch.outputs))]
-        r = subprocess.run([str(exe)] + files + outs, capture_output=True, text=True, timeout=600)
+        r = subprocess.run([str(exe), order] + files + outs, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"kernel {launch.name} failed ({r.returncode}): {r.stderr[-2000:]}")
         return [_from_bytes(Path(o).read_bytes(), shape, dtype)
