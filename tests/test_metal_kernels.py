@@ -509,3 +509,12 @@ def test_real_metal_kernels_match_twins(dtype):
         conv_in = mx.random.normal((1, 12, 70)).astype(dtype)
         w = mx.random.normal((70, 4, 1)).astype(dtype)
         assert close(kernels.causal_conv1d_silu(conv_in, w), kernels.causal_conv1d_silu(conv_in, w, force_twin=True), dtype)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="checks the refusal on a machine without Metal")
+def test_mac_check_says_it_needs_apple_silicon():
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "mac_check.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "needs Apple silicon" in r.stderr
