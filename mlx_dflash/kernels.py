@@ -165,10 +165,8 @@ def gated_delta_chain(
     few state-sized passes instead of 80.
     """
     if use_metal(force_twin):
-        y, S, *tape = _metal_or_twin(
-            lambda *a: chain_launch(*a, mask, record=record),
-            lambda *a: _twin_outputs(gated_delta_chain(*a, mask, record=record, force_twin=True)),
-            (q, k, v, g, beta, state), n_out=3 if record else 2)
+        extra = () if mask is None else (mask,)
+        y, S, *tape = _metal_or_twin("chain", (bool(record),), (q, k, v, g, beta, state), extra)
         return y, S, tape[0] if record else None
     dtype = q.dtype
     T = q.shape[1]
@@ -214,10 +212,7 @@ def gated_delta_rollback(
     if n == 0:
         return state0
     if mask is None and use_metal(force_twin):
-        return _metal_or_twin(
-            lambda *a: rollback_launch(*a, range(n)),
-            lambda *a: [gated_delta_rollback(*a, n, force_twin=True)],
-            (state0, k, g, delta), n_out=1)[0]
+        return _metal_or_twin("rollback", (int(n),), (state0, k, g, delta))[0]
     hv = delta.shape[2]
     k = _repeat_heads(k[:, :n], hv).astype(mx.float32).transpose(0, 2, 1, 3)
     logg = _log_decay(g[:, :n]).transpose(0, 2, 1)
@@ -304,10 +299,8 @@ def gated_delta_tree(
         raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
     _, depth = tree_order(parents)
     if use_metal(force_twin) and max(depth) < MAX_TREE_DEPTH:
-        y, S, *tape = _metal_or_twin(
-            lambda *a: tree_launch(*a, parents, record=record),
-            lambda *a: _twin_outputs(gated_delta_tree(*a, parents, record=record, force_twin=True)),
-            (q, k, v, g, beta, state), n_out=3 if record else 2)
+        static = (tuple(int(p) for p in parents), bool(record))
+        y, S, *tape = _metal_or_twin("tree", static, (q, k, v, g, beta, state))
         return y, S, tape[0] if record else None
     dtype = q.dtype
     q, k, v, logg, beta = _prep(q, k, v, g, beta, None)
@@ -362,12 +355,8 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
     if use_metal(force_twin):
-        chain = list(range(-1, T - 1))
-        idx = conv_windows(parents if parents is not None else chain, K)
-        return _metal_or_twin(
-            lambda *a: conv_launch(*a, idx),
-            lambda *a: [causal_conv1d_silu(*a, parents, force_twin=True)],
-            (conv_in, weight), n_out=1)[0]
+        static = None if parents is None else tuple(int(p) for p in parents)
+        return _metal_or_twin("conv", (static,), (conv_in, weight))[0]
     dtype = conv_in.dtype
     x = conv_in.astype(mx.float32)  # accumulate in fp32, like the kernel
     w = weight[:, :, 0].astype(dtype).astype(mx.float32)
@@ -437,25 +426,64 @@ def _twin_outputs(outs):
     return [o for o in outs if o is not None]
 
 
-def _metal_or_twin(launch, twin, primals, n_out):
-    """Run ``launch(*primals)`` on Metal; differentiate through ``twin(*primals)``.
+# kind -> (the Launch, the twin's outputs): functions of (static, *arrays).
+def _conv_launch(static, conv_in, weight):
+    (parents,) = static
+    T = conv_in.shape[1] - weight.shape[1] + 1
+    idx = conv_windows(parents if parents is not None else list(range(-1, T - 1)), weight.shape[1])
+    return conv_launch(conv_in, weight, idx)
+
+
+_KINDS = {
+    "chain": (lambda st, *a: chain_launch(*a[:6], a[6] if len(a) > 6 else None, record=st[0]),
+              lambda st, *a: _twin_outputs(gated_delta_chain(*a[:6], a[6] if len(a) > 6 else None, record=st[0],
+                                                             force_twin=True))),
+    "tree": (lambda st, *a: tree_launch(*a, st[0], record=st[1]),
+             lambda st, *a: _twin_outputs(gated_delta_tree(*a, st[0], record=st[1], force_twin=True))),
+    "rollback": (lambda st, *a: rollback_launch(*a, range(st[0])),
+                 lambda st, *a: [gated_delta_rollback(*a, st[0], force_twin=True)]),
+    "conv": (_conv_launch, lambda st, *a: [causal_conv1d_silu(*a, st[0], force_twin=True)]),
+}
+
+
+def _n_outputs(kind: str, static: tuple) -> int:
+    if kind in ("chain", "tree"):
+        return 3 if static[-1] else 2  # the tape only when recording
+    return 1
+
+
+@lru_cache(maxsize=64)
+def _with_twin_vjp(kind: str, static: tuple, n_diff: int):
+    """The Metal call of ``kind`` as an mx.custom_function whose VJP is the
+    twin's; the first ``n_diff`` arguments are differentiable, the rest (a
+    mask) are not. Cached: making one costs more than calling it."""
+    launch, twin = _KINDS[kind]
+    n_out = _n_outputs(kind, static)
+
+    @mx.custom_function
+    def f(*xs):
+        return tuple(run_metal(launch(static, *xs))[:n_out])
+
+    @f.vjp
+    def f_vjp(xs, cotangents, outputs):
+        cot = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
+        rest = list(xs[n_diff:])
+        grads = mx.vjp(lambda *a: twin(static, *a, *rest), list(xs[:n_diff]), cot)[1]
+        return tuple(grads) + tuple(mx.zeros_like(x) for x in rest)
+
+    return f
+
+
+def _metal_or_twin(kind: str, static: tuple, primals: tuple, extra: tuple = ()) -> List[mx.array]:
+    """Run the Metal kernel of ``kind``; differentiate through its twin.
 
     MLX has no VJP for a custom kernel (``[Primitive::vjp] Not implemented for
     CustomKernel``), as mlx-lm avoids by using its ops path when training. Here
     the forward stays the kernel and the gradient is the twin's, at the same
     inputs: ``nn.value_and_grad`` through the target works on a Mac GPU.
+    ``static``: the call's Python arguments; ``extra``: arrays with no gradient.
     """
-
-    @mx.custom_function
-    def f(*xs):
-        return tuple(run_metal(launch(*xs))[:n_out])
-
-    @f.vjp
-    def f_vjp(xs, cotangents, outputs):
-        cot = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
-        return tuple(mx.vjp(lambda *a: list(twin(*a)), list(xs), cot)[1])
-
-    return list(f(*primals))
+    return list(_with_twin_vjp(kind, static, len(primals))(*primals, *extra))
 
 
 def packed_eligible(Dk: int, Dv: int) -> bool:

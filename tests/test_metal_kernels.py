@@ -480,10 +480,44 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
     for n in got:
         assert np.allclose(np.array(got[n]), np.array(want[n]), rtol=1e-3, atol=1e-5), n
     # The control: the kernel called without the twin's VJP fails as on a Mac.
-    monkeypatch.setattr(kernels, "_metal_or_twin",
-                        lambda launch, twin, primals, n_out: kernels.run_metal(launch(*primals))[:n_out])
+    def without_twin_vjp(kind, static, primals, extra=()):
+        launch = kernels._KINDS[kind][0](static, *primals, *extra)
+        return kernels.run_metal(launch)[:kernels._n_outputs(kind, static)]
+
+    monkeypatch.setattr(kernels, "_metal_or_twin", without_twin_vjp)
     with pytest.raises(RuntimeError, match="CustomKernel"):
         nn.value_and_grad(model, loss)(model)
+
+
+def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
+    """Chain (with a padding mask), tree, rollback and conv: gradients with the
+    Metal path selected equal the twins' own."""
+    q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
+    mask = mx.array([[True, True, False, True, True]])
+    conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
+    w = mx.random.normal((70, 4, 1), key=mx.random.key(2))
+    parents = [-1, 0, 0, 1, 2]
+    _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+
+    def total(outs):
+        return sum(((o.astype(mx.float32) * (i + 1)) ** 2).sum() for i, o in enumerate(outs) if o is not None)
+
+    cases = {
+        "chain": (lambda a, tw: total(kernels.gated_delta_chain(*a, mask, record=True, force_twin=tw)),
+                  [q, k, v, g, beta, s0]),
+        "tree": (lambda a, tw: total(kernels.gated_delta_tree(*a, parents, record=True, force_twin=tw)),
+                 [q, k, v, g, beta, s0]),
+        "rollback": (lambda a, tw: total([kernels.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
+        "conv": (lambda a, tw: total([kernels.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
+    }
+    want = {n: mx.grad(lambda *a, f=f: f(a, True), argnums=tuple(range(len(x))))(*x) for n, (f, x) in cases.items()}
+    monkeypatch.setattr(kernels, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(kernels, "run_metal", _harness_as_custom_kernel)
+    for n, (f, x) in cases.items():
+        got = mx.grad(lambda *a: f(a, False), argnums=tuple(range(len(x))))(*x)
+        for i, (a, b) in enumerate(zip(got, want[n])):
+            assert float(mx.abs(b).max()) > 0, (n, i)
+            assert np.allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-4), (n, i)
 
 
 # --- real Metal (macOS) ------------------------------------------------------------
@@ -509,6 +543,53 @@ def test_real_metal_kernels_match_twins(dtype):
         conv_in = mx.random.normal((1, 12, 70)).astype(dtype)
         w = mx.random.normal((70, 4, 1)).astype(dtype)
         assert close(kernels.causal_conv1d_silu(conv_in, w), kernels.causal_conv1d_silu(conv_in, w, force_twin=True), dtype)
+
+
+@pytest.mark.skipif(not mx.metal.is_available(),
+                    reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
+    with mx.stream(mx.gpu):
+        q, k, v, g, beta, s0 = inputs(1, 12, 2, 4, 128, 16, dtype, seed=4)
+        assert kernels.chain_launch(q, k, v, g, beta, s0).name == "gated_delta_packed"
+        want = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+        for packed in (True, False):
+            y, S, tape = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))
+            assert close(y, want[0], dtype) and close(S, want[1], dtype) and close(tape, want[2], dtype)
+            y2, S2, _ = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed))
+            assert mx.array_equal(y, y2).item() and mx.array_equal(S, S2).item()
+            n = 5
+            S_n = kernels.run_metal(kernels.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
+                                                         packed=packed))[1]
+            R_n = kernels.run_metal(kernels.rollback_launch(s0, k, g, tape, range(n)))[0]
+            assert mx.array_equal(S_n, R_n).item()
+        parents = random_tree(64, seed=2)
+        q, k, v, g, beta, s0 = inputs(1, 64, 2, 4, 128, 16, dtype, seed=5)
+        got = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
+        want = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+        assert all(close(a, b, dtype) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(not mx.metal.is_available(),
+                    reason="needs a Metal GPU (Apple silicon); the Linux test above runs the kernels in the harness")
+def test_real_metal_value_and_grad_through_the_target(dense):
+    from mlx_dflash.models.qwen35 import Target
+
+    _, model = dense
+    tokens = mx.array([[1, 5, 9, 33, 2, 7]])
+
+    def loss(m):
+        logits, _ = Target(m).batch_forward(tokens)
+        return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean()
+
+    with mx.stream(mx.gpu):
+        v, grads = nn.value_and_grad(model, loss)(model)
+    with mx.stream(mx.cpu):
+        want_v, want_g = nn.value_and_grad(model, loss)(model)
+    assert abs(float(v) - float(want_v)) < 1e-4
+    want = dict(tree_flatten(want_g))
+    for n, a in tree_flatten(grads):
+        assert np.allclose(np.array(a), np.array(want[n]), rtol=1e-2, atol=1e-4), n
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="checks the refusal on a machine without Metal")
