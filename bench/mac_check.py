@@ -18,6 +18,7 @@ machine without Apple silicon.
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -54,7 +55,8 @@ def main():
     mx.set_default_device(mx.gpu)
     report = {"machine": {"platform": platform.platform(), "machine": platform.machine(),
                           "mlx": mx.__version__, "device": str(mx.default_device()),
-                          "device_info": {k: str(v) for k, v in mx.metal.device_info().items()}},
+                          "device_info": {k: str(v) for k, v in
+                                          (getattr(mx, "device_info", None) or mx.metal.device_info)().items()}},
               "checks": {}, "timings_ms": []}
 
     def check(name, fn):
@@ -86,7 +88,7 @@ def main():
 
 def _pytest():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_metal_kernels.py", "tests/test_msl_strict.py"],
-                       cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     tail = "\n".join(r.stdout.strip().splitlines()[-15:])
     if r.returncode != 0:
         raise RuntimeError(tail + r.stderr[-2000:])
