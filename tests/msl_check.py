@@ -9,7 +9,8 @@ exported file, from which it is read back. ``check(source)`` compiles that
 source with clang (the ``libclang`` wheel) as C++14 without extensions
 against msl_strict.h, where device/constant/threadgroup are distinct address
 spaces and double, std::, VLAs and exceptions do not exist, and rejects
-recursion from the AST. Returns the list of problems (empty: passes).
+recursion from the AST and more than 31 buffer arguments. Returns the
+list of problems (empty: passes).
 
 MLX compiles the source after its own prelude (metal_stdlib and its
 utilities); msl_strict.h stands in for those. The one edit made to the
@@ -70,7 +71,9 @@ INSTANTIATION = re.compile(r'template \[\[host_name\("(\w+)"\)\]\] \[\[kernel\]\
 def _strip_instantiation(source: str) -> str:
     m = INSTANTIATION.search(source)
     if m is None:
-        raise RuntimeError("no explicit instantiation in the kernel source")
+        if "[[host_name(" in source:
+            raise RuntimeError("unrecognised explicit instantiation in the kernel source")
+        return source  # a kernel without template parameters is not a template
     if m.group(1) != m.group(2):
         raise RuntimeError(f"host_name {m.group(1)} is not the kernel {m.group(2)}")
     return source[:m.start()] + "template decltype(" + m.group(2) + "<" + source[m.end():]
@@ -122,6 +125,9 @@ def check(source: str) -> List[str]:
     """Problems clang finds in ``source`` (a captured kernel) under MSL rules."""
     from clang.cindex import Diagnostic, Index
 
+    buffers = [int(b) for b in re.findall(r"\[\[buffer\((\d+)\)\]\]", source)]
+    if buffers and max(buffers) > 30:
+        return [f"{max(buffers) + 1} buffer arguments (Metal binds at most 31)"]
     text = '#include "msl_strict.h"\n' + _strip_instantiation(source)
     with tempfile.TemporaryDirectory() as d:
         main = str(Path(d) / "kernel.cpp")

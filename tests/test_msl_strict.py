@@ -158,3 +158,16 @@ def test_mlx_lm_kernels_pass_the_check(monkeypatch):
 
         src = M.capture_fn(run, [a for a in ins if isinstance(a, mx.array)])
         assert M.check(src) == [], (i, M.check(src)[:3])
+
+
+def test_the_check_catches_too_many_buffers():
+    def kernel_with(n):
+        names = [f"a{i}" for i in range(n)]
+        kern = mx.fast.metal_kernel(name=f"many{n}", input_names=names, output_names=["out"],
+                                    source="out[0] = " + " + ".join(f"{x}[0]" for x in names) + ";")
+        arrays = [mx.zeros((16,)) for _ in names]
+        return M.capture_fn(lambda *xs: kern(inputs=list(xs), grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                                             output_shapes=[(1,)], output_dtypes=[mx.float32]), arrays)
+
+    assert M.check(kernel_with(30)) == []  # 31 buffers with the output
+    assert "buffer arguments" in M.check(kernel_with(31))[0]
