@@ -186,8 +186,16 @@ def train_draft_cmd(
     init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
     log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
+    arch: str = typer.Option("dflash", "--arch", help="'dflash' (v1) or 'dflash2' (block convolutions and a "
+                                                      "candidate selector; also trains the selector)."),
+    selector_rank: int = typer.Option(32, "--selector-rank", help="DFlash 2: rank of the selector's codebooks."),
+    selector_top_k: int = typer.Option(8, "--selector-top-k", help="DFlash 2: candidates per slot the selector ranks."),
+    conv_kernel_size: int = typer.Option(2, "--conv-kernel-size", help="DFlash 2: taps of the block convolutions."),
+    conv_group_size: Optional[int] = typer.Option(
+        None, "--conv-group-size", help="DFlash 2: channels sharing one dynamic coefficient "
+                                        "(default: 64 when it divides the hidden size, else the hidden size)."),
 ):
-    """Train a DFlash v1 draft for a target (corpus or the target's own outputs)."""
+    """Train a DFlash v1 or DFlash 2 draft for a target (corpus or the target's own outputs)."""
     from .train import TrainConfig, train_draft
 
     ids = None
@@ -205,6 +213,8 @@ def train_draft_cmd(
         seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
         warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
         checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
+        arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
     )
     summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
                           text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
