@@ -120,6 +120,7 @@ def stream_generate(
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
+    accept_rule: str = "equality",
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
@@ -133,6 +134,10 @@ def stream_generate(
     (``tree_topk`` candidates per depth) instead of a chain.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
+    ``accept_rule="speculative"`` (temperature > 0, chain): the draft samples
+    its block and tokens are kept with probability min(1, p/q) (the first
+    rejection resamples from the residual): still exactly the target's
+    distribution, but the text for a seed then depends on the mode.
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
@@ -151,7 +156,7 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile,
+        profile=profile, accept_rule=accept_rule,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

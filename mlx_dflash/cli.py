@@ -97,7 +97,13 @@ def generate(
         1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
     repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
     seed: Optional[int] = typer.Option(
-        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode."),
+        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode "
+                             "(with --accept-rule equality)."),
+    accept_rule: str = typer.Option(
+        "equality", "--accept-rule", help="With --temp > 0 on a chain: 'equality' keeps a drafted token when it equals "
+                                          "the target's own sample (same seed, same text in every mode); "
+                                          "'speculative' samples the draft and keeps a token with probability "
+                                          "min(1, p/q) (exact too; the text depends on the mode)."),
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
@@ -136,7 +142,7 @@ def generate(
         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile,
+        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -240,6 +246,9 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    draft2: Optional[Path] = typer.Option(
+        None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
+                               "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
     from . import blas
@@ -256,9 +265,19 @@ def bench(
     engine = load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    second = None
+    if draft2 is not None:
+        import mlx.core as mx
+
+        from .loading import load_draft
+
+        # as load() does for the first: the embedded pair runs in float32
+        second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        if block_size is not None and not 2 <= block_size <= second.block_size:
+            raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True))
+                    log=lambda s: typer.echo(s, err=True), draft2=second, draft2_path=draft2)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 

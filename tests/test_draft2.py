@@ -475,3 +475,43 @@ def test_info_shows_the_draft_kind(pair):
     *_, path, _ = pair
     out = describe(path)
     assert "kind: DFlash 2 draft" in out and "selector: top-6, rank 8" in out
+
+
+# --- CLI and bench -----------------------------------------------------------------------------
+
+def test_bench_and_generate_take_a_dflash2_draft(dense, tok_dir, tmp_path, capsys):
+    import json
+
+    from mlx_dflash.cli import main
+
+    cfg, model = dense
+    path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
+    v1 = config(cfg, v2=False, block_size=6)
+    v2 = config(cfg, block_size=6)
+    d1 = write_folder(tmp_path / "v1", v1, published_weights(v1, 1))
+    d2 = write_folder(tmp_path / "v2", v2, published_weights(v2, 2))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
+
+    def cli(*args):
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        out = capsys.readouterr()
+        return e.value.code, out.out + out.err
+
+    code, out = cli("bench", "-m", str(path), "-d", str(d1), "--draft2", str(d2), "--prompts", str(tmp_path / "p"),
+                    "-n", "8", "--repeats", "1", "--blas", "bundled", "--out", str(tmp_path / "r"), "--name", "b")
+    assert code in (0, None), out
+    res = json.loads((tmp_path / "r" / "b.json").read_text())
+    assert res["modes"] == ["mlx-lm", "baseline", "dflash", "dflash2"] and res["draft2_kind"] == "DFlash 2"
+    assert res["results"][0]["modes"]["dflash2"]["generated"] == 8
+    md = (tmp_path / "r" / "b.md").read_text()
+    assert "dflash2 tau" in md and "Acceptance histograms, dflash2 chain" in md
+    for rule in ("equality", "speculative"):
+        code, out = cli("generate", "-m", str(path), "-d", str(d2), "--temp", "0.8", "--seed", "1", "-n", "8",
+                        "--accept-rule", rule, "--no-chat-template", "def f(x):")
+        assert code in (0, None), out
+    code, out = cli("generate", "-m", str(path), "-d", str(d2), "--temp", "0.8", "--accept-rule", "typical", "x")
+    assert code == 2 and "acceptance rule must be" in out and "Traceback" not in out
+    code, out = cli("info", str(d2))
+    assert "kind: DFlash 2 draft" in out
