@@ -81,7 +81,8 @@ def describe(path, draft: Optional[Path] = None) -> str:
     if draft is not None:
         try:
             d = load_draft(draft, target)
-            lines.append(f"draft {draft}: fits (block size {d.block_size}, target layers {d.target_layer_ids})")
+            lines.append(f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, "
+                         f"target layers {d.target_layer_ids})")
         except DFlashError as e:
             lines.append(f"draft {draft}: does NOT fit: {e}")
     return "\n".join(lines)
