@@ -245,20 +245,33 @@ class CandidateSelector(nn.Module):
         edges = (self.successor_codebook[cand] @ a[..., None])[..., 0]
         return unary + edges.astype(mx.float32)
 
-    def walk(self, hidden: mx.array, logits: mx.array, anchor, choose):
-        """Walk the lattice from the anchor. hidden [S, H] (slots 1..S), logits
-        [S, V]; ``choose(scores [K], slot) -> index`` picks each step.
-        Returns (tokens [S], candidates [S, K], scores [S, K])."""
+    def lattice(self, hidden: mx.array, logits: mx.array, anchor):
+        """The candidate lattice of slots 1..S: candidates [S, K], slot 1's
+        scores from the anchor [K], and every later slot's transition scores
+        [S-1, K (previous candidate), K]. hidden [S, H], logits [S, V]."""
         cand, unary = self.candidates(logits)
-        proj = self.hidden_projection(hidden)
-        prev = mx.array(anchor).reshape(()) if not isinstance(anchor, mx.array) else anchor.reshape(())
-        toks, rows = [], []
+        proj = self.hidden_projection(hidden)  # [S, r]
+        succ = self.successor_codebook[cand]  # [S, K, r]
+        anchor = anchor.reshape(()) if isinstance(anchor, mx.array) else mx.array(anchor)
+        first = self.scores(anchor, proj[0], cand[0], unary[0])
+        pred = self.predecessor_codebook[cand[:-1]] * proj[1:, None]  # [S-1, K, r]
+        trans = unary[1:, None] + (pred @ succ[1:].swapaxes(-1, -2)).astype(mx.float32)
+        return cand, first, trans
+
+    def walk(self, hidden: mx.array, logits: mx.array, anchor, choose):
+        """Walk the lattice from the anchor; ``choose(scores [K], slot) -> index``
+        picks each step. Returns (tokens [S], candidates [S, K], the scores
+        each step chose from [S, K])."""
+        cand, row, trans = self.lattice(hidden, logits, anchor)
+        idx, rows = [], []
         for i in range(cand.shape[0]):
-            sc = self.scores(prev, proj[i], cand[i], unary[i])
-            prev = cand[i][choose(sc, i)]
-            toks.append(prev)
-            rows.append(sc)
-        return mx.stack(toks).astype(mx.int32), cand, mx.stack(rows)
+            if i:
+                row = trans[i - 1][idx[-1]]
+            j = choose(row, i)
+            idx.append(j if isinstance(j, mx.array) else mx.array(j))
+            rows.append(row)
+        picks = mx.stack(idx).reshape(-1, 1)
+        return mx.take_along_axis(cand, picks, axis=-1)[:, 0].astype(mx.int32), cand, mx.stack(rows)
 
 
 @dataclass
