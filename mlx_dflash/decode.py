@@ -177,6 +177,9 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    # The sequence (prompt + output) never holds more than max_context tokens:
+    # the context limit is a length limit like max_tokens, the same in every mode.
+    max_tokens = min(max_tokens, max_context - len(prompt))
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     if draft is not None:
@@ -220,6 +223,8 @@ def generate_tokens(
 
     history = history + emit([anchor])
     yield history[-1:]
+    if stats.finish_reason is not None:  # the first token was EOS, or max_tokens == 1
+        return
     tic = time.perf_counter()
     if draft is None and not sampler.needs_context and not profile:
         yield from _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
