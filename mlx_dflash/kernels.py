@@ -335,7 +335,9 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
     out = rows[0] * w[:, 0]
     for j in range(1, K):
         out = out + rows[j] * w[:, j]
-    return nn.silu(out.astype(dtype).astype(mx.float32)).astype(dtype)
+    # Round the conv to the input dtype, then SiLU in that dtype, as mlx-lm's
+    # nn.silu(conv1d(x)) does (its conv accumulates in fp32 like this loop).
+    return nn.silu(out.astype(dtype))
 
 
 def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array:
