@@ -1,4 +1,4 @@
-"""The decode loop (SPEC §3): prefill, draft, verify, accept, rollback.
+"""The decode loop (docs/math.md §5): prefill, draft, verify, accept, rollback.
 
 Plain autoregressive decoding is the same loop with no draft: every cycle
 verifies a block of one token (the anchor) and commits the bonus token.
@@ -123,7 +123,7 @@ def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_token
 
 
 def longest_match(drafted: List[int], picks: List[int]) -> int:
-    """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
+    """Chain acceptance (docs/math.md §5): drafted tokens kept while each equals the
     target's pick for the row before it."""
     a = 0
     while a < len(drafted) and drafted[a] == picks[a]:

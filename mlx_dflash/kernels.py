@@ -11,7 +11,7 @@ default device is the GPU, decided at call time. The launch of each kernel
 both for the real dispatch and by the CPU test harness that executes the
 Metal sources on Linux (tests/metal_harness.py).
 
-Rollback design (SPEC §4): *tape*. The verify recurrence records, per token,
+Rollback design (docs/math.md §2-3): *tape*. The verify recurrence records, per token,
 `delta_t = beta_t * (v_t - (g_t S_{t-1}) k_t)`. With the pre-verify state S_0
 and the inputs k_t, g_t already at hand, rollback to n accepted tokens applies
 `S_n = g_n...g_1 S_0 + sum_{t<=n} (g_n...g_{t+1}) delta_t k_t^T`: no q, no

@@ -100,7 +100,7 @@ def test_draft_matches_spec_reference_over_cycles(setup, window):
 def test_all_sliding_draft_keeps_only_its_window_and_matches_training_forward(dense):
     """A draft trained with a context window (every layer sliding, block
     bidirectional) keeps W-1 context rows by default; each cycle's logits
-    equal the SPEC reference and the training forward over the same anchors."""
+    equal the reference and the training forward over the same anchors."""
     from mlx_dflash.models.draft import train_logits
 
     cfg, model = dense

@@ -71,7 +71,7 @@ def test_rollback_equals_plain_forward_over_committed(any_model, n_keep):
 
 
 def sequential_reference(q, k, v, g, beta, S, mask=None):
-    """SPEC §1 per token: S = g S; u = S k; delta = beta (v - u); S += delta k^T; y = S q."""
+    """docs/math.md §1 per token: S = g S; u = S k; delta = beta (v - u); S += delta k^T; y = S q."""
     q, k, v, g, beta, S = (np.array(x, np.float64) for x in (q, k, v, g, beta, S))
     T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
     ys, deltas, states = [], [], [S.copy()]

@@ -1,4 +1,4 @@
-"""DFlash v1 draft (z-lab checkpoints), SPEC §2.
+"""DFlash v1 draft (z-lab checkpoints), docs/math.md §4.
 
 The draft has no embedding and no lm_head: it borrows the target's (``bind``).
 Its cache holds context K/V only (after k_norm and RoPE); the block's K/V are
