@@ -258,7 +258,8 @@ def train_draft_cmd(
 def bench(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target folder (default: the embedded pair)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Draft folder (default: the embedded draft)."),
-    prompts: Path = typer.Option(Path("bench/prompts"), "--prompts", help="Folder of *.txt prompts."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up (median reported)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
@@ -272,7 +273,8 @@ def bench(
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
 ):
-    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
+    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
+    from plain decoding's (agreement with mlx-lm is reported, not required)."""
     from . import blas
     from .api import load
     from .bench import read_prompts, run_bench, write_results
