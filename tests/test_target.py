@@ -141,7 +141,7 @@ def bf16_converted(tmp_path_factory, tok_dir):
 
     root = tmp_path_factory.mktemp("bf16")
     out = []
-    for seed in (3, 5):
+    for seed in (3,):  # (a mutation of either op below parts from mlx-lm within 80 tokens here)
         cfg = tiny.target_config()
         hf = tiny.save_hf(tiny.build_target(cfg, seed=seed), cfg, root / f"hf{seed}", tok_dir)
         convert(str(hf), str(root / f"mlx{seed}"), dtype="bfloat16")
