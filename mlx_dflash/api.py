@@ -53,7 +53,7 @@ def load(
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
 ) -> Engine:
-    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft folder.
+    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);

@@ -30,7 +30,7 @@ changes the Hugging Face tensors in ways undone here (docs/gguf.md):
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
