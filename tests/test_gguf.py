@@ -344,6 +344,7 @@ def test_generate_from_gguf_is_lossless_and_convert_writes_an_mlx_lm_folder(wide
         main(["info", str(path)])
     out = capsys.readouterr().out
     assert "qwen35moe" in out and "Q4_K" in out and "Q6_K" in out and "loads as: float16" in out
+    assert "pre-tokenizer qwen35, stops on ids" in out
 
 
 def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):

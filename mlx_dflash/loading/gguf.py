@@ -511,6 +511,9 @@ def build_tokenizer(reader):
     if model_kind != "gpt2":
         raise DFlashError(f"unsupported GGUF tokenizer model {model_kind!r} (only byte-level BPE 'gpt2')")
     pre = field(reader, "tokenizer.ggml.pre")
+    if pre is None:  # llama.cpp falls back to a generic split and warns of degraded output
+        raise DFlashError(f"GGUF has no tokenizer.ggml.pre (pre-tokenizer type); supported: "
+                          f"{', '.join(PRE_TOKENIZERS)}")
     if pre not in PRE_TOKENIZERS:
         raise DFlashError(f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
                           f"supported: {', '.join(PRE_TOKENIZERS)}")
