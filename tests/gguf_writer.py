@@ -354,6 +354,9 @@ def convert_draft_to_gguf(draft_dir, target_dir, out_path, *, qtype=Q.F16, drop_
     for k, add in keys.items():
         if k not in drop_keys:
             add()
+    if d.get("layer_types"):  # sliding-window layers: the window and which layers use it
+        w.add_sliding_window(int(d["sliding_window"]))
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in d["layer_types"]])
     if tokenizer:
         _write_vocab(w, target_dir, tcfg["vocab_size"], "qwen35")
     for name, arr in _read_folder(draft_dir).items():

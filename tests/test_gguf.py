@@ -367,20 +367,24 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
     assert "DFlash v1 draft" in out and "block size: 8" in out
 
 
-@pytest.mark.parametrize("qt, tol", [(Q.F32, 1e-5), (Q.F16, 2e-2), (Q.BF16, 5e-2), (Q.Q8_0, 5e-2)])
-def test_gguf_draft_loads_like_a_folder_draft(dense, tok_dir, tmp_path, qt, tol):
+@pytest.mark.parametrize("qt, tol, sliding", [(Q.F32, 1e-5, False), (Q.F32, 1e-5, True), (Q.F16, 2e-2, False),
+                                              (Q.BF16, 5e-2, False), (Q.Q8_0, 5e-2, False)])
+def test_gguf_draft_loads_like_a_folder_draft(dense, tok_dir, tmp_path, qt, tol, sliding):
     from mlx_dflash.loading import load_draft
 
     cfg, model = dense
     hf = tiny.save_hf(model, cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
     target = Target(model)
-    dcfg = tiny.draft_config(cfg, block_size=8, num_hidden_layers=2)
+    # a sliding layer with a window shorter than the 9-position context below
+    window = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4) if sliding else {}
+    dcfg = tiny.draft_config(cfg, block_size=8, num_hidden_layers=2, **window)
     draft = tiny.build_draft(dcfg, seed=4).bind(target)
     folder = tiny.save_draft(draft, dcfg, tmp_path / "draft")
     path = convert_draft_to_gguf(folder, hf, tmp_path / "draft.gguf", qtype=qt)
     loaded = load_draft(path, target, dtype=mx.float32)
     assert loaded.block_size == 8 and loaded.target_layer_ids == dcfg["dflash_config"]["target_layer_ids"]
     assert loaded.config.mask_token_id == dcfg["dflash_config"]["mask_token_id"]
+    assert loaded.config.layer_types == dcfg.get("layer_types")
     feats = mx.random.normal((9, 2 * 64), key=mx.random.key(0))
     a = draft(feats, 5, 9, 8, draft.make_cache())
     b = loaded(feats, 5, 9, 8, loaded.make_cache())

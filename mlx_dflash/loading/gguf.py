@@ -659,9 +659,22 @@ def gguf_draft_config(reader) -> dict:
     ths = get("target_hidden_size")
     if ths is not None:
         cfg["target_hidden_size"] = int(ths)
-    sw = get("attention.sliding_window")
-    if sw:
-        cfg["sliding_window"] = int(sw)
+    sw = int(get("attention.sliding_window") or 0)
+    if sw > 0:  # as llama.cpp: a window needs the per-layer pattern (true = sliding layer)
+        pattern = get("attention.sliding_window_pattern")
+        if pattern is None:
+            raise DFlashError(f"draft GGUF has {a}.attention.sliding_window = {sw} but no "
+                              f"{a}.attention.sliding_window_pattern (which layers slide)")
+        n = cfg["num_hidden_layers"]
+        if isinstance(pattern, (list, tuple)):
+            slides = [bool(x) for x in pattern]
+        else:  # every n-th layer is full attention
+            slides = [(i + 1) % int(pattern) != 0 for i in range(n)]
+        if len(slides) != n:
+            raise DFlashError(f"draft GGUF {a}.attention.sliding_window_pattern has {len(slides)} entries "
+                              f"for {n} layers")
+        cfg["sliding_window"] = sw
+        cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in slides]
     return cfg
 
 
