@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft2", type=Path, required=True, help="a second draft folder for the embedded target")
+    ap.add_argument("--draft2", type=Path, default=ROOT / "bench" / "drafts" / "dflash2", help="a second draft folder for the embedded target")
     ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -1,4 +1,4 @@
-"""The decode loop (SPEC §3): prefill, draft, verify, accept, rollback.
+"""The decode loop (docs/math.md §5): prefill, draft, verify, accept, rollback.
 
 Plain autoregressive decoding is the same loop with no draft: every cycle
 verifies a block of one token (the anchor) and commits the bonus token.
@@ -124,7 +124,7 @@ def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_token
 
 
 def longest_match(drafted: List[int], picks: List[int]) -> int:
-    """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
+    """Chain acceptance (docs/math.md §5): drafted tokens kept while each equals the
     target's pick for the row before it."""
     a = 0
     while a < len(drafted) and drafted[a] == picks[a]:
@@ -174,7 +174,8 @@ def generate_tokens(
     (the draft samples its block from its proposal q; a token is kept with
     probability min(1, p/q), the first rejected row resamples from the
     residual: the target's distribution, typically more tokens kept, but
-    the text depends on the mode). ``spec_rule``: that rule (a test hook).
+    the text depends on the mode; the API and CLI default). ``spec_rule``:
+    that rule (a test hook).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -189,6 +190,9 @@ def generate_tokens(
         )
     if accept_rule not in ("equality", "speculative"):
         raise DFlashError(f"acceptance rule must be 'equality' or 'speculative', got {accept_rule!r}")
+    # The sequence (prompt + output) never holds more than max_context tokens:
+    # the context limit is a length limit like max_tokens, the same in every mode.
+    max_tokens = min(max_tokens, max_context - len(prompt))
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     if draft is not None:
@@ -232,6 +236,8 @@ def generate_tokens(
 
     history = history + emit([anchor])
     yield history[-1:]
+    if stats.finish_reason is not None:  # the first token was EOS, or max_tokens == 1
+        return
     tic = time.perf_counter()
     if draft is None and not sampler.needs_context and not profile:
         yield from _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
