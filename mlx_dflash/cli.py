@@ -113,16 +113,31 @@ def generate(
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
                                  "draft / verify / rollback (a little slower)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
+                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
 
+    stage = None
+    if pipeline:
+        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
     text = _read_prompt(prompt, prompt_opt)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     use_draft = engine.draft is not None and not baseline
