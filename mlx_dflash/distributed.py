@@ -349,14 +349,17 @@ class StageWorker:
                 h, feats = t.run_layers(h, self.cache, capture, record, parents)
                 parts = [h[0]] + [x for x in (upstream, feats[0] if feats is not None else None) if x is not None]
                 out = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
-                # Only the token ids go on: the operations are applied, rank 0 knows the rest.
-                nxt_meta = mx.array(rest, dtype=mx.int32)
-                self.link.send([op, T, len(rest), out.shape[-1], _dtype_code(out.dtype), 0, n_cap, flags],
-                               nxt_meta, out)
+                # The meta goes on unchanged (the later stages apply the same
+                # operations), except back to rank 0, which sent it.
+                last = self.link.next == 0
+                self.link.send([op, T, 0 if last else n_meta, out.shape[-1], _dtype_code(out.dtype),
+                                0 if last else n_pre, n_cap, flags], None if last else meta, out)
             else:
                 if op == OP_SYNC:
                     self.in_generation = False
-                self.link.send([op, 0, 0, 0, 0, 0, 0, 0], None, None)
+                last = self.link.next == 0
+                self.link.send([op, 0, 0 if last else n_meta, 0, 0, 0 if last else n_pre, 0, 0],
+                               None if last else meta, None)
                 if op == OP_STOP:
                     return
 

@@ -71,7 +71,7 @@ def _rank_main(args):
     import mlx.core as mx
 
     from mlx_dflash import distributed
-    from mlx_dflash.decode import generate_tokens
+    from mlx_dflash.decode import GenerationStats, generate_tokens
     from mlx_dflash.loading import load_draft, load_target
     from mlx_dflash.sampling import Sampler
 
@@ -80,6 +80,8 @@ def _rank_main(args):
     r = stage.rank
     info = {"rank": r, "layers": list(stage.layers), "bounds": stage.bounds, "share_bytes": stage.share_bytes,
             "load_peak": stage.load_peak_memory, "total_bytes": stage.costs.total}
+    if r == 0 and stage.engine.draft is not None:
+        info["draft_bytes"] = sum(distributed.safetensors_sizes(args.draft).values())
     (out / f"info{r}.json").write_text(json.dumps(info))
     results = {}
     ref_t = ref_d = None
@@ -95,7 +97,7 @@ def _rank_main(args):
         else:
             kind = case.pop("draft")
             temp, seed = case.pop("temperature", 0.0), case.pop("seed", 0)
-            outs, feats = {}, {}
+            outs, feats, stats = {}, {}, {}
             script = None
             for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, stage.engine.draft)):
                 if kind == "script" and script is None:
@@ -105,8 +107,9 @@ def _rank_main(args):
                     draft = RecordingDraft(d, script if kind == "script" else None)
                 cache = target.make_cache()
                 toks = []
+                stats[which] = GenerationStats()
                 for ts in generate_tokens(target, PROMPT, draft=draft, max_tokens=args.n, cache=cache,
-                                          sampler=Sampler(temp, seed=seed), **case):
+                                          sampler=Sampler(temp, seed=seed), stats=stats[which], **case):
                     toks.extend(ts)
                     if args.die_after_s is not None and which == "pipeline":
                         time.sleep(0.05)
@@ -114,7 +117,7 @@ def _rank_main(args):
                 feats[which] = draft.seen if draft is not None else []
                 if which == "pipeline":
                     target.sync()
-                    stage.close()
+                    target.stop()  # the other ranks leave serve() to save their caches
                 else:
                     ref = ref_t.make_cache()
                     ref_t.prefill(PROMPT + toks[:-1], ref)
@@ -123,11 +126,13 @@ def _rank_main(args):
             feat_err = max((float(np.abs(np.concatenate(fs) - np.concatenate(fp)).max()) if fs else 0.0), 0.0)
             results[name] = {"single": outs["single"], "pipeline": outs["pipeline"],
                              "feature_rows": [sum(len(x) for x in fs), sum(len(x) for x in fp)],
-                             "feature_err": feat_err}
+                             "feature_err": feat_err,
+                             "accept_hist": [stats["single"].accept_hist, stats["pipeline"].accept_hist]}
         cache = stage.worker.cache if r != 0 else cache.local
         np.savez(out / f"{name}-rank{r}.npz", *[np.array(x) for x in _layer_state(cache)])
     if r == 0:
         (out / "results.json").write_text(json.dumps(results))
+        stage.closed = True  # the others have left serve() for the last time
 
 
 def _layer_state(cache):
@@ -214,12 +219,18 @@ def check(out, n, cases):
     bounds = infos[0]["bounds"]
     assert bounds[0][0] == 0 and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     assert all(e > s for s, e in bounds)
+    for r, info in enumerate(infos):
+        # each rank read only its share: its layers (+ embedding / norm, head, draft)
+        assert tuple(info["layers"]) == tuple(bounds[n - 1 - r])
+        assert info["share_bytes"] < 0.8 * (info["total_bytes"] + infos[0].get("draft_bytes", 0))
+        assert info["load_peak"] * 1e9 <= info["share_bytes"] * 1.02 + 65536, info
     for name in cases:
         r = res[name]
         assert r["pipeline"] == r["single"], name
         assert len(r["single"]) > 0
         assert r["feature_rows"][0] == r["feature_rows"][1], name
         assert r["feature_err"] < 1e-4, name
+        assert r["accept_hist"][0] == r["accept_hist"][1], name  # the same acceptance, cycle by cycle
         ref = np.load(out / f"{name}-ref.npz")
         ref = [ref[f"arr_{i}"] for i in range(len(ref.files))]
         got = []
@@ -241,6 +252,8 @@ def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
     out = run_pipeline(tmp_path, 2, model, draft, cases)
     res = check(out, 2, cases)
     assert res["chain-partial"]["feature_rows"][0] > len(PROMPT)
+    hist = res["chain-partial"]["accept_hist"][0]
+    assert sum(hist[2:]) > 0 and sum(hist) < 19  # some cycles accepted drafts
 
 
 @pytest.mark.slow
