@@ -142,6 +142,7 @@ def plan_stages(costs: Sequence[int], n: int, first_extra: int = 0, last_extra: 
 
 _DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 HEADER = 8  # op, T, n_meta, width, dtype, n_pre, n_capture, flags
+INLINE = 248  # meta ints carried in the header message itself (a 1 KB message)
 OP_FORWARD, OP_SYNC, OP_STOP = 1, 2, 3
 PRE_RESET, PRE_ROLLBACK, PRE_RESTORE = 1, 2, 3
 FLAG_RECORD, FLAG_TREE = 1, 2
@@ -189,24 +190,40 @@ class Link:
         finally:
             self._waiting = None
 
-    def send(self, header: List[int], meta: Optional[mx.array], payload: Optional[mx.array]):
+    def send(self, header: List[int], meta=None, payload: Optional[mx.array] = None):
+        """``header`` fields, ``meta`` ints (a list or an int32 array, inline in the
+        header message when short) and a float ``payload``: one or two messages."""
+        n_meta = header[2]
+        parts = [mx.array(header, dtype=mx.int32)]
+        if n_meta and n_meta <= INLINE:
+            parts.append(meta if isinstance(meta, mx.array) else mx.array(meta, dtype=mx.int32))
+            parts.append(mx.zeros((INLINE - n_meta,), mx.int32))
+        else:
+            parts.append(mx.zeros((INLINE,), mx.int32))
+        msgs = [mx.concatenate(parts)]
+        if n_meta > INLINE:
+            msgs.append(meta if isinstance(meta, mx.array) else mx.array(meta, dtype=mx.int32))
+        if header[3]:
+            msgs.append(payload)
         # One eval per message: independent sends in one graph may go out in any order.
-        for a in (mx.array(header, dtype=mx.int32), meta, payload):
-            if a is not None and a.size:
-                self._eval([mx.distributed.send(a, self.next, group=self.group)], self.next, True)
+        for m in msgs:
+            self._eval([mx.distributed.send(m, self.next, group=self.group)], self.next, True)
 
     def recv(self, bounded: bool = True):
-        """(header list, meta int32 array or None, payload or None) from the previous rank."""
-        h = mx.distributed.recv((HEADER,), mx.int32, self.prev, group=self.group)
+        """(header fields, meta list, payload or None) from the previous rank."""
+        h = mx.distributed.recv((HEADER + INLINE,), mx.int32, self.prev, group=self.group)
         self._eval([h], self.prev, bounded)
-        header = h.tolist()
+        ints = h.tolist()
+        header = ints[:HEADER]
         op, T, n_meta, width, dt = header[:5]
         if op not in (OP_FORWARD, OP_SYNC, OP_STOP) or not 0 <= dt < len(_DTYPES):
             raise DFlashError(f"rank {self.rank}: garbled message from rank {self.prev}: {header}")
-        meta = payload = None
-        if n_meta:
-            meta = mx.distributed.recv((n_meta,), mx.int32, self.prev, group=self.group)
-            self._eval([meta], self.prev, True)
+        meta = ints[HEADER : HEADER + n_meta] if n_meta <= INLINE else None
+        payload = None
+        if meta is None:
+            m = mx.distributed.recv((n_meta,), mx.int32, self.prev, group=self.group)
+            self._eval([m], self.prev, True)
+            meta = m.tolist()
         if width:
             payload = mx.distributed.recv((T, width), _DTYPES[dt], self.prev, group=self.group)
             self._eval([payload], self.prev, True)
@@ -321,19 +338,20 @@ class StageWorker:
         self.cache = target.make_cache()
         self._snaps: dict = {}  # offset -> snapshot before the last plain forward (undo)
         self.in_generation = False
+        self.busy: Dict[int, List[float]] = {}  # T -> [forwards, seconds from message in to hidden out]
 
     def serve(self) -> None:
         t = self.target
         while True:
             header, meta, payload = self.link.recv(bounded=self.in_generation)
             op, T, n_meta, width, dt, n_pre, n_cap, flags = header
-            m = meta.tolist() if meta is not None else []
-            pre, rest = m[:n_pre], m[n_pre:]
+            pre, rest = meta[:n_pre], meta[n_pre:]
             if pre:
                 self.cache = _apply_pre(self.cache, pre, self._snaps)
                 if PRE_RESET in pre[:1]:
                     self.in_generation = True
             if op == OP_FORWARD:
+                tic = time.perf_counter()
                 capture = rest[:n_cap]
                 tree = bool(flags & FLAG_TREE)
                 parents = rest[n_cap : n_cap + T] if tree else None
@@ -354,6 +372,9 @@ class StageWorker:
                 last = self.link.next == 0
                 self.link.send([op, T, 0 if last else n_meta, out.shape[-1], _dtype_code(out.dtype),
                                 0 if last else n_pre, n_cap, flags], None if last else meta, out)
+                b = self.busy.setdefault(T, [0, 0.0])
+                b[0] += 1
+                b[1] += time.perf_counter() - tic
             else:
                 if op == OP_SYNC:
                     self.in_generation = False
@@ -409,6 +430,7 @@ class PipelineTarget(StageTarget):
         self.link = link
         self.pending: List[int] = []
         self.in_generation = False
+        self.wait: Dict[int, List[float]] = {}  # T -> [forwards, seconds from send to hidden back]
 
     def make_cache(self) -> PipelineCache:
         self.in_generation = True
@@ -435,8 +457,13 @@ class PipelineTarget(StageTarget):
         pre, self.pending = self.pending, []
         head_ints = pre + capture + (parents or [])
         meta = mx.concatenate([mx.array(head_ints, dtype=mx.int32), tokens]) if head_ints else tokens
+        mx.eval(meta)  # this rank's own work (the previous pick, the draft) stays out of ``wait``
+        tic = time.perf_counter()
         self.link.send([OP_FORWARD, T, len(head_ints) + T, 0, 0, len(pre), len(capture), flags], meta, None)
         header, _, payload = self.link.recv()
+        w = self.wait.setdefault(T, [0, 0.0])
+        w[0] += 1
+        w[1] += time.perf_counter() - tic
         if header[0] != OP_FORWARD or header[1] != T or payload is None:
             raise DFlashError(f"pipeline out of step: sent a forward of {T} tokens, got back {header}")
         H = self.hidden_size
@@ -461,8 +488,7 @@ class PipelineTarget(StageTarget):
         """Send queued cache operations and wait until every stage applied them
         (the end of a generation: the other ranks then wait without a time bound)."""
         pre, self.pending = self.pending, []
-        self.link.send([OP_SYNC, 0, len(pre), 0, 0, len(pre), 0, 0],
-                       mx.array(pre, dtype=mx.int32) if pre else None, None)
+        self.link.send([OP_SYNC, 0, len(pre), 0, 0, len(pre), 0, 0], pre)
         header, _, _ = self.link.recv()
         if header[0] != OP_SYNC:
             raise DFlashError(f"pipeline out of step: expected a sync back, got {header}")
@@ -470,7 +496,7 @@ class PipelineTarget(StageTarget):
 
     def stop(self) -> None:
         """End the other ranks' loops (they return from :meth:`StageWorker.serve`)."""
-        self.link.send([OP_STOP, 0, 0, 0, 0, 0, 0, 0], None, None)
+        self.link.send([OP_STOP, 0, 0, 0, 0, 0, 0, 0])
         header, _, _ = self.link.recv()
         if header[0] != OP_STOP:
             raise DFlashError(f"pipeline out of step: expected a stop back, got {header}")

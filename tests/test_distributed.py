@@ -64,6 +64,8 @@ CASES = {
     "tree-real": dict(draft="real", tree_budget=6),
     "sample-chain": dict(draft="script", temperature=0.9, seed=5),
     "sample-tree": dict(draft="script", temperature=0.9, seed=5, tree_budget=5, tree_topk=2),
+    # a 300-token prompt in chunks of 128: token ids longer than the header carries inline
+    "chain-long": dict(draft="script", prompt=[(7 * i + 3) % 500 for i in range(300)], prefill_chunk=128),
 }
 
 
@@ -97,18 +99,19 @@ def _rank_main(args):
         else:
             kind = case.pop("draft")
             temp, seed = case.pop("temperature", 0.0), case.pop("seed", 0)
+            prompt = case.pop("prompt", PROMPT)
             outs, feats, stats = {}, {}, {}
             script = None
             for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, stage.engine.draft)):
                 if kind == "script" and script is None:
-                    script = PROMPT + [t for ts in generate_tokens(ref_t, PROMPT, max_tokens=args.n) for t in ts]
+                    script = prompt + [t for ts in generate_tokens(ref_t, prompt, max_tokens=args.n) for t in ts]
                 draft = None
                 if kind is not None:
                     draft = RecordingDraft(d, script if kind == "script" else None)
                 cache = target.make_cache()
                 toks = []
                 stats[which] = GenerationStats()
-                for ts in generate_tokens(target, PROMPT, draft=draft, max_tokens=args.n, cache=cache,
+                for ts in generate_tokens(target, prompt, draft=draft, max_tokens=args.n, cache=cache,
                                           sampler=Sampler(temp, seed=seed), stats=stats[which], **case):
                     toks.extend(ts)
                     if args.die_after_s is not None and which == "pipeline":
@@ -120,7 +123,7 @@ def _rank_main(args):
                     target.stop()  # the other ranks leave serve() to save their caches
                 else:
                     ref = ref_t.make_cache()
-                    ref_t.prefill(PROMPT + toks[:-1], ref)
+                    ref_t.prefill(prompt + toks[:-1], ref)
                     np.savez(out / f"{name}-ref.npz", *[np.array(x) for x in _layer_state(ref)])
             fs, fp = feats["single"], feats["pipeline"]
             feat_err = max((float(np.abs(np.concatenate(fs) - np.concatenate(fp)).max()) if fs else 0.0), 0.0)
@@ -248,7 +251,7 @@ def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
     for token; the draft sees the same features; each stage's cache equals a
     plain forward over the committed tokens."""
     model, draft = pair_dirs["dense"]
-    cases = ["plain", "chain-partial"]
+    cases = ["plain", "chain-partial", "chain-long"]
     out = run_pipeline(tmp_path, 2, model, draft, cases)
     res = check(out, 2, cases)
     assert res["chain-partial"]["feature_rows"][0] > len(PROMPT)
