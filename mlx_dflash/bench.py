@@ -103,10 +103,12 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              tree_budget: int = 0, tree_topk: int = 4, log=print) -> dict:
+              tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
-    and, with ``tree_budget`` > 0, dflash-tree."""
-    modes = BASE_MODES + (("dflash-tree",) if tree_budget > 0 else ())
+    and, with ``tree_budget`` > 0, dflash-tree. ``pipeline``: the engine is a
+    pipeline's rank 0 (no whole model for mlx-lm): baseline is the reference."""
+    modes = BASE_MODES[1:] if pipeline else BASE_MODES
+    modes = modes + (("dflash-tree",) if tree_budget > 0 else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -127,20 +129,20 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
                 tokens[mode], row["modes"][mode] = toks, best
                 best["generated"] = len(toks)
-            ref = tokens["mlx-lm"]
+            ref = tokens[modes[0]]
             for mode in modes[1:]:
                 if tokens[mode] != ref:
                     i = next((j for j, (a, b) in enumerate(zip(tokens[mode], ref)) if a != b),
                              min(len(ref), len(tokens[mode])))
                     raise DFlashError(
-                        f"LOSSLESSNESS FAILURE: {mode} differs from mlx-lm on prompt {name!r} "
+                        f"LOSSLESSNESS FAILURE: {mode} differs from {modes[0]} on prompt {name!r} "
                         f"(max {n}) at token {i}")
-            base = row["modes"]["mlx-lm"]["decode_tps"]
+            base = row["modes"][modes[0]]["decode_tps"]
             for m in modes:
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
-            log(f"{name:<18} n={n:<4} mlx-lm {base:7.1f} tok/s | baseline "
+            log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
                 + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else ""))

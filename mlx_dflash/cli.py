@@ -245,6 +245,12 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
+                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
     from . import blas
@@ -256,14 +262,21 @@ def bench(
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
     blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
-    engine = load(model, draft, dtype=_dtype(dtype))
+    if pipeline:
+        from .distributed import load as load_stage
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True))
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
