@@ -590,8 +590,8 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     """
     from .api import DEFAULT_DRAFT, DEFAULT_MODEL, Engine
     from .loading import load_tokenizer
-    from .loading.gguf import is_gguf
-    from .loading.hf import _cast, load_target, read_config
+    from .loading.gguf import gguf_config, is_gguf, load_gguf_target, open_gguf, tokenizer_dir_for
+    from .loading.hf import _cast, load_target
 
     if model is None:
         model = DEFAULT_MODEL
@@ -601,26 +601,38 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     group = group if group is not None else init_group()
     link = Link(group, timeout)
     rank, n = link.rank, link.size
-    if is_gguf(model):
-        raise DFlashError("--pipeline loads HF/MLX folders; convert a GGUF target first (mlx-dflash convert)")
+    gguf = is_gguf(model)
     mx.reset_peak_memory()
-    base = load_target(model, lazy=True)  # nothing read yet: mx.load maps tensors lazily
-    nl = len(base.layers)
-    costs = costs_from_sizes(safetensors_sizes(Path(model).expanduser()), nl)
-    tied = bool(base.args.tie_word_embeddings)
+    if gguf:
+        cfg = gguf_config(open_gguf(model))["text_config"]
+        nl, tied = cfg["num_hidden_layers"], bool(cfg["tie_word_embeddings"])
+        costs = costs_from_sizes(gguf_sizes(model), nl)
+    else:
+        base = load_target(model, lazy=True)  # nothing read yet: mx.load maps tensors lazily
+        nl, tied = len(base.layers), bool(base.args.tie_word_embeddings)
+        costs = costs_from_sizes(safetensors_sizes(Path(model).expanduser()), nl)
     head_bytes = costs.norm + (costs.embed if tied else costs.head)
     draft_bytes = 0
-    if draft is not None and not is_gguf(draft):
+    if draft is not None:
         p = Path(draft).expanduser()
-        draft_bytes = sum(safetensors_sizes(p).values()) if p.is_dir() else 0
+        draft_bytes = (sum(gguf_sizes(p).values()) if is_gguf(p)
+                       else sum(safetensors_sizes(p).values()) if p.is_dir() else 0)
     last_extra = head_bytes + draft_bytes + (costs.embed if draft is not None and not tied else 0)
     bounds = plan_stages(costs.layers, n, first_extra=costs.embed, last_extra=last_extra)
     stage = n - 1 - rank
     start, end = bounds[stage]
     share = sum(costs.layers[start:end]) + (costs.embed if stage == 0 else 0) + (last_extra if rank == 0 else 0)
+    embed = stage == 0 or (rank == 0 and (draft is not None or tied))
+    if gguf:
+        def owned(name: str) -> bool:
+            m = _LAYER.search(name)
+            if m is not None:
+                return start <= int(m.group(1)) < end
+            return embed if "embed_tokens" in name else rank == 0
+
+        base, _ = load_gguf_target(model, dtype=dtype, only=owned)  # decodes only this rank's tensors
     if rank == 0:
-        t = PipelineTarget(base.model, base.config, start, end, link,
-                           embed=draft is not None or stage == 0)
+        t = PipelineTarget(base.model, base.config, start, end, link, embed=draft is not None or stage == 0)
     else:
         t = StageTarget(base.model, base.config, start, end, embed=stage == 0, head=False)
     del base
@@ -634,7 +646,7 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
         from .loading import load_draft
 
         eos = t.config.get("eos_token_id", t.config.get("text_config", {}).get("eos_token_id"))
-        tok = load_tokenizer(model, eos_token_ids=eos)
+        tok = load_tokenizer(tokenizer_dir_for(model) if gguf else model, eos_token_ids=eos)
         d = load_draft(draft, t, quantize_bits=draft_quantize, dtype=dtype) if draft is not None else None
         eng = Engine(t, tok, d, Path(model), Path(draft) if draft else None)
     peak = mx.get_peak_memory() / 1e9

@@ -88,7 +88,12 @@ def _rank_main(args):
     results = {}
     ref_t = ref_d = None
     if r == 0:
-        ref_t = load_target(args.model, dtype=mx.float32)
+        if args.model.endswith(".gguf"):
+            from mlx_dflash.loading.gguf import load_gguf_target
+
+            ref_t, _ = load_gguf_target(args.model, dtype=mx.float32)
+        else:
+            ref_t = load_target(args.model, dtype=mx.float32)
         ref_d = load_draft(args.draft, ref_t) if args.draft else None
     for name in args.cases:
         case = dict(CASES[name])
@@ -200,6 +205,10 @@ def pair_dirs(tmp_path_factory):
         dcfg = tiny.draft_config(cfg, block_size=6, target_layer_ids=[1, 4])
         tiny.save_draft(tiny.build_draft(dcfg, seed=5), dcfg, root / f"{name}-draft")
         out[name] = (root / name, root / f"{name}-draft")
+        if not moe:
+            from gguf_writer import write_gguf
+
+            out["dense-gguf"] = (write_gguf(m, cfg, root / "dense.gguf", tokenizer_dir=tok), root / f"{name}-draft")
     return out
 
 
@@ -267,6 +276,14 @@ def test_pipeline_all_modes(tmp_path, pair_dirs, which, n):
     cases = list(CASES)
     out = run_pipeline(tmp_path, n, model, draft, cases, timeout=900)
     check(out, n, cases)
+
+
+@pytest.mark.slow
+def test_two_stage_gguf_target(tmp_path, pair_dirs):
+    """A GGUF target: each rank decodes only its own tensors; outputs and caches as one process's."""
+    model, draft = pair_dirs["dense-gguf"]
+    cases = ["plain", "chain-partial", "tree"]
+    check(run_pipeline(tmp_path, 2, model, draft, cases), 2, cases)
 
 
 def _cli(model, draft, extra):

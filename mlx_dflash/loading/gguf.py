@@ -235,8 +235,12 @@ def _group_size(in_dim: int) -> Optional[int]:
 
 
 def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[str, int]] = None,
-                     dtype=None, progress: Optional[Callable[[int, int, int], None]] = None):
-    """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block)."""
+                     dtype=None, progress: Optional[Callable[[int, int, int], None]] = None,
+                     only: Optional[Callable[[str], bool]] = None):
+    """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
+
+    ``only(parameter name)``: decode just those tensors (a pipeline stage's
+    share); the other parameters stay lazy placeholders, never evaluated."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from mlx.utils import tree_flatten
@@ -278,6 +282,8 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     done_bytes = 0
     for n, (gname, (pname, kind)) in enumerate(names.items(), 1):
         t = tensors[gname]
+        if only is not None and not only(pname):
+            continue
         try:
             w = dequantize(t.data, t.tensor_type)
         except (NotImplementedError, ValueError, KeyError) as e:
@@ -308,6 +314,8 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     loaded_paths = {p for p, _ in names.values()}
     for k, _ in tree_flatten(model.parameters()):
         base = k.rsplit(".", 1)[0]
+        if only is not None and not only(k if k in loaded_paths else base + ".weight"):
+            continue
         if k not in loaded_paths and not (k.endswith((".scales", ".biases")) and base + ".weight" in loaded_paths):
             raise DFlashError(f"GGUF {path}: no tensor for parameter {k}")
     model.eval()
