@@ -11,13 +11,14 @@ around the ring (0 -> N-1 -> ... -> 1 -> 0) and finishes it locally; it holds
 the draft (which borrows an embedding copy and the head), decides acceptance
 once, and prints. Every hop is between ring neighbours.
 
-Per hop one message: a fixed int32 header, an int32 ``meta`` array (cache
-operations still to apply, capture layer ids, tree parents, token ids) and
-the hidden states with the capture layers' features appended. Cache
-operations (reset, rollback to the accepted prefix or tree path, undo of a
-queued plain step) ride on the next message, so a DFlash cycle and a plain
-token each cost exactly one trip around the ring; every rank applies them to
-its own layers, so all stages roll back identically.
+Per hop one message of 1 KB holding the header and, inline, the ``meta``
+ints (cache operations still to apply, capture layer ids, tree parents,
+token ids), then the hidden states with the capture layers' features
+appended (none on the hop that carries the token ids to the first stage).
+Cache operations (reset, rollback to the accepted prefix or tree path, undo
+of a queued plain step) ride on the next message, so a DFlash cycle and a
+plain token each cost exactly one trip around the ring; every rank applies
+them to its own layers, so all stages roll back identically.
 
 A rank that dies closes its sockets: the ring backend then fails the pending
 receive (about a second) and every rank exits with one ``error:`` line. A

@@ -255,6 +255,68 @@ def check(out, n, cases):
     return res
 
 
+def test_plan_stages_minimises_the_largest_stage():
+    """The split is contiguous, non-empty and as balanced as any split can be
+    (checked against every split), with the embedding on the first stage and
+    norm, head and draft on the last."""
+    from itertools import combinations
+
+    from mlx_dflash.distributed import plan_stages
+
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        L, n = int(rng.integers(2, 9)), int(rng.integers(1, 4))
+        n = min(n, L)
+        costs = [int(c) for c in rng.integers(1, 100, L)]
+        first, last = int(rng.integers(0, 150)), int(rng.integers(0, 150))
+
+        def worst(bounds):
+            loads = [sum(costs[a:b]) for a, b in bounds]
+            loads[0] += first
+            loads[-1] += last
+            return max(loads)
+
+        got = plan_stages(costs, n, first, last)
+        assert got[0][0] == 0 and got[-1][1] == L and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all(b > a for a, b in got)
+        best = min(worst(list(zip((0,) + c, c + (L,)))) for c in combinations(range(1, L), n - 1))
+        assert worst(got) == best
+    # MoE layers weigh more than DeltaNet ones: fewer of them per stage
+    assert plan_stages([1, 1, 1, 1, 8, 8], 2) == [(0, 5), (5, 6)]
+    with pytest.raises(Exception, match="cannot split 3 layers into 4"):
+        plan_stages([1, 1, 1], 4)
+
+
+def test_costs_group_tensors_by_layer():
+    from mlx_dflash.distributed import costs_from_sizes
+
+    hf = {"model.language_model.layers.0.linear_attn.in_proj_qkv.weight": 10,
+          "model.language_model.layers.1.self_attn.q_proj.weight": 7,
+          "model.language_model.layers.1.mlp.experts.gate_up_proj": 100,
+          "model.language_model.embed_tokens.weight": 50, "lm_head.weight": 40,
+          "model.language_model.norm.weight": 1, "mtp.layers.0.fc.weight": 999,
+          "model.visual.blocks.0.attn.qkv.weight": 999}
+    c = costs_from_sizes(hf, 2)
+    assert (c.layers, c.embed, c.head, c.norm) == ([10, 107], 50, 40, 1)
+    mlx = {"language_model.model.layers.1.mlp.switch_mlp.up_proj.scales": 3,
+           "language_model.model.layers.2.input_layernorm.weight": 5,  # an MTP layer past the last
+           "language_model.lm_head.weight": 4}
+    c = costs_from_sizes(mlx, 2)
+    assert (c.layers, c.head) == ([0, 3], 4)
+    gg = {"blk.0.attn_qkv.weight": 6, "token_embd.weight": 9, "output.weight": 8, "output_norm.weight": 2}
+    c = costs_from_sizes(gg, 1)
+    assert (c.layers, c.embed, c.head, c.norm) == ([6], 9, 8, 2)
+
+
+def test_pipeline_without_a_launch_is_a_clear_error(capsys):
+    from mlx_dflash.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--pipeline", "x"])
+    assert e.value.code == 2
+    assert "error: --pipeline needs 2 or more processes" in capsys.readouterr().err
+
+
 def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
     """Plain and DFlash chain decoding over 2 stages equal one process's, token
     for token; the draft sees the same features; each stage's cache equals a
