@@ -298,13 +298,13 @@ class StageTarget(Target):
         return h, feats
 
 
-def _apply_pre(cache: TargetCache, ops: List[int], snaps: dict) -> TargetCache:
+def _apply_pre(cache: TargetCache, ops: List[int], snaps: dict, is_linear: List[bool]) -> TargetCache:
     """Apply the cache operations rank 0 queued (a fresh cache for a reset)."""
     i = 0
     while i < len(ops):
         code = ops[i]
         if code == PRE_RESET:
-            cache = TargetCache(cache_types(cache))
+            cache = TargetCache(is_linear)
             snaps.clear()
             i += 1
         elif code == PRE_ROLLBACK:
@@ -322,12 +322,6 @@ def _apply_pre(cache: TargetCache, ops: List[int], snaps: dict) -> TargetCache:
         else:
             raise DFlashError(f"pipeline: unknown cache operation {code}")
     return cache
-
-
-def cache_types(cache: TargetCache) -> List[bool]:
-    from .cache import DeltaNetState
-
-    return [isinstance(c, DeltaNetState) for c in cache.layers]
 
 
 class StageWorker:
@@ -348,7 +342,7 @@ class StageWorker:
             op, T, n_meta, width, dt, n_pre, n_cap, flags = header
             pre, rest = meta[:n_pre], meta[n_pre:]
             if pre:
-                self.cache = _apply_pre(self.cache, pre, self._snaps)
+                self.cache = _apply_pre(self.cache, pre, self._snaps, t.is_linear)
                 if PRE_RESET in pre[:1]:
                     self.in_generation = True
             if op == OP_FORWARD:
@@ -642,20 +636,20 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     for m in mods:
         _cast(m, dtype)
     mx.eval([m.parameters() for m in mods])
-    eng = None
-    if rank == 0:
-        from .loading import load_draft
-
-        eos = t.config.get("eos_token_id", t.config.get("text_config", {}).get("eos_token_id"))
-        tok = load_tokenizer(tokenizer_dir_for(model) if gguf else model, eos_token_ids=eos)
-        d = load_draft(draft, t, quantize_bits=draft_quantize, dtype=dtype) if draft is not None else None
-        eng = Engine(t, tok, d, Path(model), Path(draft) if draft else None)
     peak = mx.get_peak_memory() / 1e9
     link.barrier()
-    st = Stage(rank, n, bounds, costs, t, link, engine=eng, load_peak_memory=peak, share_bytes=share)
+    st = Stage(rank, n, bounds, costs, t, link, load_peak_memory=peak, share_bytes=share)
     if rank != 0:
         st.worker = StageWorker(t, link)
-    else:
-        atexit.register(st.close)
+        return st
+    # From here on an error on rank 0 still releases the others (they are serving by then).
+    atexit.register(st.close)
+    from .loading import load_draft
+
+    eos = t.config.get("eos_token_id", t.config.get("text_config", {}).get("eos_token_id"))
+    tok = load_tokenizer(tokenizer_dir_for(model) if gguf else model, eos_token_ids=eos)
+    d = load_draft(draft, t, quantize_bits=draft_quantize, dtype=dtype) if draft is not None else None
+    st.engine = Engine(t, tok, d, Path(model), Path(draft) if draft else None)
+    st.load_peak_memory = mx.get_peak_memory() / 1e9
     return st
 

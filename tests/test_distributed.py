@@ -64,6 +64,9 @@ CASES = {
     "tree-real": dict(draft="real", tree_budget=6),
     "sample-chain": dict(draft="script", temperature=0.9, seed=5),
     "sample-tree": dict(draft="script", temperature=0.9, seed=5, tree_budget=5, tree_topk=2),
+    # EOS inside the generation: the plain loop undoes the step it queued past it
+    "plain-eos": dict(draft=None, eos_at=9),
+    "chain-eos": dict(draft="script", eos_at=9),
     # a 300-token prompt in chunks of 128: token ids longer than the header carries inline
     "chain-long": dict(draft="script", prompt=[(7 * i + 3) % 500 for i in range(300)], prefill_chunk=128),
 }
@@ -105,10 +108,11 @@ def _rank_main(args):
             kind = case.pop("draft")
             temp, seed = case.pop("temperature", 0.0), case.pop("seed", 0)
             prompt = case.pop("prompt", PROMPT)
+            eos_at = case.pop("eos_at", None)
             outs, feats, stats = {}, {}, {}
             script = None
             for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, stage.engine.draft)):
-                if kind == "script" and script is None:
+                if (kind == "script" or eos_at is not None) and script is None:
                     script = prompt + [t for ts in generate_tokens(ref_t, prompt, max_tokens=args.n) for t in ts]
                 draft = None
                 if kind is not None:
@@ -117,7 +121,9 @@ def _rank_main(args):
                 toks = []
                 stats[which] = GenerationStats()
                 for ts in generate_tokens(target, prompt, draft=draft, max_tokens=args.n, cache=cache,
-                                          sampler=Sampler(temp, seed=seed), stats=stats[which], **case):
+                                          sampler=Sampler(temp, seed=seed), stats=stats[which],
+                                          eos_token_ids=[script[len(prompt) + eos_at]] if eos_at else (),
+                                          **case):
                     toks.extend(ts)
                     if args.die_after_s is not None and which == "pipeline":
                         time.sleep(0.05)
@@ -240,6 +246,8 @@ def check(out, n, cases):
         r = res[name]
         assert r["pipeline"] == r["single"], name
         assert len(r["single"]) > 0
+        if "eos" in name:
+            assert len(r["single"]) < 20  # stopped at the EOS token
         assert r["feature_rows"][0] == r["feature_rows"][1], name
         assert r["feature_err"] < 1e-4, name
         assert r["accept_hist"][0] == r["accept_hist"][1], name  # the same acceptance, cycle by cycle
@@ -322,7 +330,7 @@ def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
     for token; the draft sees the same features; each stage's cache equals a
     plain forward over the committed tokens."""
     model, draft = pair_dirs["dense"]
-    cases = ["plain", "chain-partial", "chain-long"]
+    cases = ["plain", "chain-partial", "chain-long", "plain-eos"]
     out = run_pipeline(tmp_path, 2, model, draft, cases)
     res = check(out, 2, cases)
     assert res["chain-partial"]["feature_rows"][0] > len(PROMPT)
