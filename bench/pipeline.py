@@ -61,6 +61,19 @@ def child(args):
     from mlx_dflash.cache import TargetCache
 
     prompts = json.loads(Path(args.prompts_json).read_text())
+    def stage_ms(t):
+        """This rank's stage alone (fresh cache, synchronised) while the other waits in a barrier."""
+        out = {}
+        for T in (1, args.block):
+            h = mx.random.normal((1, T, t.hidden_size))
+
+            def own(T=T, h=h):
+                x, _ = t.run_layers(h, TargetCache(t.is_linear), (), T > 1, None)
+                return t.lm_head(t.norm(x)) if t.has_head else x
+
+            out[T] = _median_time(own) * 1e3
+        return out
+
     if args.child == "single":
         engine, stage = load(), None
     else:
@@ -68,8 +81,11 @@ def child(args):
         if stage.rank != 0:
             stage.serve()
             w = stage.worker
+            alone = stage_ms(stage.target)  # rank 0 waits in the barrier meanwhile
+            stage.link.barrier()
+            stage.link.barrier()  # rank 0 times its stage
             Path(args.json + f".rank{stage.rank}").write_text(json.dumps(
-                {"rank": stage.rank, "layers": stage.layers,
+                {"rank": stage.rank, "layers": stage.layers, "alone_ms": alone,
                  "busy_ms": {T: b[1] / b[0] * 1e3 for T, b in w.busy.items()},
                  "forwards": {T: b[0] for T, b in w.busy.items()}}))
             return
@@ -84,17 +100,9 @@ def child(args):
         out["rows"][name] = {m: _run(engine.target, d, ids, args.max_tokens, eos) for m, d in modes.items()}
     if stage is not None:
         t = engine.target
-        H = t.hidden_size
         B = engine.draft.block_size
-        for T in (1, B):
-            h = mx.random.normal((1, T, H))
-
-            def own(T=T, h=h):
-                c = TargetCache(t.is_linear)
-                x, _ = t.run_layers(h, c, (), T > 1, None)
-                return t.lm_head(t.norm(x))
-
-            out.setdefault("rank0_stage_ms", {})[T] = _median_time(own) * 1e3
+        if B != args.block:
+            raise SystemExit(f"--block {args.block} but the draft's block is {B}")
         out["wait_ms"] = {T: w[1] / w[0] * 1e3 for T, w in t.wait.items()}
         out["forwards"] = {T: w[0] for T, w in t.wait.items()}
         ts = []
@@ -106,6 +114,9 @@ def child(args):
         out["layers"] = {"rank0": list(stage.layers), "bounds": stage.bounds}
         out["block_size"] = B
         stage.close()
+        stage.link.barrier()  # rank 1 has timed its stage
+        out["rank0_stage_ms"] = stage_ms(t)
+        stage.link.barrier()
     Path(args.json).write_text(json.dumps(out))
 
 
@@ -117,6 +128,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--block", type=int, default=16, help="The draft's block size (the verify block timed).")
     ap.add_argument("--child", choices=["single", "pipeline"], help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-json", help=argparse.SUPPRESS)
@@ -136,7 +148,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="pipebench"))
     pj = tmp / "prompts.json"
     pj.write_text(json.dumps(prompts))
-    common = ["--max-tokens", str(args.max_tokens), "--prompts-json", str(pj)]
+    common = ["--max-tokens", str(args.max_tokens), "--prompts-json", str(pj), "--block", str(args.block)]
     launcher = str(Path(sys.executable).with_name("mlx.launch"))
     runs = {"single": [], "pipeline": [], "stage1": []}
     loads = []
@@ -179,6 +191,7 @@ def main():
 
     terms = {
         "stage1_ms": {T: med("busy_ms", T, "stage1") for T in (1, B)},
+        "stage1_alone_ms": {T: med("alone_ms", T, "stage1") for T in (1, B)},
         "rank0_stage_ms": {T: med("rank0_stage_ms", T) for T in (1, B)},
         "wait_ms": {T: med("wait_ms", T) for T in (1, B)},
         "round_trip_ms": med("round_trip_ms"),
@@ -206,10 +219,12 @@ def main():
     md += ["", f"Stages (layers, first stage first): {t['bounds']} (rank 1 runs the first, rank 0 the last "
            "with norm, head and draft).", "",
            "| per forward | T = 1 (plain token) | T = %d (verify block) |" % B, "|---|---:|---:|",
-           f"| rank 1 stage: embed + its layers, message in to hidden out (ms) | {t['stage1_ms'][1]:.2f} | "
-           f"{t['stage1_ms'][B]:.2f} |",
-           f"| rank 0 stage: its layers + norm + head, fresh cache (ms) | {t['rank0_stage_ms'][1]:.2f} | "
+           f"| rank 1 stage alone: its layers, fresh cache (ms) | {t['stage1_alone_ms'][1]:.2f} | "
+           f"{t['stage1_alone_ms'][B]:.2f} |",
+           f"| rank 0 stage alone: its layers + norm + head, fresh cache (ms) | {t['rank0_stage_ms'][1]:.2f} | "
            f"{t['rank0_stage_ms'][B]:.2f} |",
+           f"| rank 1 stage in generation: embed + its layers, message in to hidden out (ms) | "
+           f"{t['stage1_ms'][1]:.2f} | {t['stage1_ms'][B]:.2f} |",
            f"| rank 0 wait: send the ids, receive rank 1's hidden states (ms) | {t['wait_ms'][1]:.2f} | "
            f"{t['wait_ms'][B]:.2f} |",
            f"| of which link + messaging (wait - rank 1 stage) (ms) | {t['wait_ms'][1] - t['stage1_ms'][1]:.2f} | "
