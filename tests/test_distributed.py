@@ -133,8 +133,12 @@ def _rank_main(args):
                     target.sync()
                     target.stop()  # the other ranks leave serve() to save their caches
                 else:
+                    # The committed tokens: the prompt and all emitted but the last; with
+                    # EOS inside an accepted block, also the accepted drafts after it.
+                    seq = prompt + toks[:-1] if cache.offset < len(prompt) + len(toks) else script
+                    assert cache.offset >= len(prompt) + len(toks) - 1
                     ref = ref_t.make_cache()
-                    ref_t.prefill(prompt + toks[:-1], ref)
+                    ref_t.prefill(seq[: cache.offset], ref)
                     np.savez(out / f"{name}-ref.npz", *[np.array(x) for x in _layer_state(ref)])
             fs, fp = feats["single"], feats["pipeline"]
             feat_err = max((float(np.abs(np.concatenate(fs) - np.concatenate(fp)).max()) if fs else 0.0), 0.0)
