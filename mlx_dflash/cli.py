@@ -325,11 +325,20 @@ def convert(
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    stages: int = typer.Option(
+        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
+                            "(layers and bytes per rank; nothing is loaded)."),
 ):
     """Describe a model folder: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))
+    if stages:
+        from .distributed import plan
+
+        if stages < 2:
+            raise DFlashError(f"--stages must be 2 or more, got {stages}")
+        typer.echo(plan(path, stages, draft).describe())
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -560,6 +560,64 @@ def generate(engine, prompt, **kwargs):
     return GenerationResult("".join(text), tokens, stats)
 
 
+@dataclass
+class Plan:
+    """How a target splits over ``n`` ranks (stage order: the first stage first)."""
+
+    costs: Costs
+    bounds: List[Tuple[int, int]]
+    shares: List[int]  # bytes each stage's rank loads
+    draft_bytes: int
+    tied: bool
+    gguf: bool
+
+    def describe(self) -> str:
+        def size(b):
+            return f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.1f} MB"
+
+        n = len(self.bounds)
+        lines = [f"pipeline over {n} ranks: {len(self.costs.layers)} layers, "
+                 f"{size(self.costs.total + self.draft_bytes)} on disk"]
+        for s, ((a, b), share) in enumerate(zip(self.bounds, self.shares)):
+            extra = (["embedding"] if s == 0 else []) + \
+                (["norm", "head"] + (["draft", "embedding copy"] if self.draft_bytes else []) if s == n - 1 else [])
+            lines.append(f"  rank {n - 1 - s}: layers {a}-{b - 1}" + (f" + {', '.join(extra)}" if extra else "")
+                         + f": {size(share)}")
+        return "\n".join(lines)
+
+
+def plan(model, n: int, draft=None) -> Plan:
+    """The stage split of ``model`` (folder or GGUF) over ``n`` ranks, from
+    tensor sizes alone (nothing is loaded)."""
+    from .loading.gguf import gguf_config, is_gguf, open_gguf
+    from .loading.hf import read_config
+
+    gguf = is_gguf(model)
+    if gguf:
+        cfg = gguf_config(open_gguf(model))["text_config"]
+        sizes = gguf_sizes(model)
+    else:
+        raw = read_config(model, "model")
+        cfg = raw.get("text_config", raw)
+        sizes = safetensors_sizes(Path(model).expanduser())
+    if "num_hidden_layers" not in cfg:
+        raise DFlashError(f"{model}: no num_hidden_layers in its config (not a Qwen3.5 target?)")
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    costs = costs_from_sizes(sizes, int(cfg["num_hidden_layers"]))
+    draft_bytes = 0
+    if draft is not None:
+        p = Path(draft).expanduser()
+        draft_bytes = (sum(gguf_sizes(p).values()) if is_gguf(p)
+                       else sum(safetensors_sizes(p).values()) if p.is_dir() else 0)
+    head = costs.norm + (costs.embed if tied else costs.head)
+    last_extra = head + draft_bytes + (costs.embed if draft is not None and not tied else 0)
+    bounds = plan_stages(costs.layers, n, first_extra=costs.embed, last_extra=last_extra)
+    shares = [sum(costs.layers[a:b]) for a, b in bounds]
+    shares[0] += costs.embed
+    shares[-1] += last_extra
+    return Plan(costs, bounds, shares, draft_bytes, tied, gguf)
+
+
 def init_group(backend: str = "ring"):
     """The ``mx.distributed`` group of an ``mlx.launch`` run (a clear error without one)."""
     if not mx.distributed.is_available():
@@ -585,7 +643,7 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     """
     from .api import DEFAULT_DRAFT, DEFAULT_MODEL, Engine
     from .loading import load_tokenizer
-    from .loading.gguf import gguf_config, is_gguf, load_gguf_target, open_gguf, tokenizer_dir_for
+    from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
     from .loading.hf import _cast, load_target
 
     if model is None:
@@ -596,27 +654,14 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     group = group if group is not None else init_group()
     link = Link(group, timeout)
     rank, n = link.rank, link.size
-    gguf = is_gguf(model)
     mx.reset_peak_memory()
-    if gguf:
-        cfg = gguf_config(open_gguf(model))["text_config"]
-        nl, tied = cfg["num_hidden_layers"], bool(cfg["tie_word_embeddings"])
-        costs = costs_from_sizes(gguf_sizes(model), nl)
-    else:
-        base = load_target(model, lazy=True)  # nothing read yet: mx.load maps tensors lazily
-        nl, tied = len(base.layers), bool(base.args.tie_word_embeddings)
-        costs = costs_from_sizes(safetensors_sizes(Path(model).expanduser()), nl)
-    head_bytes = costs.norm + (costs.embed if tied else costs.head)
-    draft_bytes = 0
-    if draft is not None:
-        p = Path(draft).expanduser()
-        draft_bytes = (sum(gguf_sizes(p).values()) if is_gguf(p)
-                       else sum(safetensors_sizes(p).values()) if p.is_dir() else 0)
-    last_extra = head_bytes + draft_bytes + (costs.embed if draft is not None and not tied else 0)
-    bounds = plan_stages(costs.layers, n, first_extra=costs.embed, last_extra=last_extra)
+    if not is_gguf(model):
+        base = load_target(model, lazy=True)  # checks the folder; nothing read yet (mx.load maps lazily)
+    pl = plan(model, n, draft)
+    gguf, tied, costs, bounds = pl.gguf, pl.tied, pl.costs, pl.bounds
     stage = n - 1 - rank
     start, end = bounds[stage]
-    share = sum(costs.layers[start:end]) + (costs.embed if stage == 0 else 0) + (last_extra if rank == 0 else 0)
+    share = pl.shares[stage]
     embed = stage == 0 or (rank == 0 and (draft is not None or tied))
     if gguf:
         def owned(name: str) -> bool:

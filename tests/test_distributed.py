@@ -320,6 +320,24 @@ def test_costs_group_tensors_by_layer():
     assert (c.layers, c.embed, c.head, c.norm) == ([6], 9, 8, 2)
 
 
+def test_info_shows_the_stage_plan(capsys, tmp_path):
+    from mlx_dflash import tiny
+    from mlx_dflash.cli import main
+    from mlx_dflash.distributed import plan
+
+    cfg = tiny.target_config(moe=True, num_hidden_layers=6)
+    path = tiny.save_hf(tiny.build_target(cfg, seed=1), cfg, tmp_path / "m",
+                        tokenizer_dir=tiny.build_tokenizer(tmp_path / "tok", vocab_size=300))
+    with pytest.raises(SystemExit) as e:
+        main(["info", str(path), "--stages", "3"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    p = plan(path, 3)
+    for s, (a, b) in enumerate(p.bounds):
+        assert f"rank {2 - s}: layers {a}-{b - 1}" in out
+    assert sum(p.shares) == p.costs.total
+
+
 def test_pipeline_without_a_launch_is_a_clear_error(capsys):
     from mlx_dflash.cli import main
 
