@@ -400,9 +400,11 @@ def _wait_for_output(proc, timeout):
 @pytest.mark.parametrize("n", [2, 3])
 def test_killed_rank_ends_every_rank_with_an_error(tmp_path, pair_dirs, n):
     """SIGKILL rank 1 mid-generation: every other rank exits non-zero with one
-    error line naming the lost link, within seconds (no hang)."""
+    error line, within seconds (no hang): the lost link when the ring backend
+    notices the closed socket (about a second), else the watchdog's."""
     model, draft = pair_dirs["dense"]
-    procs = launch(tmp_path, n, _cli(model, draft, ["-n", "4000", "--baseline"]), script=False)
+    procs = launch(tmp_path, n, _cli(model, draft, ["-n", "4000", "--baseline", "--pipeline-timeout", "8"]),
+                   script=False)
     _wait_for_output(procs[0], 120)
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -412,7 +414,8 @@ def test_killed_rank_ends_every_rank_with_an_error(tmp_path, pair_dirs, n):
     for rc, _, err in outs:
         assert rc == 2, err[-2000:]
         lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1 and "lost the link" in lines[0], err[-2000:]
+        assert len(lines) == 1 and ("lost the link" in lines[0] or "no message from rank" in lines[0]), \
+            err[-2000:]
         assert "Traceback" not in err
 
 
