@@ -216,9 +216,9 @@ def pair_dirs(tmp_path_factory):
         tiny.save_draft(tiny.build_draft(dcfg, seed=5), dcfg, root / f"{name}-draft")
         out[name] = (root / name, root / f"{name}-draft")
         if not moe:
-            from gguf_writer import write_gguf
+            from gguf_writer import convert_hf_to_gguf
 
-            out["dense-gguf"] = (write_gguf(m, cfg, root / "dense.gguf", tokenizer_dir=tok), root / f"{name}-draft")
+            out["dense-gguf"] = (convert_hf_to_gguf(root / name, root / "dense.gguf"), root / f"{name}-draft")
     return out
 
 
