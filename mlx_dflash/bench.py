@@ -114,11 +114,15 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              tree_budget: int = 0, tree_topk: int = 4, log=print, draft2=None, draft2_path=None) -> dict:
+              tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False,
+              draft2=None, draft2_path=None) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
     and, with ``tree_budget`` > 0, dflash-tree; with ``draft2`` (a second
-    loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft."""
-    modes = BASE_MODES + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
+    loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
+    ``pipeline``: the engine is a pipeline's rank 0 (no whole model for
+    mlx-lm): baseline is the reference."""
+    modes = BASE_MODES[1:] if pipeline else BASE_MODES
+    modes = modes + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -141,23 +145,24 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                 tokens[mode], row["modes"][mode] = toks, best
                 best["generated"] = len(toks)
             plain = tokens["baseline"]
-            for mode in modes[2:]:
+            for mode in modes[modes.index("baseline") + 1:]:
                 i = first_difference(tokens[mode], plain)
                 if i is not None:
                     raise DFlashError(
                         f"LOSSLESSNESS FAILURE: {mode} differs from this engine's plain decoding on "
                         f"prompt {name!r} (max {n}) at token {i}")
-            row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
-            if row["mlx_lm_first_difference"] is not None:
-                log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
-                    f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
-            base = row["modes"]["mlx-lm"]["decode_tps"]
+            if "mlx-lm" in modes:
+                row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
+                if row["mlx_lm_first_difference"] is not None:
+                    log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
+                        f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
+            base = row["modes"][modes[0]]["decode_tps"]
             for m in modes:
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
             d2 = row["modes"].get("dflash2")
-            log(f"{name:<18} n={n:<4} mlx-lm {base:7.1f} tok/s | baseline "
+            log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
                 + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else "")
@@ -173,7 +178,8 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         "block_size": block_size or engine.draft.block_size,
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
         "repeats": repeats, "identical_tokens": True,
-        "agrees_with_mlx_lm": all(r["mlx_lm_first_difference"] is None for r in results),
+        "agrees_with_mlx_lm": (all(r["mlx_lm_first_difference"] is None for r in results)
+                               if "mlx-lm" in modes else None),  # None: not run (--pipeline)
         "results": results,
     }
 

@@ -147,10 +147,25 @@ def generate(
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
                                  "draft / verify / rollback (a little slower)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
+                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
 
+    stage = None
+    if pipeline:
+        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
     text = _read_prompt(prompt, prompt_opt)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
@@ -165,7 +180,7 @@ def generate(
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
     template_kwargs = _template_config(chat_template_config)
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
     for tok in extra_eos_token or ():
         try:
             engine.tokenizer.add_eos_token(tok)
@@ -289,6 +304,12 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
+                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
     draft2: Optional[Path] = typer.Option(
         None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
                                "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
@@ -304,9 +325,16 @@ def bench(
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
     blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
-    engine = load(model, draft, dtype=_dtype(dtype))
+    if pipeline:
+        from .distributed import load as load_stage
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     second = None
@@ -321,7 +349,7 @@ def bench(
             raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True), draft2=second, draft2_path=draft2)
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -375,11 +403,20 @@ def convert(
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    stages: int = typer.Option(
+        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
+                            "(layers and bytes per rank; nothing is loaded)."),
 ):
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))
+    if stages:
+        from .distributed import plan
+
+        if stages < 2:
+            raise DFlashError(f"--stages must be 2 or more, got {stages}")
+        typer.echo(plan(path, stages, draft).describe())
 
 
 def main(argv: Optional[List[str]] = None) -> None:
