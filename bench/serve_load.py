@@ -119,7 +119,7 @@ def run_once(args, prompt_cache: bool):
     else:
         proc, url = start_server(args, prompt_cache)
     headers = {"x-api-key": args.api_key} if args.api_key else {}
-    prompts = sorted((ROOT / "bench" / "prompts").glob("*.txt"))
+    prompts = sorted((ROOT / "mlx_dflash" / "bench_prompts").glob("*.txt"))
     try:
         # warm-up: first-call compilation and allocation are not what we measure
         one_request(url, headers, args.model_name, [{"role": "user", "content": "x = 1\n"}], 4)

@@ -28,8 +28,9 @@ class Engine:
     draft_path: Optional[Path] = None
 
     def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
-               system: Optional[str] = None) -> List[int]:
-        """Token ids for ``prompt`` (ids pass through); optionally via the chat template."""
+               system: Optional[str] = None, chat_template_config: Optional[dict] = None) -> List[int]:
+        """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
+        with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         if not prompt.strip():
@@ -41,7 +42,7 @@ class Engine:
                 {"role": "user", "content": prompt}
             ]
             return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True))
+                messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})))
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
 
@@ -53,7 +54,7 @@ def load(
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
 ) -> Engine:
-    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft folder.
+    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
@@ -65,9 +66,9 @@ def load(
             draft = DEFAULT_DRAFT
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
-    if is_gguf(model):  # a llama.cpp file: weights and tokenizer from it
-        target, _ = load_gguf_target(model, dtype=dtype)
+    if is_gguf(model):  # a llama.cpp file: weights and tokenizer (checked first) from it
         tok_dir = tokenizer_dir_for(model)
+        target, _ = load_gguf_target(model, dtype=dtype, progress=True)
     else:
         target = load_target(model, dtype=dtype)
         tok_dir = model
@@ -112,6 +113,8 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    chat_template_config: Optional[dict] = None,
     repetition_penalty: float = 1.0,
     repetition_context_size: int = 20,
     seed: Optional[int] = None,
@@ -120,23 +123,30 @@ def stream_generate(
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
+    accept_rule: str = "speculative",
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
     ``baseline=True`` (or an engine without a draft) decodes plainly through
     the same loop. At temperature 0 the tokens equal plain greedy decoding.
-    At temperature > 0 every emitted token is the target's own sample (a
-    draft token is kept only when it equals that sample), so the output
-    distribution is exactly the target's; with the same ``seed`` the output
-    is the same token for token in plain, chain and tree mode.
+    At temperature > 0 the output distribution is exactly the target's
+    (see ``accept_rule``).
     ``tree_budget`` > 0 verifies a DDTree of that many draft nodes
     (``tree_topk`` candidates per depth) instead of a chain.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
+    ``accept_rule`` (temperature > 0, chain): "speculative" (the default;
+    it kept more drafted tokens in bench/results/accept-rules.md): the draft
+    samples its block and a token is kept with probability min(1, p/q), the
+    first rejection resampling from the residual; "equality": the
+    draft's greedy block, kept where it equals the target's keyed sample.
+    Both give exactly the target's distribution; only "equality" gives the
+    same text for a seed in every mode (plain, chain, tree).
     """
-    ids = engine.encode(prompt, chat_template=chat_template, system=system)
+    ids = engine.encode(prompt, chat_template=chat_template, system=system,
+                        chat_template_config=chat_template_config)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
-                      repetition_context_size, seed)
+                      repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
     if prefill_chunk < 1:
         raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
     draft = None if baseline else engine.draft
@@ -151,7 +161,7 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile,
+        profile=profile, accept_rule=accept_rule,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

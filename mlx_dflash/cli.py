@@ -41,6 +41,21 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
     return text
 
 
+def _template_config(text: Optional[str]) -> Optional[dict]:
+    """--chat-template-config: a JSON object of keyword arguments for the template."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"--chat-template-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return cfg
+
+
 def _stats_table(s, mode: str, profile: bool = False) -> str:
     rows = [
         ("mode", mode),
@@ -76,28 +91,47 @@ def generate(
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
     model: Optional[Path] = typer.Option(
         None, "--model", "-m",
-        help="Target folder (HF or MLX safetensors). Default: the embedded pair shipped with the package."),
+        help="Target folder (HF or MLX safetensors) or llama.cpp GGUF file. Default: the embedded pair shipped "
+             "with the package."),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d",
-        help="DFlash draft folder (z-lab format). Default: the embedded draft with the embedded "
+        None, "--draft", "-d", "--draft-model",
+        help="DFlash draft folder (z-lab format) or draft GGUF. Default: the embedded draft with the embedded "
              "target; none (plain decoding) with another --model."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
+    num_draft_tokens: Optional[int] = typer.Option(
+        None, "--num-draft-tokens", help="mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one."),
     chat_template: Optional[bool] = typer.Option(
         None, "--chat-template/--no-chat-template",
         help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one)."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message (with the chat template)."),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+    system: Optional[str] = typer.Option(
+        None, "--system", "--system-prompt", help="System message (with the chat template)."),
+    extra_eos_token: Optional[List[str]] = typer.Option(
+        None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."),
     baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft (for comparison)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
+    min_tokens_to_keep: int = typer.Option(
+        1, "--min-tokens-to-keep", help="Tokens --min-p always keeps (the most likely ones)."),
     repetition_penalty: float = typer.Option(
         1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
     repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
     seed: Optional[int] = typer.Option(
-        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode."),
+        None, "--seed", help="Sampling seed. With --accept-rule equality the same seed gives the same output "
+                             "in plain, chain and tree mode."),
+    accept_rule: str = typer.Option(
+        "speculative", "--accept-rule", help="With --temp > 0 on a chain: 'speculative' (default) samples the draft "
+                                             "and keeps a token with probability min(1, p/q); 'equality' keeps a "
+                                             "drafted token when it equals the target's own sample (same seed, same "
+                                             "text in every mode). Both are exact; speculative keeps more drafts."),
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
@@ -113,16 +147,45 @@ def generate(
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
                                  "draft / verify / rollback (a little slower)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
+                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
 
+    stage = None
+    if pipeline:
+        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
     text = _read_prompt(prompt, prompt_opt)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    if num_draft_tokens is not None:
+        if block_size is not None:
+            raise DFlashError("give --block-size or --num-draft-tokens, not both")
+        block_size = num_draft_tokens + 1
+    if ignore_chat_template:
+        if chat_template:
+            raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
+        chat_template = False
+    template_kwargs = _template_config(chat_template_config)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    for tok in extra_eos_token or ():
+        try:
+            engine.tokenizer.add_eos_token(tok)
+        except ValueError:
+            raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     use_draft = engine.draft is not None and not baseline
@@ -132,11 +195,11 @@ def generate(
     for r in stream_generate(
         engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
         baseline=baseline, chat_template=chat_template, system=system,
-        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
+        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+        chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile,
+        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -186,8 +249,16 @@ def train_draft_cmd(
     init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
     log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
+    arch: str = typer.Option("dflash", "--arch", help="'dflash' (v1) or 'dflash2' (block convolutions and a "
+                                                      "candidate selector; also trains the selector)."),
+    selector_rank: int = typer.Option(32, "--selector-rank", help="DFlash 2: rank of the selector's codebooks."),
+    selector_top_k: int = typer.Option(8, "--selector-top-k", help="DFlash 2: candidates per slot the selector ranks."),
+    conv_kernel_size: int = typer.Option(2, "--conv-kernel-size", help="DFlash 2: taps of the block convolutions."),
+    conv_group_size: Optional[int] = typer.Option(
+        None, "--conv-group-size", help="DFlash 2: channels sharing one dynamic coefficient "
+                                        "(default: 64 when it divides the hidden size, else the hidden size)."),
 ):
-    """Train a DFlash v1 draft for a target (corpus or the target's own outputs)."""
+    """Train a DFlash v1 or DFlash 2 draft for a target (corpus or the target's own outputs)."""
     from .train import TrainConfig, train_draft
 
     ids = None
@@ -205,6 +276,8 @@ def train_draft_cmd(
         seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
         warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
         checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
+        arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
     )
     summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
                           text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
@@ -217,7 +290,8 @@ def train_draft_cmd(
 def bench(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target folder (default: the embedded pair)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Draft folder (default: the embedded draft)."),
-    prompts: Path = typer.Option(Path("bench/prompts"), "--prompts", help="Folder of *.txt prompts."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up (median reported)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
@@ -230,8 +304,18 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
+                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
+    draft2: Optional[Path] = typer.Option(
+        None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
+                               "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
 ):
-    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
+    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
+    from plain decoding's (agreement with mlx-lm is reported, not required)."""
     from . import blas
     from .api import load
     from .bench import read_prompts, run_bench, write_results
@@ -241,14 +325,31 @@ def bench(
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
     blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
-    engine = load(model, draft, dtype=_dtype(dtype))
+    if pipeline:
+        from .distributed import load as load_stage
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    second = None
+    if draft2 is not None:
+        import mlx.core as mx
+
+        from .loading import load_draft
+
+        # as load() does for the first: the embedded pair runs in float32
+        second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        if block_size is not None and not 2 <= block_size <= second.block_size:
+            raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True))
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -261,14 +362,22 @@ def convert(
     bits: Optional[List[str]] = typer.Option(
         None, "--bits", help="Per source type MLX bits, e.g. --bits Q6_K=4 --bits Q5_K=8 (repeatable). "
                              "Default: 4-bit for 4-bit and lower sources, 8-bit for 5/6/8-bit, float for float."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype for float tensors (default: as stored)."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="Float type of unquantized weights and quantization scales (default: the file's "
+                              "half type; float16 for quantized files; float32 for all-F32 files)."),
 ):
-    """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode."""
+    """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode.
+
+    The folder is laid out as mlx_lm.convert writes one (safetensors shards and
+    index, config.json with the quantization block, tokenizer files), so mlx-lm
+    loads it too.
+    """
     import time
 
     from mlx_lm.utils import save_config, save_model
 
-    from .loading.gguf import load_gguf_target, open_gguf, write_tokenizer
+    from .loading import load_tokenizer
+    from .loading.gguf import load_gguf_target, tokenizer_dir_for
 
     bmap = {}
     for b in bits or []:
@@ -279,29 +388,35 @@ def convert(
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
     tic = time.perf_counter()
-
-    def progress(n, total, nbytes):
-        sys.stderr.write(f"\rdecoding tensors {n}/{total}  {nbytes / 1e6:8.1f} MB read")
-        sys.stderr.flush()
-
+    tok_dir = tokenizer_dir_for(gguf_file)
     target, cfg = load_gguf_target(gguf_file, keep_precision=keep_precision, bits=bmap or None,
-                                   dtype=_dtype(dtype), progress=progress)
-    sys.stderr.write("\n")
+                                   dtype=_dtype(dtype), progress=True)
     save_model(out, target.model)
     save_config(cfg, out / "config.json")
-    write_tokenizer(open_gguf(gguf_file), out)
-    typer.echo(f"wrote {out} in {time.perf_counter() - tic:.1f}s")
+    load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
+    typer.echo(f"wrote {out} ({cfg['torch_dtype']}"
+               + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")
+               + f") in {time.perf_counter() - tic:.1f}s")
 
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="A target or draft folder."),
+    path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    stages: int = typer.Option(
+        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
+                            "(layers and bytes per rank; nothing is loaded)."),
 ):
-    """Describe a model folder: architecture, layer mix, quantization, size; and draft fit."""
+    """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))
+    if stages:
+        from .distributed import plan
+
+        if stages < 2:
+            raise DFlashError(f"--stages must be 2 or more, got {stages}")
+        typer.echo(plan(path, stages, draft).describe())
 
 
 @app.command()
