@@ -120,6 +120,7 @@ def stream_generate(
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
+    prefix_cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
@@ -133,8 +134,13 @@ def stream_generate(
     (``tree_topk`` candidates per depth) instead of a chain.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
+    ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
+    prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
+    and this request's prompt and reply are snapshotted into it.
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system)
+    if prefix_cache is not None:
+        prefix_cache.bind(engine)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
                       repetition_context_size, seed)
     if prefill_chunk < 1:
@@ -151,7 +157,8 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile,
+        profile=profile, prefix_cache=prefix_cache,
+        prefix_boundary=prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:
