@@ -53,17 +53,20 @@ class ChatSession:
             if k in kwargs:
                 raise DFlashError(f"{k} is set by the chat session")
         ids = self._prompt(text)
-        reply, pieces = [], []
+        reply = []
         try:
             for r in stream_generate(self.engine, ids, prefix_cache=self.prefix_cache, **kwargs):
                 reply.extend(r.tokens)
-                pieces.append(r.text)
                 self.stats = r.stats
                 yield r
         finally:
-            # A reply cut short still belongs to the conversation.
+            # A reply cut short still belongs to the conversation. Its text is
+            # decoded from the ids in one go, so the next turn's rendering
+            # starts with exactly the decoded ids (checked in _prompt).
+            eos = set(self.engine.tokenizer.eos_token_ids)
+            content = self.engine.tokenizer.decode([t for t in reply if t not in eos])
             self.messages += [{"role": "user", "content": text},
-                              {"role": "assistant", "content": "".join(pieces)}]
+                              {"role": "assistant", "content": content}]
             self._ids = ids + reply
 
     def send(self, text: str, **kwargs) -> GenerationResult:
