@@ -44,9 +44,9 @@ from .cache import DeltaNetState, KVBuffer
 from .errors import DFlashError
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
-# Chosen by bench/prefix_cache.py (rung sweep): rungs at prefill-chunk
-# boundaries cost no extra forward; see bench/results/prefix-cache.md.
-DEFAULT_RUNG_INTERVAL = 512
+# Rungs fall on multiples of this (the default prefill chunk), so they split
+# no prefill forward; bench/results/prefix-cache.md measures the interval.
+RUNG_STEP = 512
 FILE_FORMAT = "mlx-dflash-prefix-cache"
 FILE_VERSION = "1"
 
@@ -175,18 +175,22 @@ class PrefixCache:
     ``max_bytes``: memory budget for the snapshot arrays (default
     ``DEFAULT_MEMORY_FRACTION`` of device memory); least recently used
     snapshots are evicted first. ``rung_interval``: a long prefill leaves a
-    snapshot every this many tokens (0 = none).
+    snapshot every this many tokens (0 = none). Default: the smallest
+    multiple of ``RUNG_STEP`` (512) whose attention KV takes at least the
+    memory of one rung's recurrent state, so rungs never cost more memory
+    than the history they index (512 for the embedded pair; larger for
+    models with many DeltaNet layers per attention layer).
     """
 
-    def __init__(self, max_bytes: Optional[int] = None, rung_interval: int = DEFAULT_RUNG_INTERVAL):
+    def __init__(self, max_bytes: Optional[int] = None, rung_interval: Optional[int] = None):
         if max_bytes is None:
             max_bytes = int(DEFAULT_MEMORY_FRACTION * device_memory())
         if max_bytes <= 0:
             raise DFlashError(f"prefix cache budget must be positive, got {max_bytes} bytes")
-        if rung_interval < 0:
+        if rung_interval is not None and rung_interval < 0:
             raise DFlashError(f"rung interval must be >= 0, got {rung_interval}")
         self.max_bytes = int(max_bytes)
-        self.rung_interval = int(rung_interval)
+        self.rung_interval = rung_interval  # None: chosen per model at first use
         self._snaps: List[_Snapshot] = []
         self._clock = 0
         self._min_bytes: Dict[int, int] = {}
@@ -277,6 +281,11 @@ class PrefixCache:
             target.forward([0], probe, logits="none")
             mx.eval(probe.state())
             self._min_bytes[key] = sum(a.nbytes for a in probe.state())
+            if self.rung_interval is None:
+                row = sum(a.nbytes for c in probe.layers if isinstance(c, KVBuffer) for a in c.state())
+                rec = self._min_bytes[key] - row
+                steps = -(-rec // max(row * RUNG_STEP, 1))
+                self.rung_interval = RUNG_STEP * max(1, steps)
         need = self._min_bytes[key]
         if self.max_bytes < need:
             raise DFlashError(
@@ -423,7 +432,7 @@ class PrefixCache:
         meta = {"format": FILE_FORMAT, "version": FILE_VERSION,
                 "fingerprint": json.dumps(fingerprint(engine), sort_keys=True),
                 "index": json.dumps(index), "checksum": _checksum(arrays),
-                "rung_interval": str(self.rung_interval)}
+                "rung_interval": "" if self.rung_interval is None else str(self.rung_interval)}
         tmp = path.with_name(path.name + ".tmp.safetensors")
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
         os.replace(tmp, path)
@@ -450,7 +459,7 @@ class PrefixCache:
             theirs = json.loads(meta["fingerprint"])
             index = json.loads(meta["index"])
             checksum = meta["checksum"]
-            rung = int(meta.get("rung_interval", DEFAULT_RUNG_INTERVAL))
+            rung = int(meta["rung_interval"]) if meta.get("rung_interval") else None
         except (KeyError, ValueError) as e:
             raise DFlashError(f"cannot read prompt cache file {path}: corrupt metadata ({e})") from None
         ours = fingerprint(engine)

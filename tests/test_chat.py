@@ -154,3 +154,13 @@ def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
     code, _, err = cli(capsys, "generate", "def f():", "-n", "4", "--prompt-cache-file", str(tmp_path / "n.safetensors"),
                        "--prompt-cache-bytes", "100")
     assert code == 2 and "too small for one snapshot" in err
+
+
+def test_chat_and_generate_help_list_the_cache_flags(capsys):
+    code, out, _ = cli(capsys, "chat", "--help")
+    assert code == 0
+    for flag in ("--model", "--draft", "--system", "--max-tokens", "--temp", "--seed", "--tree-budget",
+                 "--prompt-cache-file", "--prompt-cache-bytes", "/reset", "/save", "/quit"):
+        assert flag in out, flag
+    code, out, _ = cli(capsys, "generate", "--help")
+    assert "--prompt-cache-file" in out and "--prompt-cache-bytes" in out
