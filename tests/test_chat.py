@@ -156,7 +156,8 @@ def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
     assert code == 2 and "too small for one snapshot" in err
 
 
-def test_chat_and_generate_help_list_the_cache_flags(capsys):
+def test_chat_and_generate_help_list_the_cache_flags(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # long option names are not cut in a wide help table
     code, out, _ = cli(capsys, "chat", "--help")
     assert code == 0
     for flag in ("--model", "--draft", "--system", "--max-tokens", "--temp", "--seed", "--tree-budget",
