@@ -34,6 +34,7 @@ Design:
 import hashlib
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -192,6 +193,7 @@ class PrefixCache:
         self.max_bytes = int(max_bytes)
         self.rung_interval = rung_interval  # None: chosen per model at first use
         self._snaps: List[_Snapshot] = []
+        self._lock = threading.RLock()  # requests from several threads may share one cache
         self._clock = 0
         self._min_bytes: Dict[int, int] = {}
         self._tails: Dict[int, Tuple[object, Tuple[int, ...]]] = {}
@@ -221,17 +223,20 @@ class PrefixCache:
     def nbytes(self) -> int:
         """Bytes of the arrays held (each shared array counted once)."""
         seen = {}
-        for s in self._snaps:
-            for a in s.arrays():
-                seen[id(a)] = a.nbytes
+        with self._lock:
+            for s in self._snaps:
+                for a in s.arrays():
+                    seen[id(a)] = a.nbytes
         return sum(seen.values())
 
     def clear(self) -> None:
-        self._snaps.clear()
+        with self._lock:
+            self._snaps.clear()
 
     def snapshots(self) -> List[Tuple[int, str]]:
         """(tokens, kind) of each snapshot, least recently used first."""
-        return [(s.n, s.kind) for s in sorted(self._snaps, key=lambda s: s.used)]
+        with self._lock:
+            return [(s.n, s.kind) for s in sorted(self._snaps, key=lambda s: s.used)]
 
     def _tick(self) -> int:
         self._clock += 1
@@ -245,16 +250,17 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int], *, draft_window=None, need_draft: bool = False) -> Optional[_Snapshot]:
         """The longest snapshot whose tokens start ``prompt`` and leave at
         least one token to prefill (with a usable draft state if needed)."""
-        prompt = list(prompt)
+        prompt = tuple(int(t) for t in prompt)
         best = None
-        for s in self._snaps:
-            n = s.n
-            if n >= len(prompt) or (best is not None and n <= best.n):
-                continue
-            if need_draft and (s.draft is None or s.draft.window != draft_window):
-                continue
-            if list(s.tokens) == prompt[:n]:
-                best = s
+        with self._lock:
+            for s in self._snaps:
+                n = s.n
+                if n >= len(prompt) or (best is not None and n <= best.n):
+                    continue
+                if need_draft and (s.draft is None or s.draft.window != draft_window):
+                    continue
+                if s.tokens == prompt[:n]:
+                    best = s
         return best
 
     def stable_boundary(self, tokenizer, ids: Sequence[int]) -> int:
@@ -327,12 +333,13 @@ class PrefixCache:
         prompt = [int(t) for t in prompt]
         P = len(prompt)
         window = dcache.window if dcache is not None else None
-        snap = self.lookup(prompt, draft_window=window, need_draft=dcache is not None)
         start, base = 0, (None, 0)
-        if snap is not None:
-            self._restore(snap, cache, dcache)
-            snap.used = self._tick()
-            start, base = snap.n, (snap.seg, snap.n)
+        with self._lock:
+            snap = self.lookup(prompt, draft_window=window, need_draft=dcache is not None)
+            if snap is not None:
+                self._restore(snap, cache, dcache)
+                snap.used = self._tick()
+                start, base = snap.n, (snap.seg, snap.n)
         if stats is not None:
             stats.cached_tokens = start
         boundary = P - 1 if boundary is None else min(boundary, P - 1)
@@ -341,7 +348,8 @@ class PrefixCache:
             points.update(range(self.rung_interval, boundary, self.rung_interval))
         points.add(boundary)
         points = {p for p in points if start < p < P}
-        have = {s.tokens for s in self._snaps}
+        with self._lock:
+            have = {s.tokens for s in self._snaps}
         points = {p for p in points if tuple(prompt[:p]) not in have}
         cuts = sorted(points | set(range(start + chunk_size, P, chunk_size)) | {P})
         taken = []
@@ -379,13 +387,15 @@ class PrefixCache:
             mx.eval([a for pair in kv.values() for a in pair])
         for s in snaps:
             s.seg = seg
-            s.used = self._tick()
             mx.eval([a for pair in s.recurrent.values() for a in pair],
                     (s.draft.keys + s.draft.values) if s.draft else [])
-            # A snapshot of the same tokens replaces the older one.
-            self._snaps = [o for o in self._snaps if o.tokens != s.tokens]
-            self._snaps.append(s)
-        self._evict()
+        with self._lock:
+            for s in snaps:
+                s.used = self._tick()
+                # A snapshot of the same tokens replaces the older one.
+                self._snaps = [o for o in self._snaps if o.tokens != s.tokens]
+                self._snaps.append(s)
+            self._evict()
         return seg, end
 
     # --- files ---------------------------------------------------------------------
@@ -398,7 +408,8 @@ class PrefixCache:
         engine = engine if engine is not None else self._engine
         if engine is None:
             raise DFlashError("save: this prefix cache was never used with an engine; pass engine=")
-        snaps = sorted(self._snaps, key=lambda s: s.used)
+        with self._lock:
+            snaps = sorted(self._snaps, key=lambda s: s.used)
         segs, seg_ids = [], {}
         for sn in snaps:
             chain, seg = [], sn.seg

@@ -300,3 +300,4 @@ def test_bad_cache_files(engines, tmp_path):
     mx.save_safetensors(str(plain), {"x": mx.zeros((2,))})
     with pytest.raises(DFlashError, match="not an mlx-dflash prompt cache"):
         PrefixCache.load(plain, eng)
+
