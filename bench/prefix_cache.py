@@ -20,7 +20,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from mlx_dflash import blas

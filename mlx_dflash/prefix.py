@@ -16,7 +16,9 @@ Design:
   per conversation in *segments* (rows [start, end), right-sized copies, each
   chained to the segment holding the rows before it); a snapshot only points
   at a segment and a row count. Recurrent state is exact only where it was
-  taken, so each snapshot holds its own (fixed size per layer). Restoring
+  taken, so each snapshot holds its own (fixed size per layer). An
+  unwindowed draft's context K/V is position-local too and lives in the
+  segments; a windowed draft's rows are kept per snapshot. Restoring
   copies the KV rows into a fresh cache buffer: later decoding never writes
   into a snapshot (MLX arrays are values; the copy is the only writable one).
 - *Where snapshots are taken*: the stable prompt boundary (the prompt minus
@@ -35,7 +37,7 @@ import hashlib
 import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -71,12 +73,18 @@ def _copy(x: mx.array) -> mx.array:
 
 class _Segment:
     """Attention KV rows [start, end) of one conversation; rows before
-    ``start`` come from ``parent`` (whose end is >= start)."""
+    ``start`` come from ``parent`` (whose end is >= start). ``dkv``: the
+    same rows of an unwindowed draft's context K/V (also position-local),
+    or None."""
 
-    __slots__ = ("start", "end", "parent", "kv")
+    __slots__ = ("start", "end", "parent", "kv", "dkv")
 
-    def __init__(self, start: int, end: int, parent: Optional["_Segment"], kv: Dict[int, Tuple[mx.array, mx.array]]):
-        self.start, self.end, self.parent, self.kv = start, end, parent, kv
+    def __init__(self, start: int, end: int, parent: Optional["_Segment"], kv: Dict[int, Tuple[mx.array, mx.array]],
+                 dkv: Optional[List[Tuple[mx.array, mx.array]]] = None):
+        self.start, self.end, self.parent, self.kv, self.dkv = start, end, parent, kv, dkv
+
+    def has_draft_rows(self, n: int) -> bool:
+        return all(seg.dkv is not None for seg, _, _ in self.pieces(n))
 
     def pieces(self, n: int) -> List[Tuple["_Segment", int, int]]:
         """(segment, lo, hi) covering rows [0, n), in order."""
@@ -94,11 +102,14 @@ class _Segment:
 
 @dataclass
 class _DraftState:
-    keys: List[mx.array]
-    values: List[mx.array]
+    keys: Optional[List[mx.array]]  # None: rows [0, length) are in the segment chain (``dkv``)
+    values: Optional[List[mx.array]]
     positions: List[int]
     length: int
     window: Optional[Tuple[int, int]]
+
+    def own_arrays(self) -> List[mx.array]:
+        return (self.keys + self.values) if self.keys is not None else []
 
 
 @dataclass
@@ -117,12 +128,18 @@ class _Snapshot:
     def arrays(self) -> List[mx.array]:
         out = [a for pair in self.recurrent.values() for a in pair]
         if self.draft is not None:
-            out += self.draft.keys + self.draft.values
+            out += self.draft.own_arrays()
         seg = self.seg
         while seg is not None:
             out += [a for pair in seg.kv.values() for a in pair]
+            out += [a for pair in (seg.dkv or []) for a in pair]
             seg = seg.parent
         return out
+
+
+def _chain_has_draft_rows(base) -> bool:
+    seg, upto = base
+    return seg is None or upto == 0 or seg.has_draft_rows(upto)
 
 
 def _draft_state(dcache) -> _DraftState:
@@ -167,7 +184,7 @@ class PrefixRun:
                 return  # draft context out of step: no consistent snapshot here
             dstate = _draft_state(d)
         snap = _Snapshot(tuple(int(t) for t in tokens[:n]), None, _recurrent(self.cache), dstate, "end")
-        self.pc._commit(self.cache, self.base, [snap])
+        self.pc._commit(self.cache, self.base, [snap], d if self.dcache is not None else None)
 
 
 class PrefixCache:
@@ -317,7 +334,14 @@ class PrefixCache:
         cache.offset, cache.block = n, 0
         if dcache is not None:
             d = snap.draft
-            dcache.keys, dcache.values = list(d.keys), list(d.values)
+            if d.keys is None:
+                dp = snap.seg.pieces(d.length)
+                dcache.keys = [mx.concatenate([seg.dkv[i][0][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
+                               for i in range(len(dp[0][0].dkv))]
+                dcache.values = [mx.concatenate([seg.dkv[i][1][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
+                                 for i in range(len(dp[0][0].dkv))]
+            else:
+                dcache.keys, dcache.values = list(d.keys), list(d.values)
             dcache.positions, dcache.length = list(d.positions), d.length
 
     def prefill(self, target, prompt: Sequence[int], cache, *, draft=None, dcache=None,
@@ -352,6 +376,9 @@ class PrefixCache:
             have = {s.tokens for s in self._snaps}
         points = {p for p in points if tuple(prompt[:p]) not in have}
         cuts = sorted(points | set(range(start + chunk_size, P, chunk_size)) | {P})
+        # An unwindowed draft's rows go into the KV segment at commit (see
+        # _commit): rungs then need no draft arrays of their own.
+        shared = dcache is not None and dcache.window is None and _chain_has_draft_rows(base)
         taken = []
         s, logits = start, None
         for e in cuts:
@@ -361,7 +388,10 @@ class PrefixCache:
                 draft.add_context(f, dcache)
             new = []
             if e in points:
-                dstate = _draft_state(dcache) if dcache is not None else None
+                dstate = None
+                if dcache is not None:
+                    dstate = (_DraftState(None, None, list(dcache.positions), dcache.length, None)
+                              if shared else _draft_state(dcache))
                 taken.append(_Snapshot(tuple(prompt[:e]), None, _recurrent(cache), dstate,
                                        "boundary" if e == boundary else "rung"))
                 new = taken[-1].arrays()
@@ -370,25 +400,35 @@ class PrefixCache:
             mx.eval(cache.state(), [a for a in extra if a is not None], new, logits if logits is not None else [])
             s = e
         if taken:
-            base = self._commit(cache, base, taken)
+            base = self._commit(cache, base, taken, dcache)
         return logits, PrefixRun(self, cache, draft, dcache, base)
 
-    def _commit(self, cache, base, snaps: List[_Snapshot]):
-        """Store ``snaps`` (sorted by length, all prefixes of the cache's
-        tokens) with one new KV segment for rows the chain lacks. Returns the new base."""
+    def _commit(self, cache, base, snaps: List[_Snapshot], dcache=None):
+        """Store ``snaps`` (all prefixes of the cache's tokens) with one new
+        KV segment for rows the chain lacks; an unwindowed draft's context
+        rows (``dcache``, holding at least those rows) go into it too, so
+        its snapshots share them. Returns the new base."""
         seg, upto = base
         end = max(s.n for s in snaps)
+        share = (dcache is not None and dcache.window is None and dcache.length >= end
+                 and _chain_has_draft_rows(base))
         if end > upto:
             kv = {}
             for i, c in enumerate(cache.layers):
                 if isinstance(c, KVBuffer):
                     kv[i] = (_copy(c.keys[:, :, upto:end]), _copy(c.values[:, :, upto:end]))
-            seg = _Segment(upto, end, seg, kv)
-            mx.eval([a for pair in kv.values() for a in pair])
+            dkv = None
+            if share:
+                dkv = [(_copy(k[:, :, upto:end]), _copy(v[:, :, upto:end]))
+                       for k, v in zip(dcache.keys, dcache.values)]
+            seg = _Segment(upto, end, seg, kv, dkv)
+            mx.eval([a for pair in kv.values() for a in pair], [a for pair in (dkv or []) for a in pair])
         for s in snaps:
             s.seg = seg
+            if share and s.draft is not None and s.draft.window is None:
+                s.draft.keys = s.draft.values = None
             mx.eval([a for pair in s.recurrent.values() for a in pair],
-                    (s.draft.keys + s.draft.values) if s.draft else [])
+                    s.draft.own_arrays() if s.draft else [])
         with self._lock:
             for s in snaps:
                 s.used = self._tick()
@@ -423,9 +463,12 @@ class PrefixCache:
         for j, seg in enumerate(segs):
             index["segments"].append({"start": seg.start, "end": seg.end,
                                       "parent": seg_ids[id(seg.parent)] if seg.parent is not None else None,
-                                      "layers": sorted(seg.kv)})
+                                      "layers": sorted(seg.kv),
+                                      "draft_layers": len(seg.dkv) if seg.dkv is not None else None})
             for i, (k, v) in seg.kv.items():
                 arrays[f"seg{j}.k{i}"], arrays[f"seg{j}.v{i}"] = k, v
+            for i, (k, v) in enumerate(seg.dkv or []):
+                arrays[f"seg{j}.dk{i}"], arrays[f"seg{j}.dv{i}"] = k, v
         for j, sn in enumerate(snaps):
             entry = {"n": sn.n, "kind": sn.kind, "segment": seg_ids[id(sn.seg)],
                      "layers": sorted(sn.recurrent), "draft": None}
@@ -435,9 +478,9 @@ class PrefixCache:
             if sn.draft is not None:
                 d = sn.draft
                 entry["draft"] = {"length": d.length, "window": list(d.window) if d.window else None,
-                                  "layers": len(d.keys)}
+                                  "layers": len(d.keys) if d.keys is not None else None}
                 arrays[f"snap{j}.dpos"] = mx.array(d.positions, dtype=mx.int32)
-                for i, (k, v) in enumerate(zip(d.keys, d.values)):
+                for i, (k, v) in enumerate(zip(d.keys or [], d.values or [])):
                     arrays[f"snap{j}.dk{i}"], arrays[f"snap{j}.dv{i}"] = k, v
             index["snapshots"].append(entry)
         meta = {"format": FILE_FORMAT, "version": FILE_VERSION,
@@ -488,9 +531,13 @@ class PrefixCache:
                 if (e["start"] > 0) != (parent is not None) or (parent is not None and parent.end < e["start"]):
                     raise ValueError(f"segment {j} does not extend its parent")
                 kv = {int(i): (arrays[f"seg{j}.k{i}"], arrays[f"seg{j}.v{i}"]) for i in e["layers"]}
-                if any(a.shape[2] != e["end"] - e["start"] for pair in kv.values() for a in pair):
+                dkv = None
+                if e.get("draft_layers") is not None:
+                    dkv = [(arrays[f"seg{j}.dk{i}"], arrays[f"seg{j}.dv{i}"]) for i in range(e["draft_layers"])]
+                rows = [a.shape[2] for pair in list(kv.values()) + (dkv or []) for a in pair]
+                if any(r != e["end"] - e["start"] for r in rows):
                     raise ValueError(f"segment {j} has the wrong number of rows")
-                segs.append(_Segment(e["start"], e["end"], parent, kv))
+                segs.append(_Segment(e["start"], e["end"], parent, kv, dkv))
             for j, e in enumerate(index["snapshots"]):
                 toks = arrays[f"snap{j}.tokens"].tolist()
                 seg = segs[e["segment"]]
@@ -501,10 +548,13 @@ class PrefixCache:
                 d = None
                 if e["draft"] is not None:
                     de = e["draft"]
-                    d = _DraftState([arrays[f"snap{j}.dk{i}"] for i in range(de["layers"])],
-                                    [arrays[f"snap{j}.dv{i}"] for i in range(de["layers"])],
+                    shared = de["layers"] is None
+                    d = _DraftState(None if shared else [arrays[f"snap{j}.dk{i}"] for i in range(de["layers"])],
+                                    None if shared else [arrays[f"snap{j}.dv{i}"] for i in range(de["layers"])],
                                     arrays[f"snap{j}.dpos"].tolist(), de["length"],
                                     tuple(de["window"]) if de["window"] else None)
+                    if shared and (de["length"] > seg.end or not seg.has_draft_rows(de["length"])):
+                        raise ValueError(f"snapshot {j}: draft rows missing")
                 pc._snaps.append(_Snapshot(tuple(toks), seg, rec, d, e["kind"], used=pc._tick()))
             _check_layout(pc._snaps, engine.target)
         except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:

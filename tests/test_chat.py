@@ -5,7 +5,6 @@ import os
 import pty
 import re
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.prefix import PrefixCache
 
-from test_prefix import engines, make_engine  # noqa: F401  (fixture)
+from test_prefix import engines  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -301,3 +301,26 @@ def test_bad_cache_files(engines, tmp_path):
     with pytest.raises(DFlashError, match="not an mlx-dflash prompt cache"):
         PrefixCache.load(plain, eng)
 
+
+
+def test_unwindowed_draft_rows_are_stored_once(engines):
+    """A full-attention draft's context rows are position-local like target
+    KV: all snapshots of a conversation share one copy of each row."""
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=16)
+    prompt = ids(30, 100)
+    mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    assert len(pc) == 8  # 6 rungs, the boundary, the end
+    segs = {}
+    for s in pc._snaps:
+        assert s.draft is not None and s.draft.keys is None
+        seg = s.seg
+        while seg is not None:
+            segs[id(seg)] = seg
+            seg = seg.parent
+    rows = sum(seg.end - seg.start for seg in segs.values())
+    assert rows == len(prompt) + N - 1
+    draft_bytes = sum(a.nbytes for seg in segs.values() for pair in seg.dkv for a in pair)
+    k, v = next(iter(segs.values())).dkv[0]
+    per_row = len(eng.draft.layers) * (k.nbytes / k.shape[2] + v.nbytes / v.shape[2])
+    assert draft_bytes == rows * per_row
