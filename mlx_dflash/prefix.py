@@ -592,8 +592,11 @@ def _tree_digest(params) -> str:
 
     h = hashlib.sha256()
     flat = sorted(tree_flatten(params), key=lambda kv: kv[0])
-    sums = [mx.sum(a.astype(mx.float32)) for _, a in flat]
-    mx.eval(sums)
+    sums = []
+    for k in range(0, len(flat), 32):  # in batches: bounded temporaries on a large model
+        batch = [mx.sum(a.astype(mx.float32)) for _, a in flat[k:k + 32]]
+        mx.eval(batch)
+        sums += batch
     for (name, a), total in zip(flat, sums):
         v = a.reshape(-1)
         h.update(f"{name}:{a.dtype}:{a.shape}:{total.item()!r};".encode())
