@@ -28,8 +28,9 @@ class Engine:
     draft_path: Optional[Path] = None
 
     def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
-               system: Optional[str] = None) -> List[int]:
-        """Token ids for ``prompt`` (ids pass through); optionally via the chat template."""
+               system: Optional[str] = None, chat_template_config: Optional[dict] = None) -> List[int]:
+        """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
+        with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         if not prompt.strip():
@@ -41,7 +42,7 @@ class Engine:
                 {"role": "user", "content": prompt}
             ]
             return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True))
+                messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})))
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
 
@@ -112,6 +113,8 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    chat_template_config: Optional[dict] = None,
     repetition_penalty: float = 1.0,
     repetition_context_size: int = 20,
     seed: Optional[int] = None,
@@ -138,11 +141,12 @@ def stream_generate(
     prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
     and this request's prompt and reply are snapshotted into it.
     """
-    ids = engine.encode(prompt, chat_template=chat_template, system=system)
+    ids = engine.encode(prompt, chat_template=chat_template, system=system,
+                        chat_template_config=chat_template_config)
     if prefix_cache is not None:
         prefix_cache.bind(engine)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
-                      repetition_context_size, seed)
+                      repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
     if prefill_chunk < 1:
         raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
     draft = None if baseline else engine.draft
@@ -158,7 +162,8 @@ def stream_generate(
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
         profile=profile, prefix_cache=prefix_cache,
-        prefix_boundary=prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None,
+        prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
+                         if prefix_cache is not None else None),
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

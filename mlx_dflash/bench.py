@@ -1,9 +1,12 @@
 """``mlx-dflash bench``: mlx-lm vs this engine's plain decoding vs DFlash, side by side.
 
-Every mode decodes the same prompt token ids from the same weights; at
-temperature 0 all must produce identical tokens, or the run fails. Reports the
-median of ``repeats`` runs after one warm-up per (prompt, length, mode); the
-modes take turns within each repeat.
+Every mode decodes the same prompt token ids from the same weights at
+temperature 0. The lossless claim is checked against this engine's own plain
+decoding: a speculative mode (chain or tree) that gives other tokens fails the
+run. Agreement with mlx-lm's output is reported per row but never fails it
+(float rounding outside this engine, e.g. a closed-form prefill in bf16, may
+flip a near-tie). Reports the median of ``repeats`` runs after one warm-up per
+(prompt, length, mode); the modes take turns within each repeat.
 """
 
 import json
@@ -21,11 +24,12 @@ from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 
 BASE_MODES = ("mlx-lm", "baseline", "dflash")
+PROMPTS_DIR = Path(__file__).parent / "bench_prompts"  # the prompt set shipped with the package
 
 
-def read_prompts(folder: Path) -> Dict[str, str]:
-    """``*.txt`` files in ``folder``: name -> prompt text (file stem = name)."""
-    folder = Path(folder)
+def read_prompts(folder: Optional[Path] = None) -> Dict[str, str]:
+    """``*.txt`` files in ``folder`` (default: the shipped set): name -> prompt text (file stem = name)."""
+    folder = Path(folder) if folder is not None else PROMPTS_DIR
     if not folder.is_dir():
         raise DFlashError(f"prompt folder does not exist: {folder} (pass --prompts DIR)")
     prompts = {f.stem: f.read_text() for f in sorted(folder.glob("*.txt"))}
@@ -33,6 +37,13 @@ def read_prompts(folder: Path) -> Dict[str, str]:
     if not prompts:
         raise DFlashError(f"no non-empty *.txt prompts in {folder}")
     return prompts
+
+
+def first_difference(a: List[int], b: List[int]) -> Optional[int]:
+    """Index of the first token where ``a`` and ``b`` part (None: identical)."""
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
@@ -127,14 +138,17 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
                 tokens[mode], row["modes"][mode] = toks, best
                 best["generated"] = len(toks)
-            ref = tokens["mlx-lm"]
-            for mode in modes[1:]:
-                if tokens[mode] != ref:
-                    i = next((j for j, (a, b) in enumerate(zip(tokens[mode], ref)) if a != b),
-                             min(len(ref), len(tokens[mode])))
+            plain = tokens["baseline"]
+            for mode in modes[2:]:
+                i = first_difference(tokens[mode], plain)
+                if i is not None:
                     raise DFlashError(
-                        f"LOSSLESSNESS FAILURE: {mode} differs from mlx-lm on prompt {name!r} "
-                        f"(max {n}) at token {i}")
+                        f"LOSSLESSNESS FAILURE: {mode} differs from this engine's plain decoding on "
+                        f"prompt {name!r} (max {n}) at token {i}")
+            row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
+            if row["mlx_lm_first_difference"] is not None:
+                log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
+                    f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
             base = row["modes"]["mlx-lm"]["decode_tps"]
             for m in modes:
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
@@ -151,7 +165,9 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         "model": str(engine.model_path), "draft": str(engine.draft_path),
         "block_size": block_size or engine.draft.block_size,
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
-        "repeats": repeats, "identical_tokens": True, "results": results,
+        "repeats": repeats, "identical_tokens": True,
+        "agrees_with_mlx_lm": all(r["mlx_lm_first_difference"] is None for r in results),
+        "results": results,
     }
 
 
@@ -167,8 +183,9 @@ def to_markdown(res: dict) -> str:
         + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
         f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
-        "all modes produced identical tokens "
-        f"(temperature 0): {res['identical_tokens']}",
+        "speculative modes produced the tokens of plain decoding "
+        f"(temperature 0): {res['identical_tokens']}; plain decoding equals mlx-lm's on every row: "
+        f"{res.get('agrees_with_mlx_lm', True)}",
         "",
         "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
         + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")

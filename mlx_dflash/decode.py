@@ -1,4 +1,4 @@
-"""The decode loop (SPEC §3): prefill, draft, verify, accept, rollback.
+"""The decode loop (docs/math.md §5): prefill, draft, verify, accept, rollback.
 
 Plain autoregressive decoding is the same loop with no draft: every cycle
 verifies a block of one token (the anchor) and commits the bonus token.
@@ -125,7 +125,7 @@ def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_token
 
 
 def longest_match(drafted: List[int], picks: List[int]) -> int:
-    """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
+    """Chain acceptance (docs/math.md §5): drafted tokens kept while each equals the
     target's pick for the row before it."""
     a = 0
     while a < len(drafted) and drafted[a] == picks[a]:
@@ -184,6 +184,9 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    # The sequence (prompt + output) never holds more than max_context tokens:
+    # the context limit is a length limit like max_tokens, the same in every mode.
+    max_tokens = min(max_tokens, max_context - len(prompt))
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     if draft is not None:
@@ -234,6 +237,8 @@ def generate_tokens(
 
     history = history + emit([anchor])
     yield history[-1:]
+    if stats.finish_reason is not None:  # the first token was EOS, or max_tokens == 1
+        return
     tic = time.perf_counter()
     if draft is None and not sampler.needs_context and not profile:
         plain = _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,

@@ -213,7 +213,7 @@ class PrefixCache:
         self._lock = threading.RLock()  # requests from several threads may share one cache
         self._clock = 0
         self._min_bytes: Dict[int, int] = {}
-        self._tails: Dict[int, Tuple[object, Tuple[int, ...]]] = {}
+        self._tails: Dict[Tuple[int, str], Tuple[object, Tuple[int, ...]]] = {}
         self._target = None  # snapshots belong to one model
         self._engine = None
         self._fingerprint = None
@@ -280,12 +280,14 @@ class PrefixCache:
                     best = s
         return best
 
-    def stable_boundary(self, tokenizer, ids: Sequence[int]) -> int:
+    def stable_boundary(self, tokenizer, ids: Sequence[int], template_args: Optional[dict] = None) -> int:
         """Tokens of ``ids`` before the chat template's generation-prompt tail
-        (the part the next turn renders differently); without one, all but the last."""
-        key = id(tokenizer)
+        (the part the next turn renders differently; ``template_args``: extra
+        template arguments such as enable_thinking); without one, all but the last."""
+        args = template_args or {}
+        key = (id(tokenizer), json.dumps(args, sort_keys=True, default=str))
         if key not in self._tails or self._tails[key][0] is not tokenizer:
-            self._tails[key] = (tokenizer, _generation_tail(tokenizer))
+            self._tails[key] = (tokenizer, _generation_tail(tokenizer, args))
         tail = self._tails[key][1]
         n = len(ids)
         if tail and n > len(tail) and tuple(ids[n - len(tail):]) == tail:
@@ -624,7 +626,7 @@ def fingerprint(engine) -> Dict[str, Optional[str]]:
     return out
 
 
-def _generation_tail(tokenizer) -> Tuple[int, ...]:
+def _generation_tail(tokenizer, template_args: dict) -> Tuple[int, ...]:
     """Token ids the chat template appends for the generation prompt (same
     for any user text), or () when there is no template or no stable tail."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -633,8 +635,10 @@ def _generation_tail(tokenizer) -> Tuple[int, ...]:
     for text in ("a", "hello there"):
         msgs = [{"role": "user", "content": text}]
         try:
-            without = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True))
-            with_ = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True))
+            without = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True,
+                                                         **template_args))
+            with_ = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                       **template_args))
         except Exception:  # a template that rejects this conversation
             return ()
         k = 0

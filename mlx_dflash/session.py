@@ -16,16 +16,18 @@ class ChatSession:
     history differently (e.g. it drops earlier thinking), the whole
     conversation is re-encoded and the previous prompt's stable-boundary
     snapshot matches instead. ``prefix_cache`` defaults to a new
-    :class:`PrefixCache` with the default budget.
+    :class:`PrefixCache` with the default budget; ``chat_template_config``:
+    extra template arguments (e.g. ``{"enable_thinking": False}``).
     """
 
     def __init__(self, engine: Engine, system: Optional[str] = None,
-                 prefix_cache: Optional[PrefixCache] = None):
+                 prefix_cache: Optional[PrefixCache] = None, chat_template_config: Optional[dict] = None):
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise DFlashError("this model's tokenizer has no chat template; a chat needs one")
         self.engine = engine
         self.system = system
         self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.chat_template_config = dict(chat_template_config or {})
         self.reset()
 
     def reset(self) -> None:
@@ -37,7 +39,8 @@ class ChatSession:
     def _prompt(self, text: str) -> List[int]:
         tok = self.engine.tokenizer
         msgs = self.messages + [{"role": "user", "content": text}]
-        full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                       **self.chat_template_config)
         if self._ids:
             prev = tok.decode(self._ids)
             if full.startswith(prev):
@@ -49,13 +52,14 @@ class ChatSession:
         keyword arguments of :func:`mlx_dflash.stream_generate`."""
         if not text.strip():
             raise DFlashError("empty message: give some text")
-        for k in ("chat_template", "system", "prefix_cache"):
+        for k in ("chat_template", "system", "prefix_cache", "chat_template_config"):
             if k in kwargs:
                 raise DFlashError(f"{k} is set by the chat session")
         ids = self._prompt(text)
         reply = []
         try:
-            for r in stream_generate(self.engine, ids, prefix_cache=self.prefix_cache, **kwargs):
+            for r in stream_generate(self.engine, ids, prefix_cache=self.prefix_cache,
+                                     chat_template_config=self.chat_template_config, **kwargs):
                 reply.extend(r.tokens)
                 self.stats = r.stats
                 yield r
