@@ -114,10 +114,15 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              tree_budget: int = 0, tree_topk: int = 4, log=print) -> dict:
+              tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False,
+              draft2=None, draft2_path=None) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
-    and, with ``tree_budget`` > 0, dflash-tree."""
-    modes = BASE_MODES + (("dflash-tree",) if tree_budget > 0 else ())
+    and, with ``tree_budget`` > 0, dflash-tree; with ``draft2`` (a second
+    loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
+    ``pipeline``: the engine is a pipeline's rank 0 (no whole model for
+    mlx-lm): baseline is the reference."""
+    modes = BASE_MODES[1:] if pipeline else BASE_MODES
+    modes = modes + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -133,40 +138,48 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                 "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p),
                 "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
                                                      tree_topk, profile=p),
+                "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
             }
             tokens = {}
             for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
                 tokens[mode], row["modes"][mode] = toks, best
                 best["generated"] = len(toks)
             plain = tokens["baseline"]
-            for mode in modes[2:]:
+            for mode in modes[modes.index("baseline") + 1:]:
                 i = first_difference(tokens[mode], plain)
                 if i is not None:
                     raise DFlashError(
                         f"LOSSLESSNESS FAILURE: {mode} differs from this engine's plain decoding on "
                         f"prompt {name!r} (max {n}) at token {i}")
-            row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
-            if row["mlx_lm_first_difference"] is not None:
-                log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
-                    f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
-            base = row["modes"]["mlx-lm"]["decode_tps"]
+            if "mlx-lm" in modes:
+                row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
+                if row["mlx_lm_first_difference"] is not None:
+                    log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
+                        f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
+            base = row["modes"][modes[0]]["decode_tps"]
             for m in modes:
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
-            log(f"{name:<18} n={n:<4} mlx-lm {base:7.1f} tok/s | baseline "
+            d2 = row["modes"].get("dflash2")
+            log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
-                + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else ""))
+                + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else "")
+                + (f" | dflash2 {d2['decode_tps']:7.1f} ({d2['speedup']:.2f}x, tau {d2['tau']:.2f})" if d2 else ""))
             results.append(row)
     return {
         "machine": f"{platform.platform()} ({platform.machine()})",
         "blas": blas.describe(),
         "model": str(engine.model_path), "draft": str(engine.draft_path),
+        **({"draft2": str(draft2_path), "draft2_kind": draft2.config.kind if hasattr(draft2, "config") else None}
+           if draft2 is not None else {}),
+        "draft_kind": engine.draft.config.kind if hasattr(engine.draft, "config") else None,
         "block_size": block_size or engine.draft.block_size,
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
         "repeats": repeats, "identical_tokens": True,
-        "agrees_with_mlx_lm": all(r["mlx_lm_first_difference"] is None for r in results),
+        "agrees_with_mlx_lm": (all(r["mlx_lm_first_difference"] is None for r in results)
+                               if "mlx-lm" in modes else None),  # None: not run (--pipeline)
         "results": results,
     }
 
@@ -174,13 +187,16 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
 def to_markdown(res: dict) -> str:
     modes = res["modes"]
     tree = "dflash-tree" in modes
+    two = "dflash2" in modes
     lines = [
         "# mlx-dflash bench",
         "",
         f"- machine: {res['machine']}",
         f"- BLAS: {res['blas']}",
         f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
-        + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
+        + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else "")
+        + (f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
+           f"dflash on the first ({res.get('draft_kind')})" if two else ""),
         f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
         "speculative modes produced the tokens of plain decoding "
@@ -189,8 +205,10 @@ def to_markdown(res: dict) -> str:
         "",
         "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
         + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")
+        + ("dflash2 speedup | dflash2 tau | " if two else "")
         + "dflash ms per cycle | dflash draft/verify/rollback/other ms (profiled) | peak GB |",
-        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "") + "---:|---|---:|",
+        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "")
+        + ("---:|---:|" if two else "") + "---:|---|---:|",
     ]
     for r in res["results"]:
         m = r["modes"]
@@ -201,6 +219,8 @@ def to_markdown(res: dict) -> str:
         if tree:
             tr = m["dflash-tree"]
             cells += [f"{tr['speedup']:.2f}x", f"{tr['tau']:.2f}", f"{tr['mean_tree_size']:.1f}"]
+        if two:
+            cells += [f"{m['dflash2']['speedup']:.2f}x", f"{m['dflash2']['tau']:.2f}"]
         cells += [f"{d['ms_per_cycle_timed']:.1f}",
                   f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
                   f"{d['peak_memory']:.3f}"]
@@ -208,10 +228,15 @@ def to_markdown(res: dict) -> str:
     med = lambda mode, key: statistics.median(r["modes"][mode][key] for r in res["results"])
     lines += ["", "Medians over all rows: " + ", ".join(
         f"{x} {med(x, 'decode_tps'):.1f} tok/s ({med(x, 'speedup'):.2f}x)" for x in modes) + "."]
-    lines += ["", "Acceptance histograms, dflash chain (committed tokens per cycle: count):", ""]
-    for r in res["results"]:
-        h = r["modes"]["dflash"]["accept_hist"]
-        lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
+    for mode in ("dflash", "dflash2") if two else ("dflash",):
+        lines += ["", f"Acceptance histograms, {mode} chain (committed tokens per cycle: count):", ""]
+        for r in res["results"]:
+            h = r["modes"][mode]["accept_hist"]
+            lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
+    if two:
+        lines += ["", "Medians of tau: " + ", ".join(
+            f"{x} {statistics.median(r['modes'][x]['tau'] for r in res['results']):.2f}" for x in ("dflash", "dflash2"))
+            + "."]
     pre = [r["modes"]["dflash"]["prefill_tps"] for r in res["results"]]
     lines += ["", f"Prefill (dflash, with feature capture): median {statistics.median(pre):.0f} tok/s."]
     return "\n".join(lines) + "\n"

@@ -126,7 +126,13 @@ def generate(
         1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
     repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
     seed: Optional[int] = typer.Option(
-        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode."),
+        None, "--seed", help="Sampling seed. With --accept-rule equality the same seed gives the same output "
+                             "in plain, chain and tree mode."),
+    accept_rule: str = typer.Option(
+        "speculative", "--accept-rule", help="With --temp > 0 on a chain: 'speculative' (default) samples the draft "
+                                             "and keeps a token with probability min(1, p/q); 'equality' keeps a "
+                                             "drafted token when it equals the target's own sample (same seed, same "
+                                             "text in every mode). Both are exact; speculative keeps more drafts."),
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
@@ -142,6 +148,12 @@ def generate(
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
                                  "draft / verify / rollback (a little slower)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
+                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
     prompt_cache_file: Optional[Path] = typer.Option(
         None, "--prompt-cache-file",
         help="Prefix snapshots file (safetensors): restore the longest cached prefix of the prompt from it "
@@ -153,6 +165,17 @@ def generate(
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
 
+    stage = None
+    if pipeline and prompt_cache_file:
+        raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
+    if pipeline:
+        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
     text = _read_prompt(prompt, prompt_opt)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
@@ -167,7 +190,7 @@ def generate(
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
     template_kwargs = _template_config(chat_template_config)
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
     for tok in extra_eos_token or ():
         try:
             engine.tokenizer.add_eos_token(tok)
@@ -187,7 +210,7 @@ def generate(
         chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile, prefix_cache=pc,
+        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule, prefix_cache=pc,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -335,8 +358,16 @@ def train_draft_cmd(
     init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
     log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
+    arch: str = typer.Option("dflash", "--arch", help="'dflash' (v1) or 'dflash2' (block convolutions and a "
+                                                      "candidate selector; also trains the selector)."),
+    selector_rank: int = typer.Option(32, "--selector-rank", help="DFlash 2: rank of the selector's codebooks."),
+    selector_top_k: int = typer.Option(8, "--selector-top-k", help="DFlash 2: candidates per slot the selector ranks."),
+    conv_kernel_size: int = typer.Option(2, "--conv-kernel-size", help="DFlash 2: taps of the block convolutions."),
+    conv_group_size: Optional[int] = typer.Option(
+        None, "--conv-group-size", help="DFlash 2: channels sharing one dynamic coefficient "
+                                        "(default: 64 when it divides the hidden size, else the hidden size)."),
 ):
-    """Train a DFlash v1 draft for a target (corpus or the target's own outputs)."""
+    """Train a DFlash v1 or DFlash 2 draft for a target (corpus or the target's own outputs)."""
     from .train import TrainConfig, train_draft
 
     ids = None
@@ -354,6 +385,8 @@ def train_draft_cmd(
         seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
         warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
         checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
+        arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
     )
     summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
                           text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
@@ -380,6 +413,15 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
+                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
+    draft2: Optional[Path] = typer.Option(
+        None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
+                               "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
     from plain decoding's (agreement with mlx-lm is reported, not required)."""
@@ -392,14 +434,31 @@ def bench(
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
     blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
-    engine = load(model, draft, dtype=_dtype(dtype))
+    if pipeline:
+        from .distributed import load as load_stage
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    second = None
+    if draft2 is not None:
+        import mlx.core as mx
+
+        from .loading import load_draft
+
+        # as load() does for the first: the embedded pair runs in float32
+        second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        if block_size is not None and not 2 <= block_size <= second.block_size:
+            raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True))
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -453,11 +512,20 @@ def convert(
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    stages: int = typer.Option(
+        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
+                            "(layers and bytes per rank; nothing is loaded)."),
 ):
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))
+    if stages:
+        from .distributed import plan
+
+        if stages < 2:
+            raise DFlashError(f"--stages must be 2 or more, got {stages}")
+        typer.echo(plan(path, stages, draft).describe())
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -13,7 +13,8 @@ import mlx.core as mx
 from . import ddtree
 from .errors import DFlashError
 from .kernels import path_rows as kernels_path
-from .sampling import Sampler
+from .models.draft import propose
+from .sampling import Sampler, speculative_rule
 
 
 @dataclass
@@ -151,6 +152,8 @@ def generate_tokens(
     cache=None,
     acceptance: Callable[[List[int], List[int]], int] = longest_match,
     profile: bool = False,
+    accept_rule: str = "equality",
+    spec_rule=speculative_rule,
     prefix_cache=None,
     prefix_boundary: Optional[int] = None,
 ) -> Iterator[List[int]]:
@@ -169,6 +172,14 @@ def generate_tokens(
     ``profile``: synchronise after each phase so ``stats`` splits the time
     into draft / verify / rollback (slower; without it the device work of a
     cycle is queued as one graph and ``verify_time`` holds nearly all of it).
+    ``accept_rule`` at temperature > 0 on a chain: "equality" (the draft's
+    greedy block; a token is kept when it equals the target's own keyed
+    sample, so every mode gives the same text for a seed) or "speculative"
+    (the draft samples its block from its proposal q; a token is kept with
+    probability min(1, p/q), the first rejected row resamples from the
+    residual: the target's distribution, typically more tokens kept, but
+    the text depends on the mode; the API and CLI default). ``spec_rule``:
+    that rule (a test hook).
     ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
     longest cached prefix of the prompt from and to snapshot into
     (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
@@ -184,6 +195,8 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    if accept_rule not in ("equality", "speculative"):
+        raise DFlashError(f"acceptance rule must be 'equality' or 'speculative', got {accept_rule!r}")
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))
@@ -260,11 +273,14 @@ def generate_tokens(
         """Tokens the next cycle verifies: the block, cut to what is left."""
         return min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
 
+    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
+
     def launch_draft(feats, anchor, pos, B):
         """The draft's proposal for the next block, left lazy (chain: token
-        ids; tree: the logits ``ddtree.build`` reads)."""
-        dlogits = draft(feats, anchor, pos, B, dcache)
-        return dlogits if tree_budget > 0 else greedy(dlogits).astype(mx.int32)
+        ids and, with the speculative rule, q; tree: the logits ``ddtree.build`` reads)."""
+        if tree_budget > 0:
+            return draft(feats, anchor, pos, B, dcache)
+        return propose(draft, feats, anchor, pos, B, dcache, sampler, sample=spec)
 
     pending = None  # the next cycle's draft, launched before yielding
     while stats.finish_reason is None:
@@ -274,14 +290,14 @@ def generate_tokens(
             break
         t0 = time.perf_counter()
         tree = None
-        drafted_arr = None
+        drafted_arr = q_arr = None
         if draft is not None and B > 1:
             proposal = pending if pending is not None else launch_draft(feats, anchor, pos, B)
             feats = None
             if tree_budget > 0:
                 tree = ddtree.build(proposal, anchor, tree_budget, tree_topk)
             else:
-                drafted_arr = proposal
+                drafted_arr, q_arr = proposal
                 if profile:
                     mx.eval(drafted_arr)
         pending = None
@@ -308,8 +324,12 @@ def generate_tokens(
                 else [list(range(i + 1)) for i in range(len(block))]
             contexts = [history + [block[j] for j in r[1:]] for r in rows]
         picks_arr = sampler(vlogits, positions, contexts)
+        kept = None
+        if q_arr is not None:
+            kept, picks_arr = spec_rule(sampler.probs(vlogits, contexts), q_arr, drafted_arr, picks_arr,
+                                        sampler.seed, positions)
         if drafted is None and drafted_arr is not None:
-            mx.eval(picks_arr, drafted_arr)  # the one host sync of a cycle
+            mx.eval(picks_arr, drafted_arr, *(() if kept is None else (kept,)))  # the one host sync of a cycle
             drafted = drafted_arr.tolist()
         picks = picks_arr.tolist()
         t2 = time.perf_counter()
@@ -318,7 +338,12 @@ def generate_tokens(
         else:
             drafted = drafted or []
             block = [anchor] + drafted
-            path = list(range(acceptance(drafted, picks) + 1))
+            if kept is not None:
+                kept = kept.tolist()
+                n_acc = kept.index(False) if False in kept else len(kept)
+            else:
+                n_acc = acceptance(drafted, picks)
+            path = list(range(n_acc + 1))
         n_keep = len(path)  # the anchor and the accepted drafts stay in the cache
         if record:
             # Left lazy: the next cycle's forward evaluates it.
@@ -345,7 +370,8 @@ def generate_tokens(
             if nB > 1:
                 pending = launch_draft(feats, anchor, pos, nB)
                 feats = None
-                mx.async_eval(pending)
+                mx.async_eval([x for x in (pending if isinstance(pending, tuple) else (pending,))
+                               if x is not None])
         stats.add_cycle(n_keep, len(block), tic)
         try:
             yield out
