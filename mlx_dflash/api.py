@@ -124,6 +124,7 @@ def stream_generate(
     prefill_chunk: int = 512,
     profile: bool = False,
     accept_rule: str = "speculative",
+    prefix_cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
@@ -142,9 +143,14 @@ def stream_generate(
     draft's greedy block, kept where it equals the target's keyed sample.
     Both give exactly the target's distribution; only "equality" gives the
     same text for a seed in every mode (plain, chain, tree).
+    ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
+    prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
+    and this request's prompt and reply are snapshotted into it.
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system,
                         chat_template_config=chat_template_config)
+    if prefix_cache is not None:
+        prefix_cache.bind(engine)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
                       repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
     if prefill_chunk < 1:
@@ -161,7 +167,9 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile, accept_rule=accept_rule,
+        profile=profile, accept_rule=accept_rule, prefix_cache=prefix_cache,
+        prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
+                         if prefix_cache is not None else None),
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

@@ -60,6 +60,7 @@ def _stats_table(s, mode: str, profile: bool = False) -> str:
     rows = [
         ("mode", mode),
         ("prompt tokens", f"{s.prompt_tokens}"),
+        ("cached tokens", f"{s.cached_tokens} (restored from the prefix cache, not prefilled)"),
         ("generated tokens", f"{s.generated_tokens}"),
         ("finish reason", f"{s.finish_reason}"),
         ("cycles", f"{s.cycles}"),
@@ -153,11 +154,20 @@ def generate(
     pipeline_timeout: float = typer.Option(
         60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
                                          "a generation before ending every rank with an error."),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None, "--prompt-cache-file",
+        help="Prefix snapshots file (safetensors): restore the longest cached prefix of the prompt from it "
+             "if it exists, and save the snapshots of this run to it afterwards."),
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None, "--prompt-cache-bytes",
+        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
 
     stage = None
+    if pipeline and prompt_cache_file:
+        raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
     if pipeline:
         from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
 
@@ -191,6 +201,7 @@ def generate(
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats = None
     for r in stream_generate(
         engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
@@ -199,16 +210,114 @@ def generate(
         chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule,
+        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule, prefix_cache=pc,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         stats = r.stats
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if pc is not None:
+        pc.save(prompt_cache_file)
     if verbose and stats is not None:
         mode = "dflash" if use_draft else "baseline (plain decoding)"
         typer.echo(_stats_table(stats, mode, profile), err=True)
+
+
+def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
+    """A prefix cache, loaded from ``path`` when that file exists."""
+    from .prefix import PrefixCache
+
+    if max_bytes is not None and max_bytes <= 0:
+        raise DFlashError(f"--prompt-cache-bytes must be positive, got {max_bytes}")
+    if path is not None and Path(path).exists():
+        return PrefixCache.load(path, engine, max_bytes=max_bytes)
+    return PrefixCache(max_bytes=max_bytes)
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="Target folder or GGUF file. Default: the embedded pair."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d", help="DFlash draft folder. Default: the embedded draft with the embedded target."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per reply."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens verified per cycle (default: the draft's)."),
+    baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."),
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+):
+    """Chat in the terminal; each turn restores the conversation so far from the prefix cache.
+
+    Commands: /reset (new conversation), /save FILE (write the prefix snapshots), /quit.
+    """
+    from .api import load
+    from .session import ChatSession
+
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
+    engine = load(model, draft, dtype=_dtype(dtype))
+    use_draft = engine.draft is not None and not baseline
+    if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
+        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
+    session = ChatSession(engine, system=system, prefix_cache=pc,
+                          chat_template_config=_template_config(chat_template_config))
+    kw = dict(max_tokens=max_tokens, block_size=block_size if use_draft else None, baseline=baseline,
+              temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+              tree_budget=tree_budget if use_draft else 0)
+    typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.strip().partition(" ")
+            if cmd in ("/quit", "/exit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                typer.echo("(conversation reset)", err=True)
+            elif cmd == "/save" and arg.strip():
+                try:
+                    pc.save(arg.strip(), engine)
+                    typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {arg.strip()})", err=True)
+                except (OSError, DFlashError) as e:
+                    typer.echo(f"error: {e}", err=True)
+            else:
+                typer.echo("commands: /reset, /save FILE, /quit", err=True)
+            continue
+        stats = None
+        try:
+            for r in session.stream(line, **kw):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                stats = r.stats
+        except KeyboardInterrupt:  # stop this reply, keep the conversation
+            pass
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats is not None:
+            s = stats
+            typer.echo(f"[{s.prompt_tokens} prompt tokens: {s.cached_tokens} cached, "
+                       f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_time * 1e3:.0f} ms | "
+                       f"{s.generated_tokens} generated, tau {s.tau:.2f}, {s.decode_tps:.1f} tok/s]", err=True)
 
 
 @app.command("train-draft")

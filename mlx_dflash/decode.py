@@ -20,6 +20,7 @@ from .sampling import Sampler, speculative_rule
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from a prefix cache, not prefilled
     generated_tokens: int = 0
     cycles: int = 0
     block_size: int = 1
@@ -60,7 +61,8 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_time if self.prefill_time else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -152,6 +154,8 @@ def generate_tokens(
     profile: bool = False,
     accept_rule: str = "equality",
     spec_rule=speculative_rule,
+    prefix_cache=None,
+    prefix_boundary: Optional[int] = None,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
@@ -176,6 +180,9 @@ def generate_tokens(
     residual: the target's distribution, typically more tokens kept, but
     the text depends on the mode; the API and CLI default). ``spec_rule``:
     that rule (a test hook).
+    ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
+    longest cached prefix of the prompt from and to snapshot into
+    (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -214,12 +221,19 @@ def generate_tokens(
 
     capture = draft.target_layer_ids if draft is not None else ()
     cache = cache if cache is not None else target.make_cache()
+    dcache = draft.make_cache(draft_window) if draft is not None else None
     tic = time.perf_counter()
-    logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
+    prefix_run = None
+    if prefix_cache is not None:
+        feats = None  # the draft consumes the prompt's features during the prefill
+        logits, prefix_run = prefix_cache.prefill(
+            target, prompt, cache, draft=draft, dcache=dcache, capture=capture,
+            chunk_size=prefill_chunk, boundary=prefix_boundary, stats=stats)
+    else:
+        logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
     anchor = int(sampler(logits, [len(prompt)], [history] if sampler.needs_context else None)[0].item())
     stats.prefill_time = time.perf_counter() - tic
     pos = len(prompt)  # position of the anchor (not yet in the target cache)
-    dcache = draft.make_cache(draft_window) if draft is not None else None
 
     def emit(tokens: List[int]) -> List[int]:
         out = []
@@ -240,8 +254,19 @@ def generate_tokens(
         return
     tic = time.perf_counter()
     if draft is None and not sampler.needs_context and not profile:
-        yield from _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
-                                    max_tokens, max_context, tic)
+        plain = _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
+                                 max_tokens, max_context, tic)
+        if prefix_run is None:
+            yield from plain
+            return
+        for out in plain:
+            history.extend(out)
+            try:
+                yield out
+            except GeneratorExit:  # closed early: snapshot what is committed
+                prefix_run.finish(history)
+                raise
+        prefix_run.finish(history)
         return
 
     def block_len(pos):
@@ -348,6 +373,13 @@ def generate_tokens(
                 mx.async_eval([x for x in (pending if isinstance(pending, tuple) else (pending,))
                                if x is not None])
         stats.add_cycle(n_keep, len(block), tic)
-        yield out
+        try:
+            yield out
+        except GeneratorExit:  # closed early: snapshot what is committed
+            if prefix_run is not None:
+                prefix_run.finish(history, feats)
+            raise
     stats.decode_time = time.perf_counter() - tic
     stats.peak_memory = mx.get_peak_memory() / 1e9
+    if prefix_run is not None:
+        prefix_run.finish(history, feats)

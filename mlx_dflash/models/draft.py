@@ -367,6 +367,22 @@ class DFlashDraft(nn.Module):
             blk = mx.ones((B, B), dtype=mx.bool_)
         return mx.concatenate([ctx_ok, blk], axis=1)
 
+    def add_context(self, features: mx.array, cache: DraftCache) -> None:
+        """Append context rows for target features [S, N*H] of positions
+        cache.length .. cache.length + S - 1 (new arrays: earlier ones are kept intact)."""
+        S = features.shape[0]
+        ctx = self.hidden_norm(self.fc(features[None]))
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cache.length)
+            if cache.keys[i] is None:
+                cache.keys[i], cache.values[i] = k, v
+            else:
+                cache.keys[i] = mx.concatenate([cache.keys[i], k], axis=2)
+                cache.values[i] = mx.concatenate([cache.values[i], v], axis=2)
+        cache.positions.extend(range(cache.length, cache.length + S))
+        cache.length += S
+        cache.trim()
+
     def _extend_context(self, features: Optional[mx.array], anchor_pos: int, cache: DraftCache) -> None:
         if features is not None and features.shape[0] > 0:
             S = features.shape[0]
@@ -375,17 +391,7 @@ class DFlashDraft(nn.Module):
                     f"draft context out of step: cache holds {cache.length} positions, "
                     f"{S} new rows, anchor at {anchor_pos}"
                 )
-            ctx = self.hidden_norm(self.fc(features[None]))
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.kv(ctx, cache.length)
-                if cache.keys[i] is None:
-                    cache.keys[i], cache.values[i] = k, v
-                else:
-                    cache.keys[i] = mx.concatenate([cache.keys[i], k], axis=2)
-                    cache.values[i] = mx.concatenate([cache.values[i], v], axis=2)
-            cache.positions.extend(range(cache.length, cache.length + S))
-            cache.length += S
-            cache.trim()
+            self.add_context(features, cache)
         elif cache.length != anchor_pos:
             raise ValueError(f"draft context missing: holds {cache.length}, anchor at {anchor_pos}")
 
