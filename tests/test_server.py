@@ -182,6 +182,30 @@ def test_sampling_settings_and_seed_equal_generate(server, engine):
     assert m.content[0].text == want.text
 
 
+def test_second_turn_is_served_from_the_prefix_cache(server, engine):
+    """An agent resending its history: the second turn reuses the first turn's prefix, and the
+    reply still equals generate() without any cache."""
+    first = [{"role": "user", "content": "def parse_args(argv):\n"}]
+    r1 = server.openai().chat.completions.create(model="mlx-dflash", messages=first, max_tokens=MAX_NEW)
+    convo = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "\n\ndef main():\n"}]
+    ids = list(engine.tokenizer.apply_chat_template(convo, add_generation_prompt=True))
+    want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW)
+    before = server.metrics()
+    r2 = server.openai().chat.completions.create(model="mlx-dflash", messages=convo, max_tokens=MAX_NEW)
+    assert r2.choices[0].message.content == want.text
+    assert r2.usage.prompt_tokens == len(ids)
+    assert 0 < r2.usage.prompt_tokens_details.cached_tokens < len(ids)
+    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW, messages=convo)
+    assert m.content[0].text == want.text
+    assert m.usage.cache_read_input_tokens > 0
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+    after = server.metrics()
+    assert after["mlx_dflash_prefix_cache_hits_total"] >= before["mlx_dflash_prefix_cache_hits_total"] + 2
+    assert after["mlx_dflash_prefix_cache_hit_tokens_total"] > before["mlx_dflash_prefix_cache_hit_tokens_total"]
+    assert after["mlx_dflash_prefix_cache_bytes"] > 0
+
+
 def test_stop_sequences(server, engine):
     _, want = _expected(engine, PROMPTS[0])
     stop = want.text[6:9]

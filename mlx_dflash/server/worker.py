@@ -173,12 +173,9 @@ class Worker:
 
     def _make_prefix_cache(self):
         """One prefix cache for every request: a client resending its history prefills only the new part."""
-        import mlx_dflash
+        from ..prefix import PrefixCache
 
-        cls = getattr(mlx_dflash, "PrefixCache", None)
-        if cls is None or not self._use_cache:
-            return None
-        return cls(max_bytes=self._cache_bytes)
+        return PrefixCache(max_bytes=self._cache_bytes) if self._use_cache else None
 
     def _run(self, job: Job) -> None:
         now = time.monotonic()
