@@ -1,0 +1,353 @@
+"""Per-cycle choice of the verify width from measured costs and online acceptance.
+
+A cycle that verifies B tokens (the anchor and B-1 drafts) costs
+``T_draft(B) + T_verify(B) + T_rollback`` and commits ``E(B) = 1 + sum_k
+prod_{d<=k} p_d`` tokens on average, where ``p_d`` is the probability that
+the draft at depth d is accepted given depth d-1 was. A plain step (B = 1)
+costs ``T_plain`` and commits one token. The policy picks the width with the
+most expected tokens per second; when that is 1 it decodes plainly (no draft
+forward at all) and re-probes with one drafted cycle after a run of plain
+steps that doubles each time the probe does not pay.
+
+The costs are measured once per (model, machine, mlx version, KV format) in
+a few forwards and cached as JSON in the user's cache folder; see
+docs/policy.md.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+CACHE_FILE = "costs.json"
+FORMAT = 1  # bump when what is measured changes
+
+
+# --- where the curve is cached, and for what ------------------------------------
+
+def default_cache_dir() -> Path:
+    """The per-user cache folder (XDG on Linux, ~/Library/Caches on macOS)."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlx-dflash"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-dflash"
+
+
+def machine_id() -> str:
+    """What makes timings differ between machines: host, CPU, device, BLAS."""
+    from . import blas
+
+    mid = ""
+    for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            mid = Path(p).read_text().strip()
+            break
+        except OSError:
+            pass
+    parts = [mid or platform.node(), platform.machine(), platform.processor(), str(os.cpu_count()),
+             str(mx.default_device()), blas.describe()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _param_digest(module, h) -> None:
+    """Names, shapes, dtypes and a sample of the values of every parameter."""
+    for name, p in tree_flatten(module.parameters()):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        flat = p.reshape(-1)
+        h.update(memoryview(mx.array(flat[:16]).astype(mx.float32) if p.dtype == mx.bfloat16
+                            else flat[:16]).tobytes())
+
+
+def fingerprint(target, draft, kv_bits: Optional[int] = None) -> str:
+    """Identifies the pair (config, parameter shapes and samples) and the KV format."""
+    h = hashlib.sha256()
+    h.update(json.dumps(getattr(target, "config", {}), sort_keys=True, default=str).encode())
+    _param_digest(target.model, h)
+    if hasattr(draft, "parameters"):
+        _param_digest(draft, h)
+    h.update(f"{type(draft).__name__}:{draft.block_size}:{list(draft.target_layer_ids)}:kv{kv_bits}".encode())
+    return h.hexdigest()[:24]
+
+
+# --- the cost model ----------------------------------------------------------------
+
+def _interp(table: Dict[int, float], x: int) -> float:
+    """Piecewise-linear in x through the measured points (flat beyond them)."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    return table[xs[-1]]
+
+
+@dataclass
+class CostModel:
+    """Seconds per plain step, and per cycle part at each measured width."""
+
+    plain: float
+    verify: Dict[int, float]  # chain width B (anchor + B-1 drafts) -> recorded target forward
+    draft: Dict[int, float]  # B -> draft forward
+    rollback: float
+    tree: Dict[int, float] = field(default_factory=dict)  # tree nodes (with root) -> verify
+
+    def cycle(self, width: int) -> float:
+        """Seconds for one cycle of ``width`` tokens (1: a plain step)."""
+        if width <= 1:
+            return self.plain
+        return _interp(self.draft, width) + _interp(self.verify, width) + self.rollback
+
+    def tree_cycle(self, nodes: int) -> float:
+        return _interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
+
+    def to_dict(self) -> dict:
+        return {"plain": self.plain, "verify": self.verify, "draft": self.draft,
+                "rollback": self.rollback, "tree": self.tree}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        ints = lambda t: {int(k): float(v) for k, v in t.items()}
+        return cls(float(d["plain"]), ints(d["verify"]), ints(d["draft"]), float(d["rollback"]),
+                   ints(d.get("tree", {})))
+
+    @classmethod
+    def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
+                context: int = 64, reps: int = 3) -> "CostModel":
+        """Time each part on a scratch cache after ``context`` tokens (median of ``reps``)."""
+        V = target.vocab_size
+        Bmax = draft.block_size
+        widths = sorted({w for w in (2, 4, 8, 16, Bmax) if 2 <= w <= Bmax})
+        capture = draft.target_layer_ids
+        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+        prompt = [(7 * i + 3) % V for i in range(context)]
+        _, feats = target.prefill(prompt, cache, capture=capture)
+        mx.eval(feats)
+
+        def median(fn):
+            fn()  # warm-up (graph caches, allocator)
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t)
+            return sorted(ts)[len(ts) // 2]
+
+        def plain_run(n=8):
+            # Pipelined as the plain loop runs: step i+1 queued before step i is read.
+            snap = cache.snapshot()
+            tok = mx.array([5], dtype=mx.int32)
+            queued = None
+            for _ in range(n):
+                lg, f = target.forward(tok, cache, capture=capture)
+                tok = mx.argmax(lg, axis=-1).astype(mx.int32)
+                mx.async_eval(tok, f)
+                if queued is not None:
+                    queued.item()
+                queued = tok
+            queued.item()
+            cache.restore(snap)
+
+        plain = median(plain_run) / 8
+        verify, rollback = {}, []
+
+        def verify_at(tokens, parents=None):
+            def run():
+                lg, f = target.forward(tokens, cache, capture=capture, record=True, parents=parents)
+                mx.eval(mx.argmax(lg, axis=-1), f)
+                t = time.perf_counter()
+                cache.rollback(1, path=[0] if parents is not None else None)
+                mx.eval(cache.state())
+                rollback.append(time.perf_counter() - t)
+            return run
+
+        for B in widths:
+            verify[B] = median(verify_at([(11 * j + 1) % V for j in range(B)]))
+        tree = {}
+        for n in tree_sizes:
+            parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary-ish tree of n nodes
+            tree[n] = median(verify_at([(11 * j + 1) % V for j in range(n)], parents))
+        rb = sorted(rollback)[len(rollback) // 2]
+        # Verify timed above includes nothing of the rollback (timed apart).
+        dtimes = {}
+        for B in widths:
+            dcache = draft.make_cache()
+            draft(feats, 9, context, B, dcache)
+            pos = [context]
+
+            def drafting():
+                lg = draft(feats[-1:], 9, pos[0] + 1, B, dcache)
+                pos[0] += 1
+                mx.eval(mx.argmax(lg, axis=-1))
+
+            dtimes[B] = median(drafting)
+        return cls(plain, verify, dtimes, rb, tree)
+
+
+_MEMO: Dict[Tuple, CostModel] = {}
+
+
+def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
+               cache_dir: Optional[Path] = None) -> Tuple[CostModel, bool]:
+    """The pair's cost model, from the on-disk cache when it holds one for this
+    model, machine and mlx version, else measured and stored. Returns (costs,
+    measured_now)."""
+    fp = fingerprint(target, draft, kv_bits)
+    mid = machine_id()
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / CACHE_FILE
+    entries: List[dict] = []
+    try:
+        entries = json.loads(path.read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        entries = []
+    want_tree = {int(n) for n in tree_sizes}
+    for e in entries:
+        if (e.get("model") == fp and e.get("machine") == mid and e.get("mlx") == mx.__version__
+                and e.get("format") == FORMAT):
+            costs = CostModel.from_dict(e["costs"])
+            if want_tree <= set(costs.tree):
+                return costs, False
+    costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
+    entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
+    entries.append({"model": fp, "machine": mid, "mlx": mx.__version__, "format": FORMAT,
+                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "costs": costs.to_dict()})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"entries": entries[-32:]}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: measure again next time
+    return costs, True
+
+
+# --- the policy ---------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What the next cycle does: ``width`` tokens verified (1 = plain steps,
+    ``steps`` of them), as a chain or a tree of ``width`` nodes."""
+
+    width: int
+    steps: int = 1
+    tree: bool = False
+    block: int = 0  # tree: the draft block its candidates come from
+
+
+class Acceptance:
+    """Per-depth conditional acceptance p_d, counts decayed by ``decay`` per
+    drafted cycle, shrunk toward ``prior`` by ``weight`` pseudo-observations."""
+
+    def __init__(self, depths: int, prior: float = 0.6, weight: float = 2.0, decay: float = 0.9):
+        self.hits = [0.0] * (depths + 1)
+        self.trials = [0.0] * (depths + 1)
+        self.prior, self.weight, self.decay = prior, weight, decay
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for d in range(1, len(self.hits)):
+            self.hits[d] *= self.decay
+            self.trials[d] *= self.decay
+        for d in range(1, min(accepted + 1, drafted) + 1):
+            self.trials[d] += 1
+            self.hits[d] += d <= accepted
+
+    def forget(self, keep: float) -> None:
+        self.hits = [h * keep for h in self.hits]
+        self.trials = [t * keep for t in self.trials]
+
+    def p(self, d: int) -> float:
+        return (self.hits[d] + self.weight * self.prior) / (self.trials[d] + self.weight)
+
+    def expected(self, width: int) -> float:
+        """Expected committed tokens of a chain of ``width`` (anchor + width-1 drafts)."""
+        e, reach = 1.0, 1.0
+        for d in range(1, width):
+            reach *= self.p(d)
+            e += reach
+        return e
+
+
+class Policy:
+    """Chooses each cycle's width. ``fixed`` (a width, or with ``tree_budget``
+    a tree) pins it, as ``--block-size`` / ``--tree-budget`` do."""
+
+    first_plain_run = 16
+    longest_plain_run = 256
+
+    def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
+                 tree_budget: int = 0):
+        self.max_width = max_width
+        self.costs = costs
+        self.fixed = fixed
+        self.tree_budget = tree_budget
+        self.acc = Acceptance(max_width)
+        self.plain_left = 0
+        self.plain_run = self.first_plain_run
+        self.probing = False
+        self.source = "pinned" if costs is None else "adaptive"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.costs is not None
+
+    def best_width(self, room: int) -> int:
+        """argmax over B in 1..min(max_width, room) of E(B) / cost(B)."""
+        best, rate = 1, 1.0 / self.costs.cycle(1)
+        for B in range(2, min(self.max_width, room) + 1):
+            r = self.acc.expected(B) / self.costs.cycle(B)
+            if r > rate:
+                best, rate = B, r
+        return best
+
+    def plan(self, room: int) -> Plan:
+        """The next cycle, given ``room`` tokens left (before max_tokens or the context end)."""
+        if room <= 1 or self.max_width <= 1:
+            return Plan(1, steps=max(room, 1))
+        if not self.adaptive:
+            if self.tree_budget > 0:
+                return Plan(self.tree_budget + 1, tree=True, block=min(self.fixed or self.max_width, room))
+            return Plan(min(self.fixed or self.max_width, room))
+        if self.plain_left > 0:
+            return Plan(1, steps=min(self.plain_left, room))
+        if self.probing:
+            # A cheap look at the draft again: old evidence mostly forgotten.
+            self.acc.forget(0.25)
+            return Plan(min(max(self.best_width(room), 4, self.max_width // 2), room))
+        B = self.best_width(room)
+        if B == 1:
+            self.plain_left = self.plain_run
+            return Plan(1, steps=min(self.plain_left, room))
+        return Plan(B)
+
+    def observe(self, plan: Plan, committed: int) -> None:
+        """Book a cycle: ``committed`` tokens (plain steps: one each)."""
+        if not self.adaptive:
+            return
+        if plan.width == 1:
+            self.plain_left = max(self.plain_left - committed, 0)
+            if self.plain_left == 0:
+                self.probing = True
+            return
+        self.acc.observe(plan.width - 1, committed - 1)
+        if self.probing:
+            self.probing = False
+            if self.best_width(self.max_width) == 1:
+                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
+            else:
+                self.plain_run = self.first_plain_run
+
+    def describe(self) -> str:
+        if not self.adaptive:
+            return f"pinned ({'tree of ' + str(self.tree_budget) if self.tree_budget else 'block ' + str(self.fixed or self.max_width)})"
+        c = self.costs
+        ratios = " ".join(f"B{B}:{c.cycle(B) / c.plain:.2f}" for B in sorted(c.verify))
+        return f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms)"
