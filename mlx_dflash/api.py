@@ -120,6 +120,8 @@ def stream_generate(
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
+    adaptive: bool = True,
+    kv_bits: Optional[int] = None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
@@ -133,6 +135,10 @@ def stream_generate(
     (``tree_topk`` candidates per depth) instead of a chain.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
+    ``adaptive`` (default on): each cycle's verify width is chosen from the
+    pair's measured costs and the acceptance so far, down to plain steps;
+    ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
+    target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
@@ -151,7 +157,7 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile,
+        profile=profile, adaptive=adaptive, kv_bits=kv_bits,
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_FROM_COMMAND_LINE = False  # main() runs as the process's own command line (may re-exec)
 
 
 def _dtype(name: Optional[str]):
@@ -42,8 +43,13 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
 
 
 def _stats_table(s, mode: str, profile: bool = False) -> str:
+    from . import blas
+
     rows = [
         ("mode", mode),
+        ("BLAS", blas.describe()),
+        ("width policy", s.policy),
+        ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
         ("prompt tokens", f"{s.prompt_tokens}"),
         ("generated tokens", f"{s.generated_tokens}"),
         ("finish reason", f"{s.finish_reason}"),
@@ -109,6 +115,14 @@ def generate(
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
+    adaptive: bool = typer.Option(
+        True, "--adaptive/--no-adaptive",
+        help="Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
+             "down to plain steps when drafting does not pay (costs measured once per machine and model, "
+             "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's block."),
+    kv_bits: Optional[int] = typer.Option(
+        None, "--kv-bits", help="Store the target's attention K/V quantized to 8 or 4 bits (group size 64, "
+                                "K Hadamard-rotated). Saves memory on long contexts; changes the target slightly."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."),
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
@@ -116,8 +130,10 @@ def generate(
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
+    from .cache import check_kv_bits
 
     text = _read_prompt(prompt, prompt_opt)
+    check_kv_bits(kv_bits)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
@@ -136,7 +152,7 @@ def generate(
         repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile,
+        prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -240,7 +256,8 @@ def bench(
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
-    blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+    if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
+        blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
     engine = load(model, draft, dtype=_dtype(dtype))
@@ -305,7 +322,17 @@ def info(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point: user errors print one line and exit 2, no traceback."""
+    """Entry point: user errors print one line and exit 2, no traceback.
+
+    Run from the command line (``argv`` None) on Linux, every command first
+    re-executes itself with OpenBLAS preloaded when it is installed (see
+    blas.py); ``--verbose`` and bench results say which BLAS ran."""
+    global _FROM_COMMAND_LINE
+    _FROM_COMMAND_LINE = argv is None
+    if argv is None:
+        from . import blas
+
+        blas.ensure_openblas("auto", argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     try:
         app(args=argv, standalone_mode=True)
     except DFlashError as e:

@@ -442,15 +442,16 @@ def generate_tokens(
         if d.room() < 1:
             stats.finish_reason = "length"  # context full
             break
+        t0 = time.perf_counter()
         if plan.width == 1:
             n = 0
             for out in d.plain_steps(plan.steps):
                 n += 1
                 yield out
-            policy.observe(plan, n)
+            policy.observe(plan, n, None if profile else time.perf_counter() - t0)
         else:
             out = d.cycle(plan)
-            policy.observe(plan, d.committed)
+            policy.observe(plan, d.committed, None if profile else time.perf_counter() - t0)
             nxt = policy.plan(d.room()) if not d.finished else plan
             d.prefetch(nxt)
             stats.add_cycle(d.committed, d.verified, d.tic)
