@@ -23,6 +23,18 @@ from .errors import DFlashError
 BASE_MODES = ("mlx-lm", "baseline", "dflash")
 
 
+def context_prompt(engine, n_tokens: int) -> List[int]:
+    """About ``n_tokens`` prompt ids for the context-length axis: the start of
+    a Python standard-library source (argparse.py), cut at ``n_tokens``."""
+    import argparse
+
+    text = Path(argparse.__file__).read_text()
+    ids = engine.encode(text)
+    if len(ids) < n_tokens:
+        raise DFlashError(f"context prompt source has only {len(ids)} tokens, {n_tokens} asked")
+    return ids[:n_tokens]
+
+
 def read_prompts(folder: Path) -> Dict[str, str]:
     """``*.txt`` files in ``folder``: name -> prompt text (file stem = name)."""
     folder = Path(folder)
@@ -52,19 +64,19 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
 
 
 def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4,
-                profile=False):
+                profile=False, adaptive=True):
     st = GenerationStats()
     toks: List[int] = []
     for t in generate_tokens(engine.target, ids, draft=draft, max_tokens=max_tokens,
                              block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st,
-                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile):
+                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile, adaptive=adaptive):
         toks.extend(t)
     c = max(st.cycles, 1)
     return toks, {
         "decode_tps": st.decode_tps, "prefill_tps": st.prefill_tps, "peak_memory": st.peak_memory,
         "tau": st.tau, "accept_hist": st.accept_hist, "cycles": st.cycles,
         "cycle_commits": st.cycle_commits, "depth_acceptance": st.depth_acceptance,
-        "mean_tree_size": st.mean_tree_size,
+        "mean_tree_size": st.mean_tree_size, "widths": st.widths, "policy": st.policy,
         "ms_per_cycle_timed": st.decode_time / c * 1e3,
         "ms_per_cycle": {
             "draft": st.draft_time / c * 1e3, "verify": st.verify_time / c * 1e3,
@@ -103,23 +115,29 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              tree_budget: int = 0, tree_topk: int = 4, log=print) -> dict:
+              tree_budget: int = 0, tree_topk: int = 4, log=print, contexts: Sequence[int] = (),
+              adaptive: bool = True) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
-    and, with ``tree_budget`` > 0, dflash-tree."""
+    and, with ``tree_budget`` > 0, dflash-tree. ``contexts``: also one row per
+    context length (prompts of that many tokens, see :func:`context_prompt`),
+    generating ``max_tokens[0]`` tokens. ``adaptive``: the dflash modes' width policy."""
     modes = BASE_MODES + (("dflash-tree",) if tree_budget > 0 else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
         raise DFlashError(f"repeats must be positive, got {repeats}")
     results = []
-    for name, text in prompts.items():
-        ids = engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
-        for n in max_tokens:
+    cases = [(name, engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None),
+              max_tokens) for name, text in prompts.items()]
+    cases += [(f"context_{L}", context_prompt(engine, L), max_tokens[:1]) for L in contexts]
+    for name, ids, lengths in cases:
+        for n in lengths:
             row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
             fns = {
                 "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
                 "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
-                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p),
+                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
+                                                adaptive=adaptive),
                 "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
                                                      tree_topk, profile=p),
             }
@@ -150,6 +168,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         "blas": blas.describe(),
         "model": str(engine.model_path), "draft": str(engine.draft_path),
         "block_size": block_size or engine.draft.block_size,
+        "policy": "pinned" if block_size or not adaptive else "adaptive",
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
         "repeats": repeats, "identical_tokens": True, "results": results,
     }
@@ -165,6 +184,7 @@ def to_markdown(res: dict) -> str:
         f"- BLAS: {res['blas']}",
         f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
         + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
+        f"- dflash width policy: {res.get('policy', 'pinned')}",
         f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
         "all modes produced identical tokens "
@@ -195,6 +215,22 @@ def to_markdown(res: dict) -> str:
     for r in res["results"]:
         h = r["modes"]["dflash"]["accept_hist"]
         lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
+    lines += ["", "Verify widths chosen, dflash (width: cycles; 1 = a plain step):", ""]
+    for r in res["results"]:
+        w = r["modes"]["dflash"].get("widths", {})
+        lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{k}:{c}" for k, c in w.items()))
+    ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
+    if ctx:
+        lines += ["", "Context length (prompt tokens; peak memory of the whole process's MLX allocations):", "",
+                  "| prompt tokens | generated | mlx-lm tok/s | dflash tok/s | dflash speedup | dflash tau "
+                  "| mlx-lm peak GB | dflash peak GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in ctx:
+            m, d = r["modes"]["mlx-lm"], r["modes"]["dflash"]
+            lines.append(f"| {r['prompt_tokens']} | {d['generated']} | {m['decode_tps']:.1f} | {d['decode_tps']:.1f} "
+                         f"| {d['speedup']:.2f}x | {d['tau']:.2f} | {m['peak_memory']:.3f} | {d['peak_memory']:.3f} |")
+        lines += ["", f"Speedup at the longest context / at the shortest: "
+                      f"{ctx[-1]['modes']['dflash']['speedup'] / ctx[0]['modes']['dflash']['speedup']:.2f}."]
     pre = [r["modes"]["dflash"]["prefill_tps"] for r in res["results"]]
     lines += ["", f"Prefill (dflash, with feature capture): median {statistics.median(pre):.0f} tok/s."]
     return "\n".join(lines) + "\n"

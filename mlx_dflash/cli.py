@@ -246,6 +246,11 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    context: Optional[List[int]] = typer.Option(
+        None, "--context", help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
+                                "the start of Python's argparse.py), generating the first --max-tokens."),
+    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
+                                  help="DFlash picks each cycle's width from measured costs (see generate --help)."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
     from . import blas
@@ -256,6 +261,8 @@ def bench(
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
+    if any(n < 1 for n in context or ()):
+        raise DFlashError("--context values must be positive")
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     typer.echo(f"BLAS: {blas.describe()}", err=True)
@@ -265,7 +272,7 @@ def bench(
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True))
+                    log=lambda s: typer.echo(s, err=True), contexts=context or (), adaptive=adaptive)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
