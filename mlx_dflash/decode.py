@@ -438,20 +438,25 @@ def generate_tokens(
     d.tic = time.perf_counter()
 
     plan = policy.plan(d.room())
+    timed = None  # (plan, tokens, start) of the last cycle or plain run, timed up to the next
     while not d.finished:
+        t0 = time.perf_counter()
+        if timed is not None and not profile:
+            policy.timed(timed[0], timed[1], t0 - timed[2])
         if d.room() < 1:
             stats.finish_reason = "length"  # context full
             break
-        t0 = time.perf_counter()
         if plan.width == 1:
             n = 0
             for out in d.plain_steps(plan.steps):
                 n += 1
                 yield out
-            policy.observe(plan, n, None if profile else time.perf_counter() - t0)
+            policy.observe(plan, n)
+            timed = (plan, n, t0)
         else:
             out = d.cycle(plan)
-            policy.observe(plan, d.committed, None if profile else time.perf_counter() - t0)
+            policy.observe(plan, d.committed)
+            timed = (plan, d.committed, t0)
             nxt = policy.plan(d.room()) if not d.finished else plan
             d.prefetch(nxt)
             stats.add_cycle(d.committed, d.verified, d.tic)

@@ -6,8 +6,8 @@ prod_{d<=k} p_d`` tokens on average, where ``p_d`` is the probability that
 the draft at depth d is accepted given depth d-1 was. A plain step (B = 1)
 costs ``T_plain`` and commits one token. The policy picks the width with the
 most expected tokens per second; when that is 1 it decodes plainly (no draft
-forward at all) and re-probes with one drafted cycle after a run of plain
-steps that doubles each time the probe does not pay.
+forward at all) and re-probes with one drafted cycle at the widest block
+after a run of plain steps that doubles each time the probe does not pay.
 
 The costs are measured once per (model, machine, mlx version, KV format) in
 a few forwards and cached as JSON in the user's cache folder; see
@@ -256,7 +256,7 @@ class Acceptance:
     expected to do as the deepest one seen, so an oracle draft is widened
     step by step and a useless one is not."""
 
-    def __init__(self, depths: int, prior: float = 0.6, weight: float = 2.0, decay: float = 0.9):
+    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.95):
         self.hits = [0.0] * (depths + 1)
         self.trials = [0.0] * (depths + 1)
         self.prior, self.weight, self.decay = prior, weight, decay
@@ -309,6 +309,7 @@ class Policy:
         self.plain_left = 0
         self.plain_run = self.first_plain_run
         self.probing = False
+        self.warmup = 2  # first cycles at the widest block: every depth gets seen
         # Measured-at-load costs describe the curve's shape; its level is
         # recalibrated online from real cycle times (plain and drafted apart),
         # so a machine busier or idler than at measurement time still compares right.
@@ -343,39 +344,49 @@ class Policy:
             return Plan(min(self.fixed or self.max_width, room))
         if self.plain_left > 0:
             return Plan(1, steps=min(self.plain_left, room))
-        if self.probing:
-            # A cheap look at the draft again: old evidence mostly forgotten.
-            self.acc.forget(0.25)
-            return Plan(min(max(self.best_width(room), 4, self.max_width // 2), room))
+        if self.probing or self.warmup > 0:
+            # A look at the draft at every depth, once per plain run (which
+            # doubles while probes fail): old evidence mostly forgotten.
+            if self.probing:
+                self.acc.forget(0.25)
+            return Plan(min(self.max_width, room))
         B = self.best_width(room)
         if B == 1:
             self.plain_left = self.plain_run
             return Plan(1, steps=min(self.plain_left, room))
         return Plan(B)
 
-    def observe(self, plan: Plan, committed: int, seconds: Optional[float] = None) -> None:
-        """Book a cycle: ``committed`` tokens (plain steps: one each) in
-        ``seconds`` of wall time (None: not timed)."""
+    def timed(self, plan: Plan, committed: int, seconds: float) -> None:
+        """Recalibrate from the wall time of a cycle (or a run of plain steps,
+        ``committed`` tokens) up to the start of the next."""
+        if not self.adaptive or plan.tree or seconds <= 0:
+            return
+        kind = "plain" if plan.width == 1 else "draft"
+        n = committed if plan.width == 1 else 1
+        ratio = seconds / n / self.costs.cycle(plan.width)
+        old = self.scale[kind]
+        self.scale[kind] = 0.8 * old + 0.2 * min(max(ratio, old / 3), old * 3)
+
+    def observe(self, plan: Plan, committed: int) -> None:
+        """Book a cycle: ``committed`` tokens (plain steps: one each)."""
         if not self.adaptive:
             return
-        if seconds is not None and seconds > 0 and not plan.tree:
-            kind = "plain" if plan.width == 1 else "draft"
-            n = committed if plan.width == 1 else 1
-            ratio = seconds / n / self.costs.cycle(plan.width)
-            old = self.scale[kind]
-            self.scale[kind] = 0.8 * old + 0.2 * min(max(ratio, old / 3), old * 3)
         if plan.width == 1:
             self.plain_left = max(self.plain_left - committed, 0)
             if self.plain_left == 0:
                 self.probing = True
             return
         self.acc.observe(plan.width - 1, committed - 1)
+        self.warmup -= 1
         if self.probing:
+            # The probe pays if it beat plain steps by itself; if not, plain
+            # decoding resumes for twice as long before the next probe.
             self.probing = False
-            if self.best_width(self.max_width) == 1:
-                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
-            else:
+            if committed * self.cost(1) >= self.cost(plan.width):
                 self.plain_run = self.first_plain_run
+            else:
+                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
+                self.plain_left = self.plain_run
 
     def describe(self) -> str:
         if not self.adaptive:

@@ -3,6 +3,7 @@ for an oracle, and a cost curve measured once per model and machine."""
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from mlx_dflash import tiny
@@ -134,12 +135,29 @@ def run(target, n, **kw):
     return out, stats
 
 
+class CostlyScriptedDraft(ScriptedDraft):
+    """A scripted draft that also runs a real draft's forward, so a cycle
+    costs what a real one does (the policy times them)."""
+
+    def __init__(self, real, *a, **kw):
+        super().__init__(*a, **kw)
+        self.real = real
+        self.target_layer_ids = real.target_layer_ids
+
+    def make_cache(self, window=None):
+        return self.real.make_cache(window)
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        mx.eval(self.real(features, anchor, anchor_pos, B, cache))
+        return super().__call__(features, anchor, anchor_pos, B, cache)
+
+
 def test_always_wrong_draft_decodes_plainly_with_identical_tokens(pair, tmp_path):
     model, target, real = pair
     costs, _ = load_costs(target, real, cache_dir=tmp_path)
     N = 80
     ref = reference_greedy(model, PROMPT, N)
-    wrong = ScriptedDraft(PROMPT, ref, target.vocab_size, accept=0)
+    wrong = CostlyScriptedDraft(real, PROMPT, ref, target.vocab_size, accept=0)
     out, stats = run(target, N, draft=wrong, policy=Policy(16, costs))
     assert out == ref
     widths = stats.tree_sizes
