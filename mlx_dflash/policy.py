@@ -310,9 +310,11 @@ class Policy:
         self.plain_run = self.first_plain_run
         self.probing = False
         self.warmup = 2  # first cycles at the widest block: every depth gets seen
-        # Measured-at-load costs describe the curve's shape; its level is
-        # recalibrated online from real cycle times (plain and drafted apart),
-        # so a machine busier or idler than at measurement time still compares right.
+        # Costs measured at load are the prior; each width's real cycle time
+        # (and the plain step's) replaces it as it is observed, and widths not
+        # yet seen are scaled by how far the observed ones were off, so a
+        # machine busier or idler than at measurement time still compares right.
+        self.seen: Dict[int, float] = {}
         self.scale = {"plain": 1.0, "draft": 1.0}
 
     @property
@@ -320,6 +322,8 @@ class Policy:
         return self.costs is not None
 
     def cost(self, width: int) -> float:
+        if width in self.seen:
+            return self.seen[width]
         return self.costs.cycle(width) * self.scale["plain" if width == 1 else "draft"]
 
     def best_width(self, room: int) -> int:
@@ -361,11 +365,13 @@ class Policy:
         ``committed`` tokens) up to the start of the next."""
         if not self.adaptive or plan.tree or seconds <= 0:
             return
-        kind = "plain" if plan.width == 1 else "draft"
-        n = committed if plan.width == 1 else 1
-        ratio = seconds / n / self.costs.cycle(plan.width)
-        old = self.scale[kind]
-        self.scale[kind] = 0.8 * old + 0.2 * min(max(ratio, old / 3), old * 3)
+        w = plan.width
+        t = seconds / (committed if w == 1 else 1)
+        old = self.cost(w)
+        t = min(max(t, old / 3), old * 3)  # one stall (another process, a page fault) moves it a little
+        self.seen[w] = t if w not in self.seen else 0.75 * self.seen[w] + 0.25 * t
+        kind = "plain" if w == 1 else "draft"
+        self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w)
 
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""
