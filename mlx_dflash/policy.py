@@ -348,12 +348,16 @@ class Policy:
             return Plan(min(self.fixed or self.max_width, room))
         if self.plain_left > 0:
             return Plan(1, steps=min(self.plain_left, room))
-        if self.probing or self.warmup > 0:
-            # A look at the draft at every depth, once per plain run (which
-            # doubles while probes fail): old evidence mostly forgotten.
-            if self.probing:
-                self.acc.forget(0.25)
+        if self.warmup > 0:
             return Plan(min(self.max_width, room))
+        if self.probing:
+            # A look at the draft again, once per plain run (which doubles
+            # while probes fail), old evidence mostly forgotten: the widest
+            # block that costs at most 2.5 plain steps, so probes stay cheap.
+            self.acc.forget(0.25)
+            limit = 2.5 * self.cost(1)
+            B = max([w for w in range(2, min(self.max_width, room) + 1) if self.cost(w) <= limit] or [2])
+            return Plan(min(B, room))
         B = self.best_width(room)
         if B == 1:
             self.plain_left = self.plain_run
