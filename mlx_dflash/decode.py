@@ -157,6 +157,7 @@ class Decoder:
         self.anchor = 0
         self.pos = 0
         self.pending: Optional[Proposal] = None  # the next cycle's draft, launched early
+        self.committed = self.verified = 0  # tokens kept / verified by the last cycle
         self.tic = 0.0
 
     # --- bookkeeping -------------------------------------------------------------

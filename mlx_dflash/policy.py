@@ -206,10 +206,20 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
     """The pair's cost model, from the on-disk cache when it holds one for this
     model, machine and mlx version, else measured and stored. Returns (costs,
     measured_now)."""
-    fp = fingerprint(target, draft, kv_bits)
-    mid = machine_id()
     folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = folder / CACHE_FILE
+
+    def memo_key():
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        return (id(target), id(draft), kv_bits, tuple(sorted(tree_sizes)), str(path), stamp)
+
+    if memo_key() in _MEMO:  # this process read it already (and the file is unchanged)
+        return _MEMO[memo_key()], False
+    fp = fingerprint(target, draft, kv_bits)
+    mid = machine_id()
     entries: List[dict] = []
     try:
         entries = json.loads(path.read_text()).get("entries", [])
@@ -221,6 +231,7 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
                 and e.get("format") == FORMAT):
             costs = CostModel.from_dict(e["costs"])
             if want_tree <= set(costs.tree):
+                _MEMO[memo_key()] = costs
                 return costs, False
     costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
     entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
@@ -233,6 +244,7 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
         tmp.replace(path)
     except OSError:
         pass  # a read-only home: measure again next time
+    _MEMO[memo_key()] = costs
     return costs, True
 
 
@@ -310,11 +322,12 @@ class Policy:
         self.plain_run = self.first_plain_run
         self.probing = False
         self.warmup = 2  # first cycles at the widest block: every depth gets seen
+        self.plain_votes = 0
         # Costs measured at load are the prior; each width's real cycle time
         # (and the plain step's) replaces it as it is observed, and widths not
         # yet seen are scaled by how far the observed ones were off, so a
         # machine busier or idler than at measurement time still compares right.
-        self.seen: Dict[int, float] = {}
+        self.seen: Dict[int, List[float]] = {}  # width -> its last few cycle times
         self.scale = {"plain": 1.0, "draft": 1.0}
 
     @property
@@ -322,13 +335,17 @@ class Policy:
         return self.costs is not None
 
     def cost(self, width: int) -> float:
-        if width in self.seen:
-            return self.seen[width]
+        """Seconds per cycle of ``width``: the median of its last 5 observed
+        times (a stall of the machine moves it little), else the measured
+        cost scaled as the observed ones were off."""
+        ts = self.seen.get(width)
+        if ts:
+            return sorted(ts)[len(ts) // 2]
         return self.costs.cycle(width) * self.scale["plain" if width == 1 else "draft"]
 
-    def best_width(self, room: int) -> int:
-        """argmax over B in 1..min(max_width, room) of E(B) / cost(B)."""
-        best, rate = 1, 1.0 / self.cost(1)
+    def best_width(self, room: int, drafted: bool = False) -> int:
+        """argmax over B in 1..min(max_width, room) of E(B) / cost(B) (B >= 2 if ``drafted``)."""
+        best, rate = 1, (0.0 if drafted else 1.0 / self.cost(1))
         e, reach = 1.0, 1.0
         for B, p in enumerate(self.acc.probs(min(self.max_width, room) - 1), start=2):
             reach *= p
@@ -351,17 +368,22 @@ class Policy:
         if self.warmup > 0:
             return Plan(min(self.max_width, room))
         if self.probing:
-            # A look at the draft again, once per plain run (which doubles
-            # while probes fail), old evidence mostly forgotten: the widest
-            # block that costs at most 2.5 plain steps, so probes stay cheap.
-            self.acc.forget(0.25)
-            limit = 2.5 * self.cost(1)
-            B = max([w for w in range(2, min(self.max_width, room) + 1) if self.cost(w) <= limit] or [2])
-            return Plan(min(B, room))
+            # A fresh look at the draft at every depth, once per plain run
+            # (which doubles while probes fail); old evidence is dropped so
+            # the probe alone decides.
+            self.acc.forget(0.0)
+            return Plan(min(self.max_width, room))
         B = self.best_width(room)
         if B == 1:
-            self.plain_left = self.plain_run
-            return Plan(1, steps=min(self.plain_left, room))
+            # Two such verdicts in a row before a plain run: one slow cycle
+            # on a busy machine does not switch the draft off.
+            self.plain_votes += 1
+            if self.plain_votes >= 2 or room < self.max_width:
+                self.plain_votes = 0
+                self.plain_left = self.plain_run
+                return Plan(1, steps=min(self.plain_left, room))
+            return Plan(self.best_width(room, drafted=True))
+        self.plain_votes = 0
         return Plan(B)
 
     def timed(self, plan: Plan, committed: int, seconds: float) -> None:
@@ -372,8 +394,8 @@ class Policy:
         w = plan.width
         t = seconds / (committed if w == 1 else 1)
         old = self.cost(w)
-        t = min(max(t, old / 3), old * 3)  # one stall (another process, a page fault) moves it a little
-        self.seen[w] = t if w not in self.seen else 0.75 * self.seen[w] + 0.25 * t
+        t = min(max(t, old / 3), old * 3)
+        self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
         kind = "plain" if w == 1 else "draft"
         self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w)
 
@@ -389,10 +411,10 @@ class Policy:
         self.acc.observe(plan.width - 1, committed - 1)
         self.warmup -= 1
         if self.probing:
-            # The probe pays if it beat plain steps by itself; if not, plain
-            # decoding resumes for twice as long before the next probe.
+            # Drafting resumes if, on this probe's evidence, it pays; if not,
+            # plain decoding resumes for twice as long before the next probe.
             self.probing = False
-            if committed * self.cost(1) >= self.cost(plan.width):
+            if self.best_width(self.max_width) > 1:
                 self.plain_run = self.first_plain_run
             else:
                 self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
