@@ -310,6 +310,7 @@ class Policy:
 
     first_plain_run = 16
     longest_plain_run = 256
+    calibration_steps = 4
 
     def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
                  tree_budget: int = 0):
@@ -318,7 +319,9 @@ class Policy:
         self.fixed = fixed
         self.tree_budget = tree_budget
         self.acc = Acceptance(max_width)
-        self.plain_left = 0
+        # A few plain steps first: they time this machine's plain step now
+        # (busy or idle) at the cost of nothing but a few undrafted tokens.
+        self.plain_left = self.calibration_steps
         self.plain_run = self.first_plain_run
         self.probing = False
         self.warmup = 2  # first cycles at the widest block: every depth gets seen
@@ -405,7 +408,7 @@ class Policy:
             return
         if plan.width == 1:
             self.plain_left = max(self.plain_left - committed, 0)
-            if self.plain_left == 0:
+            if self.plain_left == 0 and self.warmup <= 0:
                 self.probing = True
             return
         self.acc.observe(plan.width - 1, committed - 1)
