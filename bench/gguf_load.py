@@ -2,7 +2,8 @@
 
     python bench/gguf_load.py [--hidden 2048 --layers 16 --type Q4_0]
 
-Writes a random qwen35 GGUF (llama.cpp layout, see tests/gguf_writer.py),
+Writes a random qwen35 GGUF (an HF folder converted the way llama.cpp's converter
+does it, tests/gguf_writer.py),
 then loads it in a fresh process and reports wall time and peak RSS next to
 the file size and the loaded MLX size. Appends to bench/results/gguf-load.md.
 """
@@ -24,7 +25,7 @@ def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from gguf import GGMLQuantizationType as Q
 
-    from gguf_writer import write_gguf
+    from gguf_writer import convert_hf_to_gguf
     from mlx_dflash import tiny
 
     heads = hidden // 128
@@ -36,7 +37,10 @@ def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
     )
     model = tiny.build_target(cfg, seed=0)
     q = getattr(Q, qtype)
-    write_gguf(model, cfg, path, lambda name, w: Q.Q8_0 if "token_embd" in name or "output." in name else q)
+    hf = tiny.save_hf(model, cfg, path.parent / "hf")
+    del model
+    convert_hf_to_gguf(hf, path, lambda name, w: Q.Q8_0 if "token_embd" in name or "output." in name else q,
+                       tokenizer=False)
     return cfg
 
 

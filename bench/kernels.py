@@ -2,11 +2,14 @@
 
     python bench/kernels.py [--reps 5]
 
-Shapes: Hk 16, Hv 48, Dk = Dv = 128, T in {1, 4, 8, 16, 23}; fp32 state,
-bf16 inputs on Metal, fp32 inputs on a CPU. Columns: our Metal kernel (macOS
-only), our twin (closed form), mlx-lm's `gated_delta_update` (its Metal
-kernel on macOS, its sequential ops elsewhere), and the rollback replay.
-Writes bench/results/kernels-<platform>.md.
+Shapes: Hk 16, Hv 48, Dk = Dv = 128, T in {1, 4, 8, 16, 23, 512}; fp32 state,
+bf16 inputs on Metal, fp32 inputs on a CPU. Columns: our Metal kernel with
+the tape (macOS only; the packed Dk = 128 layout), our twin (closed form),
+mlx-lm's recurrence as it runs on this machine (on macOS its Metal kernel,
+`gated_delta_kernel`, packed at Dk = 128; elsewhere its sequential ops,
+`gated_delta_ops`, the only path it has without Metal), and the rollback
+replay. Writes bench/results/kernels-<platform>.md. On a Mac,
+bench/mac_check.py also checks the kernels and times more variants.
 """
 
 import argparse
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.gated_delta import gated_delta_ops
+from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
 from mlx_dflash import blas, kernels
 
@@ -44,7 +47,7 @@ def main():
     dtype = mx.bfloat16 if metal else mx.float32
     Hk, Hv, D = 16, 48, 128
     rows = []
-    for T in (1, 4, 8, 16, 23):
+    for T in (1, 4, 8, 16, 23, 512):
         ks = mx.random.split(mx.random.key(T), 6)
         q = (mx.random.normal((1, T, Hk, D), key=ks[0]) * 0.1).astype(dtype)
         k = (mx.random.normal((1, T, Hk, D), key=ks[1]) * 0.1).astype(dtype)
@@ -54,10 +57,15 @@ def main():
         s0 = mx.random.normal((1, Hv, D, D), key=ks[5]) * 0.1
         r = {"T": T}
         if metal:
-            r["metal"] = timeit(lambda: kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True)[:2], args.reps)
+            r["metal"] = timeit(lambda: kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True), args.reps)
+            r["metal, no tape (prefill)"] = timeit(lambda: kernels.gated_delta_chain(q, k, v, g, beta, s0)[:2],
+                                                   args.reps)
         r["twin"] = timeit(lambda: kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)[:2],
                            args.reps)
-        r["sequential ops (mlx-lm)"] = timeit(lambda: gated_delta_ops(q, k, v, g, beta, s0), args.reps)
+        if metal:  # mlx-lm's real Metal kernel (mlx-lm's own dispatch would pick it on the GPU)
+            r["mlx-lm metal kernel"] = timeit(lambda: gated_delta_kernel(q, k, v, g, beta, s0), args.reps)
+        else:  # without Metal mlx-lm has only its sequential ops
+            r["sequential ops (mlx-lm)"] = timeit(lambda: gated_delta_ops(q, k, v, g, beta, s0), args.reps)
         _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
         n = max(T // 2, 1)
         r["rollback twin (T/2)"] = timeit(lambda: kernels.gated_delta_rollback(s0, k, g, tape, n, force_twin=True),

@@ -53,7 +53,7 @@ def load(
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
 ) -> Engine:
-    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft folder.
+    """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
@@ -65,9 +65,9 @@ def load(
             draft = DEFAULT_DRAFT
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
-    if is_gguf(model):  # a llama.cpp file: weights and tokenizer from it
-        target, _ = load_gguf_target(model, dtype=dtype)
+    if is_gguf(model):  # a llama.cpp file: weights and tokenizer (checked first) from it
         tok_dir = tokenizer_dir_for(model)
+        target, _ = load_gguf_target(model, dtype=dtype, progress=True)
     else:
         target = load_target(model, dtype=dtype)
         tok_dir = model

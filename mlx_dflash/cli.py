@@ -82,10 +82,11 @@ def generate(
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
     model: Optional[Path] = typer.Option(
         None, "--model", "-m",
-        help="Target folder (HF or MLX safetensors). Default: the embedded pair shipped with the package."),
+        help="Target folder (HF or MLX safetensors) or llama.cpp GGUF file. Default: the embedded pair shipped "
+             "with the package."),
     draft: Optional[Path] = typer.Option(
         None, "--draft", "-d",
-        help="DFlash draft folder (z-lab format). Default: the embedded draft with the embedded "
+        help="DFlash draft folder (z-lab format) or draft GGUF. Default: the embedded draft with the embedded "
              "target; none (plain decoding) with another --model."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
     block_size: Optional[int] = typer.Option(
@@ -285,14 +286,22 @@ def convert(
     bits: Optional[List[str]] = typer.Option(
         None, "--bits", help="Per source type MLX bits, e.g. --bits Q6_K=4 --bits Q5_K=8 (repeatable). "
                              "Default: 4-bit for 4-bit and lower sources, 8-bit for 5/6/8-bit, float for float."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Float dtype for float tensors (default: as stored)."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="Float type of unquantized weights and quantization scales (default: the file's "
+                              "half type; float16 for quantized files; float32 for all-F32 files)."),
 ):
-    """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode."""
+    """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode.
+
+    The folder is laid out as mlx_lm.convert writes one (safetensors shards and
+    index, config.json with the quantization block, tokenizer files), so mlx-lm
+    loads it too.
+    """
     import time
 
     from mlx_lm.utils import save_config, save_model
 
-    from .loading.gguf import load_gguf_target, open_gguf, write_tokenizer
+    from .loading import load_tokenizer
+    from .loading.gguf import load_gguf_target, tokenizer_dir_for
 
     bmap = {}
     for b in bits or []:
@@ -303,26 +312,23 @@ def convert(
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
     tic = time.perf_counter()
-
-    def progress(n, total, nbytes):
-        sys.stderr.write(f"\rdecoding tensors {n}/{total}  {nbytes / 1e6:8.1f} MB read")
-        sys.stderr.flush()
-
+    tok_dir = tokenizer_dir_for(gguf_file)
     target, cfg = load_gguf_target(gguf_file, keep_precision=keep_precision, bits=bmap or None,
-                                   dtype=_dtype(dtype), progress=progress)
-    sys.stderr.write("\n")
+                                   dtype=_dtype(dtype), progress=True)
     save_model(out, target.model)
     save_config(cfg, out / "config.json")
-    write_tokenizer(open_gguf(gguf_file), out)
-    typer.echo(f"wrote {out} in {time.perf_counter() - tic:.1f}s")
+    load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
+    typer.echo(f"wrote {out} ({cfg['torch_dtype']}"
+               + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")
+               + f") in {time.perf_counter() - tic:.1f}s")
 
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="A target or draft folder."),
+    path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
 ):
-    """Describe a model folder: architecture, layer mix, quantization, size; and draft fit."""
+    """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))

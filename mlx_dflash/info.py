@@ -33,7 +33,7 @@ def describe(path, draft: Optional[Path] = None) -> str:
     from .loading.gguf import is_gguf
 
     if is_gguf(p):
-        return describe_gguf(p)
+        return describe_gguf(p, draft)
     cfg = read_config(p)
     lines = [f"path: {p}"]
     if "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or []):
@@ -84,30 +84,64 @@ def describe(path, draft: Optional[Path] = None) -> str:
     return "\n".join(lines)
 
 
-def describe_gguf(p: Path) -> str:
+def _draft_fit(draft: Path, target) -> str:
+    from .loading.hf import load_draft
+
+    try:
+        d = load_draft(draft, target)
+        return f"draft {draft}: fits (block size {d.block_size}, target layers {d.target_layer_ids})"
+    except DFlashError as e:
+        return f"draft {draft}: does NOT fit: {e}"
+
+
+def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
     from collections import Counter
 
-    from .loading.gguf import field, gguf_config, open_gguf
+    from .loading.gguf import (default_dtype, eog_token_ids, field, gguf_config, gguf_draft_config,
+                               is_gguf_draft, lazy_target, open_gguf)
 
     reader = open_gguf(p)
-    cfg = gguf_config(reader)
-    t = cfg["text_config"]
     types = Counter()
     sizes = Counter()
     for ten in reader.tensors:
         types[ten.tensor_type.name] += 1
         sizes[ten.tensor_type.name] += int(ten.n_bytes)
     n_params = sum(int(ten.n_elements) for ten in reader.tensors)
-    n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
-    moe = f", MoE {t['num_experts']} experts top-{t['num_experts_per_tok']}" if t.get("num_experts") else ""
-    lines = [
+    head = [
         f"path: {p}",
-        f"format: GGUF v{field(reader, 'GGUF.version', '?')}, architecture {field(reader, 'general.architecture')}"
-        f" -> {cfg['model_type']}{moe}",
-        f"layers: {t['num_hidden_layers']} ({n_lin} Gated DeltaNet + {t['num_hidden_layers'] - n_lin} full attention)",
-        f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
+        f"format: GGUF v{field(reader, 'GGUF.version', '?')}, architecture {field(reader, 'general.architecture')}",
+    ]
+    tail = [
         f"parameters: {n_params / 1e6:.2f} M; tensors: {len(reader.tensors)}",
         "tensor types: " + ", ".join(f"{k} x{v} ({_fmt_bytes(sizes[k])})" for k, v in sorted(types.items())),
         f"size on disk: {_fmt_bytes(p.stat().st_size)}",
     ]
+    if is_gguf_draft(reader):
+        d = gguf_draft_config(reader)
+        if draft is not None:
+            raise DFlashError("--draft goes with a target, not a draft GGUF")
+        return "\n".join(head + [
+            "kind: DFlash v1 draft",
+            f"layers: {d['num_hidden_layers']}, hidden {d['hidden_size']}, heads "
+            f"{d['num_attention_heads']}/{d['num_key_value_heads']} x {d['head_dim']}",
+            f"block size: {d['block_size']}, mask token: {d['dflash_config']['mask_token_id']}",
+            f"target layer ids: {d['dflash_config']['target_layer_ids']}",
+        ] + tail)
+    cfg = gguf_config(reader)
+    t = cfg["text_config"]
+    n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
+    moe = f", MoE {t['num_experts']} experts top-{t['num_experts_per_tok']}" if t.get("num_experts") else ""
+    n_mtp = t.get("mtp_num_hidden_layers", 0)
+    lines = head + [
+        f"model: {cfg['model_type']}{moe}",
+        f"layers: {t['num_hidden_layers']} ({n_lin} Gated DeltaNet + {t['num_hidden_layers'] - n_lin} full attention)"
+        + (f" + {n_mtp} MTP (nextn) block(s), skipped at load: DFlash does not use them" if n_mtp else ""),
+        f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
+        f"DeltaNet heads: {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value",
+        f"loads as: {str(default_dtype(reader)).split('.')[-1]} (unquantized weights, scales, activations)",
+        f"tokenizer: {field(reader, 'tokenizer.ggml.model')}, {len(field(reader, 'tokenizer.ggml.tokens') or [])} "
+        f"tokens, pre-tokenizer {field(reader, 'tokenizer.ggml.pre')}, stops on ids {eog_token_ids(reader)}",
+    ] + tail
+    if draft is not None:
+        lines.append(_draft_fit(draft, lazy_target(cfg)))
     return "\n".join(lines)

@@ -9,7 +9,10 @@ kernel (``metal/*.metal``) runs when ``mx.metal.is_available()`` and the
 default device is the GPU, decided at call time. The launch of each kernel
 (inputs, template, grid) is described once by a ``*_launch`` function, used
 both for the real dispatch and by the CPU test harness that executes the
-Metal sources on Linux (tests/metal_harness.py).
+Metal sources on Linux (tests/metal_harness.py). A custom Metal kernel has no
+VJP in MLX, so every Metal call is an ``mx.custom_function`` whose VJP is the
+twin's: training and anything else differentiated through the target work
+on the GPU path too (:func:`_metal_or_twin`).
 
 Rollback design (SPEC §4): *tape*. The verify recurrence records, per token,
 `delta_t = beta_t * (v_t - (g_t S_{t-1}) k_t)`. With the pre-verify state S_0
@@ -162,8 +165,9 @@ def gated_delta_chain(
     few state-sized passes instead of 80.
     """
     if use_metal(force_twin):
-        y, S, tape = run_metal(chain_launch(q, k, v, g, beta, state, mask))
-        return y, S, tape if record else None
+        extra = () if mask is None else (mask,)
+        y, S, *tape = _metal_or_twin("chain", (bool(record),), (q, k, v, g, beta, state), extra)
+        return y, S, tape[0] if record else None
     dtype = q.dtype
     T = q.shape[1]
     if T == 1 and mask is None:
@@ -208,7 +212,7 @@ def gated_delta_rollback(
     if n == 0:
         return state0
     if mask is None and use_metal(force_twin):
-        return run_metal(rollback_launch(state0, k, g, delta, range(n)))[0]
+        return _metal_or_twin("rollback", (int(n),), (state0, k, g, delta))[0]
     hv = delta.shape[2]
     k = _repeat_heads(k[:, :n], hv).astype(mx.float32).transpose(0, 2, 1, 3)
     logg = _log_decay(g[:, :n]).transpose(0, 2, 1)
@@ -228,6 +232,34 @@ def ancestor_matrix(parents: Sequence[int]) -> mx.array:
     ``parents[t]`` < t, or -1 for a root. Cached: every layer of one tree
     verify asks for the same tree."""
     return _ancestor_matrix(tuple(parents))
+
+
+MAX_TREE_DEPTH = 64  # deeper trees (never drafted: depth <= block size) take the twin
+
+
+def tree_order(parents: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """Depth-first preorder of a tree and each node's depth (0 for a root).
+
+    Validates ``parents`` (each -1 or an earlier node), so the tree kernel,
+    which reads states by depth, never indexes outside its stack."""
+    return _tree_order(tuple(int(p) for p in parents))
+
+
+@lru_cache(maxsize=16)
+def _tree_order(parents: Tuple[int, ...]) -> Tuple[List[int], List[int]]:
+    children: List[List[int]] = [[] for _ in parents]
+    roots, depth = [], []
+    for t, p in enumerate(parents):
+        if not -1 <= p < t:
+            raise ValueError(f"parent {p} of node {t} must be -1 or an earlier node")
+        depth.append(0 if p < 0 else depth[p] + 1)
+        (roots if p < 0 else children[p]).append(t)
+    order, todo = [], roots[::-1]
+    while todo:
+        t = todo.pop()
+        order.append(t)
+        todo.extend(children[t][::-1])
+    return order, depth
 
 
 @lru_cache(maxsize=16)
@@ -265,9 +297,11 @@ def gated_delta_tree(
     """
     if q.shape[1] != len(parents):
         raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
-    if use_metal(force_twin):
-        y, S, tape = run_metal(tree_launch(q, k, v, g, beta, state, parents))
-        return y, S, tape if record else None
+    _, depth = tree_order(parents)
+    if use_metal(force_twin) and max(depth) < MAX_TREE_DEPTH:
+        static = (tuple(int(p) for p in parents), bool(record))
+        y, S, *tape = _metal_or_twin("tree", static, (q, k, v, g, beta, state))
+        return y, S, tape[0] if record else None
     dtype = q.dtype
     q, k, v, logg, beta = _prep(q, k, v, g, beta, None)
     y, S, delta = _chunk(q, k, v, logg, beta, state, ancestor_matrix(parents))
@@ -321,9 +355,8 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
     if use_metal(force_twin):
-        chain = list(range(-1, T - 1))
-        idx = conv_windows(parents if parents is not None else chain, K)
-        return run_metal(conv_launch(conv_in, weight, idx))[0]
+        static = None if parents is None else tuple(int(p) for p in parents)
+        return _metal_or_twin("conv", (static,), (conv_in, weight))[0]
     dtype = conv_in.dtype
     x = conv_in.astype(mx.float32)  # accumulate in fp32, like the kernel
     w = weight[:, :, 0].astype(dtype).astype(mx.float32)
@@ -389,34 +422,117 @@ def run_metal(launch: Launch) -> List[mx.array]:
     )
 
 
-def chain_launch(q, k, v, g, beta, state, mask=None) -> Launch:
+def _twin_outputs(outs):
+    return [o for o in outs if o is not None]
+
+
+# kind -> (the Launch, the twin's outputs): functions of (static, *arrays).
+def _conv_launch(static, conv_in, weight):
+    (parents,) = static
+    T = conv_in.shape[1] - weight.shape[1] + 1
+    idx = conv_windows(parents if parents is not None else list(range(-1, T - 1)), weight.shape[1])
+    return conv_launch(conv_in, weight, idx)
+
+
+_KINDS = {
+    "chain": (lambda st, *a: chain_launch(*a[:6], a[6] if len(a) > 6 else None, record=st[0]),
+              lambda st, *a: _twin_outputs(gated_delta_chain(*a[:6], a[6] if len(a) > 6 else None, record=st[0],
+                                                             force_twin=True))),
+    "tree": (lambda st, *a: tree_launch(*a, st[0], record=st[1]),
+             lambda st, *a: _twin_outputs(gated_delta_tree(*a, st[0], record=st[1], force_twin=True))),
+    "rollback": (lambda st, *a: rollback_launch(*a, range(st[0])),
+                 lambda st, *a: [gated_delta_rollback(*a, st[0], force_twin=True)]),
+    "conv": (_conv_launch, lambda st, *a: [causal_conv1d_silu(*a, st[0], force_twin=True)]),
+}
+
+
+def _n_outputs(kind: str, static: tuple) -> int:
+    if kind in ("chain", "tree"):
+        return 3 if static[-1] else 2  # the tape only when recording
+    return 1
+
+
+@lru_cache(maxsize=64)
+def _with_twin_vjp(kind: str, static: tuple, n_diff: int):
+    """The Metal call of ``kind`` as an mx.custom_function whose VJP is the
+    twin's; the first ``n_diff`` arguments are differentiable, the rest (a
+    mask) are not. Cached: making one costs more than calling it."""
+    launch, twin = _KINDS[kind]
+    n_out = _n_outputs(kind, static)
+
+    @mx.custom_function
+    def f(*xs):
+        return tuple(run_metal(launch(static, *xs))[:n_out])
+
+    @f.vjp
+    def f_vjp(xs, cotangents, outputs):
+        cot = list(cotangents) if isinstance(cotangents, (list, tuple)) else [cotangents]
+        rest = list(xs[n_diff:])
+        grads = mx.vjp(lambda *a: twin(static, *a, *rest), list(xs[:n_diff]), cot)[1]
+        return tuple(grads) + tuple(mx.zeros_like(x) for x in rest)
+
+    return f
+
+
+def _metal_or_twin(kind: str, static: tuple, primals: tuple, extra: tuple = ()) -> List[mx.array]:
+    """Run the Metal kernel of ``kind``; differentiate through its twin.
+
+    MLX has no VJP for a custom kernel (``[Primitive::vjp] Not implemented for
+    CustomKernel``), as mlx-lm avoids by using its ops path when training. Here
+    the forward stays the kernel and the gradient is the twin's, at the same
+    inputs: ``nn.value_and_grad`` through the target works on a Mac GPU.
+    ``static``: the call's Python arguments; ``extra``: arrays with no gradient.
+    """
+    return list(_with_twin_vjp(kind, static, len(primals))(*primals, *extra))
+
+
+def packed_eligible(Dk: int, Dv: int) -> bool:
+    """The packed layout (gated_delta_packed.metal) serves Dk = 128, the
+    Qwen3.5 head size, as mlx-lm's packed prefill kernel does."""
+    return Dk == 128 and Dv % 8 == 0
+
+
+def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True,
+                 packed: Optional[bool] = None) -> Launch:
+    """``packed``: None = the packed layout where :func:`packed_eligible`."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
     if mask is None:
         mask = mx.ones((B, T), dtype=mx.bool_)
+    if packed is None:
+        packed = packed_eligible(Dk, Dv)
     inputs = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state), ("T", T),
               ("mask", mask)]
+    if packed:
+        if Dk % 4 or Dv % 8:
+            raise ValueError(f"the packed kernel needs Dk % 4 == 0 and Dv % 8 == 0, got Dk {Dk}, Dv {Dv}")
+        name, grid, tg = "gated_delta_packed", (32, Dv // 8, B * Hv), (32, 2, 1)
+    else:
+        name, grid, tg = "gated_delta_chain", (32, Dv, B * Hv), (32, 4, 1)
     return Launch(
-        "gated_delta_chain", inputs,
-        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, mx.float32),
-         ("delta", (B, T, Hv, Dv), mx.float32)],
-        [("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
-        (32, Dv, B * Hv), (32, 1, 1),
+        name, inputs,
+        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, state.dtype),
+         ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32)],
+        [("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+         ("Record", bool(record))],
+        grid, tg,
     )
 
 
-def tree_launch(q, k, v, g, beta, state, parents) -> Launch:
+def tree_launch(q, k, v, g, beta, state, parents, *, record: bool = True) -> Launch:
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    max_t = 1 << max(T - 1, 1).bit_length()  # one compiled kernel per power of two
+    order, depth = tree_order(parents)
+    max_depth = 1 << max(depth).bit_length()  # > deepest depth; one kernel per power of two
     return Launch(
         "gated_delta_tree",
         [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state),
-         ("parents", mx.array(list(parents), dtype=mx.int32)), ("T", T)],
-        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, mx.float32),
-         ("delta", (B, T, Hv, Dv), mx.float32)],
-        [("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("MaxT", max_t)],
-        (32, Dv, B * Hv), (32, 1, 1),
+         ("order", mx.array(order, dtype=mx.int32)), ("depth", mx.array(depth, dtype=mx.int32)), ("T", T)],
+        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, state.dtype),
+         ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32)],
+        [("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+         ("MaxDepth", max_depth), ("Record", bool(record))],
+        (32, Dv, B * Hv), (32, 4, 1),
     )
 
 
@@ -427,9 +543,9 @@ def rollback_launch(state0, k, g, delta, rows) -> Launch:
         "gated_delta_rollback",
         [("state0", state0), ("k", k), ("g", g), ("delta", delta),
          ("rows", mx.array(list(rows), dtype=mx.int32)), ("n", len(rows)), ("T", T)],
-        [("state", state0.shape, mx.float32)],
-        [("InT", k.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
-        (Dk, Dv, B * Hv), (min(Dk, 32), 1, 1),
+        [("state", state0.shape, state0.dtype)],
+        [("InT", k.dtype), ("StT", state0.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        (Dk, Dv, B * Hv), (32, 4, 1),
     )
 
 

@@ -4,9 +4,12 @@ The body is wrapped into a C++ function with the same names MLX binds
 (inputs, outputs, template constants, thread attributes), compiled with the
 system C++ compiler against ``metal_compat.h``, and run over the whole grid:
 each threadgroup's threads are cooperative fibers that really meet at
-barriers and SIMD-group operations. Inputs and outputs travel as raw files.
+barriers and SIMD-group operations, run in the order ``order`` names:
+"forward" (thread index order), "reverse", or "random:SEED" (a new
+permutation at every pass). Inputs and outputs travel as raw files.
 
     outs = run(kernels.chain_launch(...))   # same Launch the real dispatch uses
+    outs = run(launch, order="reverse")
 """
 
 import hashlib
@@ -57,7 +60,10 @@ def _from_bytes(raw: bytes, shape, dtype) -> mx.array:
 
 
 def generate(source: str, launch) -> str:
-    """The C++ translation unit for one kernel instantiation."""
+    """The C++ translation unit for one kernel instantiation. Only the source,
+    the template and the input dtypes are compiled in: scalar inputs, output
+    sizes, grid and threadgroup come on the command line, so launches that
+    differ in T alone share one build."""
     consts = []
     for name, value in launch.template:
         if isinstance(value, mx.Dtype):
@@ -72,11 +78,11 @@ def generate(source: str, launch) -> str:
             ct = CTYPES[a.dtype]
             params.append(f"const device {ct}* {name}")
             args.append(f"reinterpret_cast<const {ct}*>(g_in[{i}].data())")
-            loads.append(f"  g_in[{i}] = read_file(argv[{i + 1}]);")
         else:
             ct = "bool" if isinstance(a, bool) else "int"
             params.append(f"const {ct} {name}")
-            args.append(str(int(a)))
+            args.append(f"{ct}(*reinterpret_cast<const int32_t*>(g_in[{i}].data()))")
+        loads.append(f"  g_in[{i}] = read_file(argv[{i + 8}]);")
     n_in = len(launch.inputs)
     stores = []
     for j, (name, shape, dtype) in enumerate(launch.outputs):
@@ -84,10 +90,8 @@ def generate(source: str, launch) -> str:
         params.append(f"device {ct}* {name}")
         args.append(f"reinterpret_cast<{ct}*>(g_out[{j}].data())")
         # 0xff bytes: NaN for floats, so an element the kernel never writes shows.
-        loads.append(f"  g_out[{j}].assign(sizeof({ct}) * {int(np.prod(shape))}, char(0xff));")
-        stores.append(f"  write_file(argv[{n_in + 1 + j}], g_out[{j}]);")
-    gx, gy, gz = launch.grid
-    tx, ty, tz = launch.threadgroup
+        loads.append(f"  g_out[{j}].assign(std::strtoull(argv[{n_in + 9 + 2 * j}], nullptr, 10), char(0xff));")
+        stores.append(f"  write_file(argv[{n_in + 8 + 2 * j}], g_out[{j}]);")
     nl = "\n"
     return f"""#include "metal_compat.h"
 {nl.join(consts)}
@@ -127,12 +131,42 @@ static void thread_main(const harness::Thread& t) {{
 
 int main(int argc, char** argv) {{
   (void)argc;
+  const char* order = argv[1];  // forward | reverse | random:SEED
+  if (std::strcmp(order, "reverse") == 0) harness::order().mode = 1;
+  if (std::strncmp(order, "random:", 7) == 0) {{
+    harness::order().mode = 2;
+    harness::order().rng.seed(unsigned(std::atoi(order + 7)));
+  }}
 {nl.join(loads)}
-  harness::dispatch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, thread_main);
+  uint d[6];  // grid x, y, z and threadgroup x, y, z
+  for (int i = 0; i < 6; ++i) d[i] = uint(std::atoi(argv[2 + i]));
+  harness::dispatch({{d[0], d[1], d[2]}}, {{d[3], d[4], d[5]}}, thread_main);
 {nl.join(stores)}
   return 0;
 }}
 """
+
+
+FLAGS = ["-std=c++17", "-O1", "-w"]
+
+
+def _header_dir() -> Path:
+    """A folder holding metal_compat.h, precompiled when the compiler is GCC
+    (most of a kernel's build time is the header's standard includes)."""
+    header = (HERE / "metal_compat.h").read_text()
+    d = CACHE / ("h_" + hashlib.sha256((header + " ".join(FLAGS)).encode()).hexdigest()[:16])
+    if not (d / "metal_compat.h").exists():
+        tmp = Path(tempfile.mkdtemp(dir=CACHE))
+        (tmp / "metal_compat.h").write_text(header)
+        version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout
+        if "Free Software Foundation" in version:  # GCC finds metal_compat.h.gch beside the header
+            subprocess.run([compiler(), *FLAGS, "-x", "c++-header", str(tmp / "metal_compat.h"),
+                            "-o", str(tmp / "metal_compat.h.gch")], capture_output=True)
+        try:
+            os.replace(tmp, d)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return d
 
 
 def build(source: str, launch) -> Path:
@@ -143,7 +177,7 @@ def build(source: str, launch) -> Path:
     if not exe.exists():
         src = CACHE / f"k_{key}.cpp"
         src.write_text(code)
-        r = subprocess.run([compiler(), "-std=c++17", "-O1", "-w", f"-I{HERE}", str(src), "-o", str(exe) + ".tmp"],
+        r = subprocess.run([compiler(), *FLAGS, f"-I{_header_dir()}", str(src), "-o", str(exe) + ".tmp"],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"kernel {launch.name} does not compile:\n{r.stderr[-4000:]}")
@@ -151,8 +185,12 @@ def build(source: str, launch) -> Path:
     return exe
 
 
-def run(launch, source: str = None) -> List[mx.array]:
-    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file)."""
+ORDERS = ("forward", "reverse", "random:1", "random:2")
+
+
+def run(launch, source: str = None, order: str = "forward") -> List[mx.array]:
+    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file),
+    threads taking turns in ``order``."""
     from mlx_dflash.kernels import metal_source
 
     source = source if source is not None else metal_source(launch.name)
@@ -161,10 +199,13 @@ def run(launch, source: str = None) -> List[mx.array]:
         files = []
         for i, (name, a) in enumerate(launch.inputs):
             p = Path(d) / f"in{i}"
-            p.write_bytes(_to_bytes(a) if isinstance(a, mx.array) else b"")
+            p.write_bytes(_to_bytes(a) if isinstance(a, mx.array) else np.int32(int(a)).tobytes())
             files.append(str(p))
         outs = [str(Path(d) / f"out{j}") for j in range(len(launch.outputs))]
-        r = subprocess.run([str(exe)] + files + outs, capture_output=True, text=True, timeout=600)
+        sizes = [str(dtype.size * int(np.prod(shape))) for _, shape, dtype in launch.outputs]
+        dims = [str(int(x)) for x in (*launch.grid, *launch.threadgroup)]
+        out_args = [x for pair in zip(outs, sizes) for x in pair]
+        r = subprocess.run([str(exe), order, *dims, *files, *out_args], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"kernel {launch.name} failed ({r.returncode}): {r.stderr[-2000:]}")
         return [_from_bytes(Path(o).read_bytes(), shape, dtype)

@@ -1,4 +1,4 @@
-"""GGUF (llama.cpp) targets: ``qwen35`` / ``qwen35moe`` (SPEC §7).
+"""GGUF (llama.cpp) targets ``qwen35`` / ``qwen35moe`` and DFlash drafts.
 
 Tensors are decoded one at a time with ``gguf.quants.dequantize`` (``mx.load``
 mis-decodes K-quants and drops tensors after MXFP4) and stored the MLX way:
@@ -7,17 +7,30 @@ float for float sources; ``keep_precision`` stores every tensor as float, a
 ``bits`` map overrides per source type. At most one decoded fp32 tensor is
 alive beyond the final weights.
 
-llama.cpp conventions undone here (see SPEC §7): ``ssm_a = -exp(A_log)``,
-``dt_bias`` stored as ``ssm_dt.bias``, conv1d squeezed to [C, K], norms other
-than ``ssm_norm`` already shifted by +1 (the MLX form), and the DeltaNet value
-heads in *tiled* order (head t belongs to key head t % Hk), put back in the
-grouped order the forward uses.
+llama.cpp's converter (``convert_hf_to_gguf.py``, the Qwen3.5 text classes)
+changes the Hugging Face tensors in ways undone here (docs/gguf.md):
+
+- ``A_log`` is stored as ``ssm_a = -exp(A_log)``; ``dt_bias`` as ``ssm_dt.bias``;
+- conv1d ``[C, 1, K]`` is squeezed to ``[C, K]``;
+- every ``*norm.weight`` except the DeltaNet output norm (``ssm_norm``) is
+  stored as ``1 + w`` (the form MLX-format folders use too);
+- when there are more value heads than key heads (Hv = r * Hk), every
+  per-value-head tensor (v rows of ``attn_qkv``, v channels of
+  ``ssm_conv1d``, rows of ``attn_gate``, ``ssm_alpha``, ``ssm_beta``,
+  ``ssm_a``, ``ssm_dt``, input columns of ``ssm_out``) is moved from grouped
+  order (value head ``k * r + j`` belongs to key head ``k``) to tiled order
+  (position ``j * Hk + k``);
+- MoE experts are stacked into ``[E, out, in]`` tensors (``ffn_{gate,up,down}_exps``,
+  or ``ffn_gate_up_exps`` with gate rows first when fused);
+- multi-token-prediction layers (``mtp.*``) are appended as extra blocks,
+  counted in ``block_count`` and named in ``nextn_predict_layers``.
+  DFlash does not use them: they are checked and skipped.
 """
 
 import json
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,9 +39,27 @@ import numpy as np
 from ..errors import DFlashError
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+
+# Pre-tokenizer split patterns by ``tokenizer.ggml.pre``, as llama.cpp's
+# llama-vocab.cpp defines them (and as the models' tokenizer.json write them).
+# qwen35 differs from qwen2 in keeping combining marks (\p{M}) with letters.
 QWEN2_PRETOKENIZE = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN35_PRETOKENIZE = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {  # name -> split regex (None: GPT-2's own byte-level regex)
+    "gpt2": None,
+    "qwen2": QWEN2_PRETOKENIZE,
+    "deepseek-r1-qwen": QWEN2_PRETOKENIZE,
+    "qwen35": QWEN35_PRETOKENIZE,
+}
+# Tokens llama.cpp treats as end of generation by their text, besides the
+# eos/eot/eom ids the metadata names.
+EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>")
 
 
 def is_gguf(path) -> bool:
@@ -72,6 +103,20 @@ def _first(v):
     return v
 
 
+def eog_token_ids(reader) -> List[int]:
+    """Every id generation stops on: eos/eot/eom as named, and the tokens
+    llama.cpp recognises as end of generation by their text."""
+    tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
+    ids = []
+    for key in ("eos", "eot", "eom"):
+        i = field(reader, f"tokenizer.ggml.{key}_token_id")
+        if i is not None and 0 <= int(i) < len(tokens):
+            ids.append(int(i))
+    by_text = {t: i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+    ids += [by_text[t] for t in EOG_TEXTS if t in by_text]
+    return list(dict.fromkeys(ids))
+
+
 def gguf_config(reader) -> dict:
     """An HF-style config.json dict from the GGUF metadata."""
     arch = field(reader, "general.architecture")
@@ -81,13 +126,19 @@ def gguf_config(reader) -> dict:
     a = arch
     tensors = {t.name: t for t in reader.tensors}
     H = int(_req(reader, f"{a}.embedding_length"))
-    n_layers = int(_req(reader, f"{a}.block_count"))
+    n_blocks = int(_req(reader, f"{a}.block_count"))
+    n_mtp = int(field(reader, f"{a}.nextn_predict_layers", 0) or 0)
+    if not 0 <= n_mtp < n_blocks:
+        raise DFlashError(f"GGUF {a}.nextn_predict_layers = {n_mtp} does not fit block_count {n_blocks}")
+    n_layers = n_blocks - n_mtp  # the MTP blocks come last
     nh = int(_first(_req(reader, f"{a}.attention.head_count")))
     nkv = int(_first(_req(reader, f"{a}.attention.head_count_kv")))
     D = int(field(reader, f"{a}.attention.key_length", H // nh))
     rope_dims = int(field(reader, f"{a}.rope.dimension_count", D // 4))
     Hk = int(_req(reader, f"{a}.ssm.group_count"))
     Hv = int(_req(reader, f"{a}.ssm.time_step_rank"))
+    if Hv % Hk:
+        raise DFlashError(f"GGUF {a}.ssm.time_step_rank {Hv} is not a multiple of ssm.group_count {Hk}")
     inner = int(_req(reader, f"{a}.ssm.inner_size"))
     Dk = int(_req(reader, f"{a}.ssm.state_size"))
     tokens = field(reader, "tokenizer.ggml.tokens")
@@ -117,6 +168,8 @@ def gguf_config(reader) -> dict:
             "partial_rotary_factor": rope_dims / D,
         },
     }
+    if n_mtp:
+        text["mtp_num_hidden_layers"] = n_mtp  # as in the HF config; skipped at load, like mlx-lm does
     if arch == "qwen35moe":
         text.update(
             num_experts=int(_req(reader, f"{a}.expert_count")),
@@ -125,17 +178,43 @@ def gguf_config(reader) -> dict:
             shared_expert_intermediate_size=int(field(reader, f"{a}.expert_shared_feed_forward_length", 0) or 0),
             norm_topk_prob=True,
         )
-    eos = field(reader, "tokenizer.ggml.eos_token_id")
     cfg = {"model_type": ARCHS[arch], "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
-    if eos is not None:
-        cfg["eos_token_id"] = text["eos_token_id"] = int(eos)
+    eog = eog_token_ids(reader)
+    if eog:
+        cfg["eos_token_id"] = text["eos_token_id"] = eog if len(eog) > 1 else eog[0]
     return cfg
 
 
 # --- tensor names and layout ----------------------------------------------------------
 
+def _attention_layer_names(b: str, p: str, moe: bool) -> Dict[str, Tuple[str, str]]:
+    a = p + "self_attn."
+    m = {b + "attn_norm.weight": (p + "input_layernorm.weight", ""),
+         b + "post_attention_norm.weight": (p + "post_attention_layernorm.weight", "")}
+    for g, n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                 ("attn_output", "o_proj"), ("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+        m[b + g + ".weight"] = (a + n + ".weight", "")
+    m.update(_ffn_names(b, p, moe))
+    return m
+
+
+def _ffn_names(b: str, p: str, moe: bool) -> Dict[str, Tuple[str, str]]:
+    f = p + "mlp."
+    m = {}
+    if moe:
+        m[b + "ffn_gate_inp.weight"] = (f + "gate.weight", "")
+        for g, n in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            m[b + f"ffn_{g}_exps.weight"] = (f + f"switch_mlp.{n}.weight", "")
+            m[b + f"ffn_{g}_shexp.weight"] = (f + f"shared_expert.{n}.weight", "")
+        m[b + "ffn_gate_inp_shexp.weight"] = (f + "shared_expert_gate.weight", "row")
+    else:
+        for g, n in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            m[b + f"ffn_{g}.weight"] = (f + f"{n}.weight", "")
+    return m
+
+
 def tensor_map(cfg: dict) -> Dict[str, Tuple[str, str]]:
-    """GGUF tensor name -> (MLX parameter path, transform kind)."""
+    """GGUF tensor name -> (MLX parameter path, transform kind), main layers only."""
     t = cfg["text_config"]
     moe = bool(t.get("num_experts"))
     m = {
@@ -146,39 +225,78 @@ def tensor_map(cfg: dict) -> Dict[str, Tuple[str, str]]:
         m["output.weight"] = ("language_model.lm_head.weight", "")
     for i in range(t["num_hidden_layers"]):
         b, p = f"blk.{i}.", f"language_model.model.layers.{i}."
+        if (i + 1) % t["full_attention_interval"] == 0:
+            m.update(_attention_layer_names(b, p, moe))
+            continue
+        a = p + "linear_attn."
         m[b + "attn_norm.weight"] = (p + "input_layernorm.weight", "")
         m[b + "post_attention_norm.weight"] = (p + "post_attention_layernorm.weight", "")
-        if (i + 1) % t["full_attention_interval"] == 0:
-            a = p + "self_attn."
-            for g, n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                         ("attn_output", "o_proj"), ("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
-                m[b + g + ".weight"] = (a + n + ".weight", "")
-        else:
-            a = p + "linear_attn."
-            m[b + "attn_qkv.weight"] = (a + "in_proj_qkv.weight", "qkv_rows")
-            m[b + "attn_gate.weight"] = (a + "in_proj_z.weight", "head_rows")
-            m[b + "ssm_beta.weight"] = (a + "in_proj_b.weight", "head_rows1")
-            m[b + "ssm_alpha.weight"] = (a + "in_proj_a.weight", "head_rows1")
-            m[b + "ssm_a"] = (a + "A_log", "a_log")
-            m[b + "ssm_dt.bias"] = (a + "dt_bias", "head_rows1")
-            m[b + "ssm_conv1d.weight"] = (a + "conv1d.weight", "conv")
-            m[b + "ssm_norm.weight"] = (a + "norm.weight", "")
-            m[b + "ssm_out.weight"] = (a + "out_proj.weight", "head_cols")
-        f = p + "mlp."
-        if moe:
-            m[b + "ffn_gate_inp.weight"] = (f + "gate.weight", "")
-            for g, n in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                m[b + f"ffn_{g}_exps.weight"] = (f + f"switch_mlp.{n}.weight", "")
-                m[b + f"ffn_{g}_shexp.weight"] = (f + f"shared_expert.{n}.weight", "")
-            m[b + "ffn_gate_inp_shexp.weight"] = (f + "shared_expert_gate.weight", "row")
-        else:
-            for g, n in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                m[b + f"ffn_{g}.weight"] = (f + f"{n}.weight", "")
+        m[b + "attn_qkv.weight"] = (a + "in_proj_qkv.weight", "qkv_rows")
+        m[b + "attn_gate.weight"] = (a + "in_proj_z.weight", "head_rows")
+        m[b + "ssm_beta.weight"] = (a + "in_proj_b.weight", "head_rows")
+        m[b + "ssm_alpha.weight"] = (a + "in_proj_a.weight", "head_rows")
+        m[b + "ssm_a"] = (a + "A_log", "a_log")
+        m[b + "ssm_dt.bias"] = (a + "dt_bias", "head_rows")
+        m[b + "ssm_conv1d.weight"] = (a + "conv1d.weight", "conv")
+        m[b + "ssm_norm.weight"] = (a + "norm.weight", "")
+        m[b + "ssm_out.weight"] = (a + "out_proj.weight", "head_cols")
+        m.update(_ffn_names(b, p, moe))
     return m
 
 
+def _fuse_gate_up(names: Dict[str, Tuple[str, str]], tensors) -> Dict[str, Tuple[str, str]]:
+    """Files converted with --fuse-gate-up-exps hold one ``ffn_gate_up_exps`` per layer."""
+    out = {}
+    for g, v in names.items():
+        if g.endswith("ffn_gate_exps.weight"):
+            fused = g.replace("ffn_gate_exps", "ffn_gate_up_exps")
+            if fused in tensors:
+                out[fused] = (v[0].replace("gate_proj.weight", "gate_up_proj"), "gate_up")
+                continue
+        if g.endswith("ffn_up_exps.weight") and g.replace("ffn_up_exps", "ffn_gate_up_exps") in tensors:
+            continue
+        out[g] = v
+    return out
+
+
+def mtp_tensor_names(cfg: dict, n_mtp: int) -> Tuple[Dict[int, List[str]], Tuple[str, ...]]:
+    """Per MTP block: the tensor names the converter writes (required), and optional ones."""
+    t = cfg["text_config"]
+    moe = bool(t.get("num_experts"))
+    req = {}
+    for j in range(t["num_hidden_layers"], t["num_hidden_layers"] + n_mtp):
+        b = f"blk.{j}."
+        names = list(_attention_layer_names(b, "", moe))
+        names += [b + f"nextn.{n}.weight" for n in ("eh_proj", "enorm", "hnorm", "shared_head_norm")]
+        req[j] = names
+    return req, ("nextn.embed_tokens.weight", "nextn.shared_head_head.weight")
+
+
+def _check_mtp(path, cfg: dict, tensors) -> List[str]:
+    """The MTP blocks' tensor names, after checking that each block is complete."""
+    n_mtp = int(cfg["text_config"].get("mtp_num_hidden_layers", 0))
+    req, optional = mtp_tensor_names(cfg, n_mtp)
+    names = []
+    for j, want in req.items():
+        fused = f"blk.{j}.ffn_gate_up_exps.weight"
+        split = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+        missing = [n for n in want if n not in tensors and not (fused in tensors and n.endswith(split))]
+        if missing:
+            raise DFlashError(
+                f"GGUF {path}: MTP block blk.{j} (counted in nextn_predict_layers = {n_mtp}) is missing "
+                f"{missing[:4]}: a truncated or incompletely converted MTP layer")
+        block = [n for n in tensors if n.startswith(f"blk.{j}.")]
+        allowed = set(want) | {f"blk.{j}.{o}" for o in optional} | {fused}
+        unknown = [n for n in block if n not in allowed]
+        if unknown:
+            raise DFlashError(f"GGUF {path}: unknown tensors {unknown[:4]} in MTP block blk.{j}")
+        names += block
+    return names
+
+
 def tiled_to_grouped(Hk: int, Hv: int) -> np.ndarray:
-    """idx such that grouped[h] = tiled[idx[h]] (value head h of key head h // r)."""
+    """idx such that grouped[h] = tiled[idx[h]]: grouped head h = k * r + j
+    (value head j of key head k) sits at tiled position j * Hk + k."""
     r = Hv // Hk
     h = np.arange(Hv)
     return (h % r) * Hk + h // r
@@ -192,7 +310,7 @@ def _heads(x: np.ndarray, idx: np.ndarray, axis: int) -> np.ndarray:
 
 
 def transform(kind: str, w: np.ndarray, cfg: dict) -> np.ndarray:
-    """GGUF layout (after un-reversing ggml's dims) -> MLX layout."""
+    """GGUF layout (numpy order, as ``dequantize`` returns it) -> MLX layout."""
     t = cfg["text_config"]
     Hk, Hv = t["linear_num_key_heads"], t["linear_num_value_heads"]
     idx = tiled_to_grouped(Hk, Hv)
@@ -201,18 +319,20 @@ def transform(kind: str, w: np.ndarray, cfg: dict) -> np.ndarray:
         return w
     if kind == "row":
         return w.reshape(1, -1)
-    if kind == "a_log":
-        return np.log(-w.reshape(-1))
-    if kind in ("head_rows", "head_rows1"):
-        return _heads(w, idx, 0) if kind == "head_rows" else w.reshape(Hv, *w.shape[1:])[idx]
-    if kind == "qkv_rows":
+    if kind == "a_log":  # ssm_a = -exp(A_log), in tiled order
+        return np.log(-_heads(w.reshape(-1), idx, 0))
+    if kind == "head_rows":  # rows grouped per value head (one row each for alpha, beta, dt)
+        return _heads(w, idx, 0)
+    if kind == "qkv_rows":  # q and k rows are per key head: only the v rows move
         return np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim:], idx, 0)], axis=0)
-    if kind == "conv":
-        w = w.reshape(w.shape[0], -1)  # [C, K]
+    if kind == "conv":  # [C, K] -> [C, K, 1]; v channels move like the v rows
+        w = w.reshape(w.shape[0], -1)
         w = np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim:], idx, 0)], axis=0)
         return w[:, :, None]
     if kind == "head_cols":
         return _heads(w, idx, 1)
+    if kind == "gate_up":  # [E, 2 * ff, H], gate rows first -> two [E, ff, H]
+        return w
     raise ValueError(kind)
 
 
@@ -234,10 +354,37 @@ def _group_size(in_dim: int) -> Optional[int]:
     return None
 
 
+def default_dtype(reader):
+    """The float type an mlx-lm conversion keeps: the file's half type (BF16 or
+    F16) when its matrices are stored as floats; float16 for quantized files
+    (their block scales are fp16); float32 only for an all-F32 file."""
+    from collections import Counter
+
+    mats = [t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2]
+    halves = Counter(n for n in mats if n in ("F16", "BF16"))
+    if halves:
+        return mx.bfloat16 if halves.most_common(1)[0][0] == "BF16" else mx.float16
+    if any(n not in ("F32", "F64") for n in mats):
+        return mx.float16
+    return mx.float32
+
+
+def _progress_bar(path, total_bytes: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"decoding {Path(path).name}",
+                leave=False, dynamic_ncols=True)
+
+
 def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[str, int]] = None,
-                     dtype=None, progress: Optional[Callable[[int, int, int], None]] = None):
-    """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block)."""
-    from gguf import GGMLQuantizationType
+                     dtype=None, progress=None):
+    """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
+
+    ``dtype`` (default :func:`default_dtype`) is the float type of unquantized
+    weights and of quantization scales; ``A_log`` stays float32 as in mlx-lm.
+    ``progress``: True for a tqdm bar on stderr, or a callable
+    ``(tensors_done, tensors_total, bytes_done)``. MTP blocks are checked and skipped.
+    """
     from gguf.quants import dequantize
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
@@ -246,14 +393,21 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
 
     reader = open_gguf(path)
     cfg = gguf_config(reader)
-    names = tensor_map(cfg)
     tensors = {t.name: t for t in reader.tensors}
-    unknown = sorted(set(tensors) - set(names))
+    names = _fuse_gate_up(tensor_map(cfg), tensors)
+    mtp = _check_mtp(path, cfg, tensors)
+    unknown = sorted(set(tensors) - set(names) - set(mtp))
     if unknown:
         raise DFlashError(f"GGUF {path}: unknown tensors {unknown[:5]} (not a {cfg['model_type']} layout?)")
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise DFlashError(f"GGUF {path}: missing tensors {missing[:5]}")
+    dt = dtype or default_dtype(reader)
+
+    def parts(pname: str, kind: str) -> List[str]:
+        if kind == "gate_up":
+            return [pname.replace("gate_up_proj", "gate_proj.weight"), pname.replace("gate_up_proj", "up_proj.weight")]
+        return [pname]
 
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))  # lazy random init, never evaluated
@@ -262,90 +416,137 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     for gname, (pname, kind) in names.items():
         tname = tensors[gname].tensor_type.name
         b = None if keep_precision else (bits or {}).get(tname, default_bits(tname))
-        mod_path = pname.rsplit(".", 1)[0]
-        mod = mods.get(mod_path)
-        quantizable = pname.endswith(".weight") and hasattr(mod, "to_quantized")
-        gs = _group_size(int(tensors[gname].shape[0])) if quantizable else None
-        if b is not None and quantizable and gs is not None:
-            plan[gname] = (b, gs)
-            qconf[mod_path] = {"group_size": gs, "bits": b}
-        elif quantizable:
-            qconf[mod_path] = False
+        for pn in parts(pname, kind):
+            mod_path = pn.rsplit(".", 1)[0]
+            quantizable = pn.endswith(".weight") and hasattr(mods.get(mod_path), "to_quantized")
+            gs = _group_size(int(tensors[gname].shape[0])) if quantizable else None
+            if b is not None and quantizable and gs is not None:
+                plan[pn] = (b, gs)
+                qconf[mod_path] = {"group_size": gs, "bits": b}
     if plan:
         nn.quantize(model, class_predicate=lambda p, m: qconf.get(p, False))
-    float_dtype = dtype
     total = len(names)
+    bar = _progress_bar(path, sum(int(tensors[g].n_bytes) for g in names)) if progress is True else None
     done_bytes = 0
-    for n, (gname, (pname, kind)) in enumerate(names.items(), 1):
-        t = tensors[gname]
-        try:
-            w = dequantize(t.data, t.tensor_type)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise DFlashError(f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
-        w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
-        expect_shape = tuple(int(d) for d in reversed(t.shape))
-        arr = mx.array(w)
-        del w
-        if gname in plan:
-            b, gs = plan[gname]
-            q, s, z = mx.quantize(arr, group_size=gs, bits=b)
-            base = pname.rsplit(".", 1)[0]
-            updates = [(pname, q), (base + ".scales", s), (base + ".biases", z)]
-        else:
-            src = t.tensor_type.name
-            target_dtype = float_dtype or {"F16": mx.float16, "BF16": mx.bfloat16}.get(src, mx.float32)
-            if pname.endswith(("A_log", "dt_bias")) or "norm" in pname:
-                target_dtype = mx.float32  # small, precision-sensitive
-            updates = [(pname, arr.astype(target_dtype))]
-        model.load_weights(updates, strict=False)
-        mx.eval([u for _, u in updates])
-        del arr, updates
-        mx.clear_cache()  # return the decode's temporaries, so peak memory stays one tensor deep
-        done_bytes += int(t.n_bytes)
-        if progress:
-            progress(n, total, done_bytes)
+    try:
+        for n, (gname, (pname, kind)) in enumerate(names.items(), 1):
+            t = tensors[gname]
+            try:
+                w = dequantize(t.data, t.tensor_type)
+            except (NotImplementedError, ValueError, KeyError) as e:
+                raise DFlashError(
+                    f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
+            w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
+            arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
+            del w
+            updates = []
+            for pn, x in zip(parts(pname, kind), arrs):
+                arr = mx.array(x)
+                if pn in plan:
+                    b, gs = plan[pn]
+                    # from the float32 decode (more exact, and faster on a CPU than half), scales then cast
+                    q, sc, z = mx.quantize(arr, group_size=gs, bits=b)
+                    base = pn.rsplit(".", 1)[0]
+                    updates += [(pn, q), (base + ".scales", sc.astype(dt)), (base + ".biases", z.astype(dt))]
+                else:  # mlx-lm keeps A_log in float32 (its cast_predicate) and casts the rest
+                    updates.append((pn, arr.astype(mx.float32 if pn.endswith("A_log") else dt)))
+            del arrs
+            model.load_weights(updates, strict=False)
+            mx.eval([u for _, u in updates])
+            del updates
+            mx.clear_cache()  # return the decode's temporaries, so peak memory stays one tensor deep
+            done_bytes += int(t.n_bytes)
+            if bar is not None:
+                bar.update(int(t.n_bytes))
+            elif callable(progress):
+                progress(n, total, done_bytes)
+    finally:
+        if bar is not None:
+            bar.close()
+    if mtp and progress is True:
+        import sys
+
+        nbytes = sum(int(tensors[g].n_bytes) for g in mtp)
+        n_mtp = cfg["text_config"]["mtp_num_hidden_layers"]
+        sys.stderr.write(f"note: skipped the GGUF's {n_mtp} MTP (nextn) block(s), {len(mtp)} tensors, "
+                         f"{nbytes / 1e6:.1f} MB: DFlash does not use them\n")
     # Everything the model has must have come from the file.
-    loaded_paths = {p for p, _ in names.values()}
+    loaded_paths = {pn for pname, kind in names.values() for pn in parts(pname, kind)}
     for k, _ in tree_flatten(model.parameters()):
         base = k.rsplit(".", 1)[0]
         if k not in loaded_paths and not (k.endswith((".scales", ".biases")) and base + ".weight" in loaded_paths):
             raise DFlashError(f"GGUF {path}: no tensor for parameter {k}")
     model.eval()
     out_cfg = json.loads(json.dumps(cfg))
+    out_cfg["torch_dtype"] = str(dt).split(".")[-1]  # what mlx-lm reads back as the model's float type
     if plan:
         from collections import Counter
 
         bits_, gs_ = Counter(plan.values()).most_common(1)[0][0]  # the default; the rest are per-layer
-        out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, **qconf}
+        per_layer = {k: v for k, v in qconf.items() if (v["bits"], v["group_size"]) != (bits_, gs_)}
+        out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": "affine", **per_layer}
+        out_cfg["quantization_config"] = out_cfg["quantization"]
     return Target(model, out_cfg), out_cfg
+
+
+def lazy_target(cfg: dict):
+    """A Target with the file's shapes and unread (never evaluated) weights,
+    for checks that need only shapes (``info --draft``)."""
+    from mlx_lm.utils import _get_classes
+
+    from ..models.qwen35 import Target
+
+    model_cls, args_cls = _get_classes(cfg)
+    return Target(model_cls(args_cls.from_dict(json.loads(json.dumps(cfg)))), cfg)
 
 
 # --- tokenizer ---------------------------------------------------------------------
 
-def write_tokenizer(reader, out_dir) -> Path:
-    """tokenizer.json + tokenizer_config.json (chat template) from tokenizer.ggml.*"""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(reader):
+    """A ``tokenizers.Tokenizer`` from tokenizer.ggml.* (byte-level BPE), with
+    the split regex llama.cpp uses for ``tokenizer.ggml.pre`` and, for the Qwen
+    types, the NFC normalizer Qwen's tokenizer.json declares."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     model_kind = field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise DFlashError(f"unsupported GGUF tokenizer model {model_kind!r} (only byte-level BPE 'gpt2')")
+    pre = field(reader, "tokenizer.ggml.pre")
+    if pre is None:  # llama.cpp falls back to a generic split and warns of degraded output
+        raise DFlashError(f"GGUF has no tokenizer.ggml.pre (pre-tokenizer type); supported: "
+                          f"{', '.join(PRE_TOKENIZERS)}")
+    if pre not in PRE_TOKENIZERS:
+        raise DFlashError(f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
+                          f"supported: {', '.join(PRE_TOKENIZERS)}")
     tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
     merges = list(field(reader, "tokenizer.ggml.merges") or [])
     types = list(field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
-    pre = field(reader, "tokenizer.ggml.pre", "default")
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    if pre in ("gpt2", "default"):
+    regex = PRE_TOKENIZERS[pre]
+    if regex is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:  # qwen2 / qwen35 and friends: Qwen's split regex, then bytes
+    else:
+        tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE), behavior="isolated"),
+            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     tok.decoder = decoders.ByteLevel()
-    specials = [tokens[i] for i, ty in enumerate(types) if ty in (3, 4)]  # CONTROL, USER_DEFINED
-    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    # CONTROL tokens are special (skipped when decoding); USER_DEFINED ones
+    # (Qwen's <think>, <tool_call>, ...) are matched whole but decoded as text.
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, ty in enumerate(types) if ty == 3])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, ty in enumerate(types) if ty == 4])
+    return tok
+
+
+def write_tokenizer(reader, out_dir) -> Path:
+    """tokenizer.json + tokenizer_config.json (chat template) from tokenizer.ggml.*"""
+    tok = build_tokenizer(reader)
+    tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
@@ -377,10 +578,13 @@ def tokenizer_dir_for(path) -> Path:
 
 # --- drafts ----------------------------------------------------------------------------
 
-# Draft converters disagree on a few names; accept each spelling seen.
+# llama.cpp's DFlash converter writes arch ``dflash`` with ``fc``, ``enc.output_norm``
+# (the draft's hidden_norm) and Qwen3 block names; other draft converters use
+# ``dflash_fc`` / ``dflash_hidden_norm``. Accept each spelling seen.
 _DRAFT_GLOBAL = {
-    "fc.weight": ("dflash_fc.weight", "dflash.fc.weight", "fc.weight"),
-    "hidden_norm.weight": ("dflash_hidden_norm.weight", "dflash.hidden_norm.weight", "hidden_norm.weight"),
+    "fc.weight": ("fc.weight", "dflash_fc.weight", "dflash.fc.weight"),
+    "hidden_norm.weight": ("enc.output_norm.weight", "dflash_hidden_norm.weight", "dflash.hidden_norm.weight",
+                           "hidden_norm.weight"),
     "norm.weight": ("output_norm.weight", "norm.weight"),
 }
 _DRAFT_LAYER = {
@@ -397,6 +601,16 @@ _DRAFT_LAYER = {
     "mlp.down_proj.weight": ("ffn_down.weight",),
 }
 _IGNORED_DRAFT = ("token_embd.weight", "output.weight")  # some converters keep the target's vocab tensors
+# DFlash keys: llama.cpp's spelling first (the one named in errors), then others seen.
+_DRAFT_KEYS = {
+    "target_layer_ids": ("target_layers", "dflash.target_layer_ids"),
+    "block_size": ("block_size", "dflash.block_size"),
+    "mask_token_id": ("mask_token_id", "dflash.mask_token_id"),
+}
+
+
+def is_gguf_draft(reader) -> bool:
+    return "dflash" in (field(reader, "general.architecture") or "")
 
 
 def gguf_draft_config(reader) -> dict:
@@ -409,31 +623,58 @@ def gguf_draft_config(reader) -> dict:
     def get(key, default=None):
         return field(reader, f"{a}.{key}", default)
 
-    ids = get("dflash.target_layer_ids", get("target_layers"))
-    if ids is None:
-        raise DFlashError(f"draft GGUF has no {a}.dflash.target_layer_ids")
+    def dflash_key(name):
+        for k in _DRAFT_KEYS[name]:
+            v = get(k)
+            if v is not None:
+                return v
+        if name == "mask_token_id" and field(reader, "tokenizer.ggml.mask_token_id") is not None:
+            return field(reader, "tokenizer.ggml.mask_token_id")
+        raise DFlashError(f"draft GGUF is missing {a}.{_DRAFT_KEYS[name][0]} "
+                          f"(the DFlash {name.replace('_', ' ')}; also looked for "
+                          f"{', '.join(a + '.' + k for k in _DRAFT_KEYS[name][1:])})")
+
+    ids = dflash_key("target_layer_ids")
     H = int(get("embedding_length") or 0)
     nh = int(_first(get("attention.head_count") or 0))
-    if not H or not nh:
-        raise DFlashError("draft GGUF is missing embedding_length or attention.head_count")
+    if not H:
+        raise DFlashError(f"draft GGUF is missing {a}.embedding_length")
+    if not nh:
+        raise DFlashError(f"draft GGUF is missing {a}.attention.head_count")
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "hidden_size": H,
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": int(_req(reader, f"{a}.block_count")),
         "num_attention_heads": nh,
         "num_key_value_heads": int(_first(get("attention.head_count_kv", nh))),
         "head_dim": int(get("attention.key_length", H // nh)),
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(_req(reader, f"{a}.feed_forward_length")),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 1000000.0)),
         "max_position_embeddings": int(get("context_length", 40960)),
-        "block_size": int(get("dflash.block_size", 16)),
-        "dflash_config": {"mask_token_id": get("dflash.mask_token_id"),
+        "block_size": int(dflash_key("block_size")),
+        "dflash_config": {"mask_token_id": int(dflash_key("mask_token_id")),
                           "target_layer_ids": [int(i) for i in ids]},
     }
-    sw = get("attention.sliding_window")
-    if sw:
-        cfg["sliding_window"] = int(sw)
+    ths = get("target_hidden_size")
+    if ths is not None:
+        cfg["target_hidden_size"] = int(ths)
+    sw = int(get("attention.sliding_window") or 0)
+    if sw > 0:  # as llama.cpp: a window needs the per-layer pattern (true = sliding layer)
+        pattern = get("attention.sliding_window_pattern")
+        if pattern is None:
+            raise DFlashError(f"draft GGUF has {a}.attention.sliding_window = {sw} but no "
+                              f"{a}.attention.sliding_window_pattern (which layers slide)")
+        n = cfg["num_hidden_layers"]
+        if isinstance(pattern, (list, tuple)):
+            slides = [bool(x) for x in pattern]
+        else:  # every n-th layer is full attention
+            slides = [(i + 1) % int(pattern) != 0 for i in range(n)]
+        if len(slides) != n:
+            raise DFlashError(f"draft GGUF {a}.attention.sliding_window_pattern has {len(slides)} entries "
+                              f"for {n} layers")
+        cfg["sliding_window"] = sw
+        cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in slides]
     return cfg
 
 
@@ -444,8 +685,10 @@ def load_gguf_draft(path, target, *, dtype=None):
 
     reader = open_gguf(path)
     cfg = gguf_draft_config(reader)
-    if cfg["dflash_config"]["mask_token_id"] is None:
-        cfg["dflash_config"]["mask_token_id"] = field(reader, "tokenizer.ggml.mask_token_id")
+    ths = cfg.get("target_hidden_size")
+    if ths is not None and ths != target.hidden_size:
+        raise DFlashError(f"draft {path}: {field(reader, 'general.architecture')}.target_hidden_size {ths} "
+                          f"!= target hidden_size {target.hidden_size}")
     tensors = {t.name: t for t in reader.tensors}
     wanted = dict(_DRAFT_GLOBAL)
     for i in range(cfg["num_hidden_layers"]):
