@@ -29,7 +29,7 @@ def main():
     from mlx_dflash.decode import GenerationStats, generate_tokens
 
     eng = mlx_dflash.load()
-    prompts = read_prompts(ROOT / "bench" / "prompts")
+    prompts = read_prompts()
     ids = {k: eng.encode(v, chat_template=True) for k, v in prompts.items()}
     configs = [(0, 1)] + [(b, k) for b in (8, 12, 22) for k in (2, 4)]
 
@@ -58,7 +58,7 @@ def main():
         rows.append((name, statistics.median(tps), statistics.median(taus), statistics.median(sizes)))
         print(rows[-1], flush=True)
     lines = ["# Chain vs tree on the embedded pair", "",
-             f"- BLAS: {blas.describe()}; {len(ids)} prompts from bench/prompts, {args.max_tokens} tokens, "
+             f"- BLAS: {blas.describe()}; {len(ids)} prompts from mlx_dflash/bench_prompts, {args.max_tokens} tokens, "
              f"median of {args.repeats} runs per prompt; tokens identical to plain decoding in every run", "",
              "| mode | decode tok/s | tau | tokens verified per cycle |", "|---|---:|---:|---:|"]
     lines += [f"| {n} | {t:.1f} | {a:.2f} | {s:.1f} |" for n, t, a, s in rows]

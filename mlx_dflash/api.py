@@ -28,8 +28,9 @@ class Engine:
     draft_path: Optional[Path] = None
 
     def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
-               system: Optional[str] = None) -> List[int]:
-        """Token ids for ``prompt`` (ids pass through); optionally via the chat template."""
+               system: Optional[str] = None, chat_template_config: Optional[dict] = None) -> List[int]:
+        """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
+        with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         if not prompt.strip():
@@ -41,7 +42,7 @@ class Engine:
                 {"role": "user", "content": prompt}
             ]
             return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True))
+                messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})))
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
 
@@ -112,6 +113,8 @@ def stream_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    chat_template_config: Optional[dict] = None,
     repetition_penalty: float = 1.0,
     repetition_context_size: int = 20,
     seed: Optional[int] = None,
@@ -140,9 +143,10 @@ def stream_generate(
     ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
-    ids = engine.encode(prompt, chat_template=chat_template, system=system)
+    ids = engine.encode(prompt, chat_template=chat_template, system=system,
+                        chat_template_config=chat_template_config)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
-                      repetition_context_size, seed)
+                      repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
     if prefill_chunk < 1:
         raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
     draft = None if baseline else engine.draft

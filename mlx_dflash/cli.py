@@ -42,6 +42,21 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
     return text
 
 
+def _template_config(text: Optional[str]) -> Optional[dict]:
+    """--chat-template-config: a JSON object of keyword arguments for the template."""
+    if text is None:
+        return None
+    import json
+
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"--chat-template-config is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError("--chat-template-config must be a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return cfg
+
+
 def _stats_table(s, mode: str, profile: bool = False) -> str:
     from . import blas
 
@@ -85,21 +100,33 @@ def generate(
         help="Target folder (HF or MLX safetensors) or llama.cpp GGUF file. Default: the embedded pair shipped "
              "with the package."),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d",
+        None, "--draft", "-d", "--draft-model",
         help="DFlash draft folder (z-lab format) or draft GGUF. Default: the embedded draft with the embedded "
              "target; none (plain decoding) with another --model."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
+    num_draft_tokens: Optional[int] = typer.Option(
+        None, "--num-draft-tokens", help="mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one."),
     chat_template: Optional[bool] = typer.Option(
         None, "--chat-template/--no-chat-template",
         help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one)."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message (with the chat template)."),
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+    system: Optional[str] = typer.Option(
+        None, "--system", "--system-prompt", help="System message (with the chat template)."),
+    extra_eos_token: Optional[List[str]] = typer.Option(
+        None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."),
     baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft (for comparison)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
+    min_tokens_to_keep: int = typer.Option(
+        1, "--min-tokens-to-keep", help="Tokens --min-p always keeps (the most likely ones)."),
     repetition_penalty: float = typer.Option(
         1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
     repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
@@ -128,18 +155,47 @@ def generate(
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
                                  "draft / verify / rollback (a little slower)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
+                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
     from .cache import check_kv_bits
 
+    stage = None
+    if pipeline:
+        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
     text = _read_prompt(prompt, prompt_opt)
     check_kv_bits(kv_bits)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    if num_draft_tokens is not None:
+        if block_size is not None:
+            raise DFlashError("give --block-size or --num-draft-tokens, not both")
+        block_size = num_draft_tokens + 1
+    if ignore_chat_template:
+        if chat_template:
+            raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
+        chat_template = False
+    template_kwargs = _template_config(chat_template_config)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    for tok in extra_eos_token or ():
+        try:
+            engine.tokenizer.add_eos_token(tok)
+        except ValueError:
+            raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     use_draft = engine.draft is not None and not baseline
@@ -149,8 +205,8 @@ def generate(
     for r in stream_generate(
         engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
         baseline=baseline, chat_template=chat_template, system=system,
-        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-        repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
+        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
+        chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
         prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits,
@@ -234,7 +290,8 @@ def train_draft_cmd(
 def bench(
     model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target folder (default: the embedded pair)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Draft folder (default: the embedded draft)."),
-    prompts: Path = typer.Option(Path("bench/prompts"), "--prompts", help="Folder of *.txt prompts."),
+    prompts: Optional[Path] = typer.Option(
+        None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up (median reported)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
@@ -252,8 +309,15 @@ def bench(
                                 "the start of Python's argparse.py), generating the first --max-tokens."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
                                   help="DFlash picks each cycle's width from measured costs (see generate --help)."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
+                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
-    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail on any token mismatch."""
+    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
+    from plain decoding's (agreement with mlx-lm is reported, not required)."""
     from . import blas
     from .api import load
     from .bench import read_prompts, run_bench, write_results
@@ -266,14 +330,22 @@ def bench(
         raise DFlashError("--context values must be positive")
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
     texts = read_prompts(prompts)
-    engine = load(model, draft, dtype=_dtype(dtype))
+    if pipeline:
+        from .distributed import load as load_stage
+
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 is done
+            return
+    typer.echo(f"BLAS: {blas.describe()}", err=True)
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True), contexts=context or (), adaptive=adaptive)
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, contexts=context or (),
+                    adaptive=adaptive)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -327,11 +399,20 @@ def convert(
 def info(
     path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
     draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    stages: int = typer.Option(
+        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
+                            "(layers and bytes per rank; nothing is loaded)."),
 ):
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
     typer.echo(describe(path, draft))
+    if stages:
+        from .distributed import plan
+
+        if stages < 2:
+            raise DFlashError(f"--stages must be 2 or more, got {stages}")
+        typer.echo(plan(path, stages, draft).describe())
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -1,4 +1,4 @@
-"""DDTree (SPEC §6): a best-first draft tree from per-slot top-K, and the walk.
+"""DDTree (docs/math.md §5): a best-first draft tree from per-slot top-K, and the walk.
 
 The draft's slot d (d = 1..L) gives a distribution over the token at depth d.
 The tree starts with the top-1 chain; a max-heap on summed log-probability then

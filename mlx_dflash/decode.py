@@ -1,4 +1,4 @@
-"""The decode loop (SPEC §3) as phases: propose, verify, accept, commit.
+"""The decode loop (docs/math.md §5) as phases: propose, verify, accept, commit.
 
 Each cycle the policy (``policy.Policy``) chooses what to verify: a chain of
 B tokens (the anchor and B-1 drafts), a DDTree, or plain steps (B = 1, no
@@ -106,7 +106,7 @@ def greedy(logits: mx.array) -> mx.array:
 
 
 def longest_match(drafted: List[int], picks: List[int]) -> int:
-    """Chain acceptance (SPEC §3): drafted tokens kept while each equals the
+    """Chain acceptance (docs/math.md §5): drafted tokens kept while each equals the
     target's pick for the row before it."""
     a = 0
     while a < len(drafted) and drafted[a] == picks[a]:
@@ -399,6 +399,9 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    # The sequence (prompt + output) never holds more than max_context tokens:
+    # the context limit is a length limit like max_tokens, the same in every mode.
+    max_tokens = min(max_tokens, max_context - len(prompt))
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     cache = cache if cache is not None else target.make_cache(kv_bits=kv_bits)
@@ -436,6 +439,8 @@ def generate_tokens(
     stats.prefill_time = time.perf_counter() - tic
     d.pos = len(prompt)
     yield d.emit([d.anchor])
+    if d.finished:  # the first token was EOS, or max_tokens == 1
+        return
     d.tic = time.perf_counter()
 
     plan = policy.plan(d.room())

@@ -14,7 +14,7 @@ VJP in MLX, so every Metal call is an ``mx.custom_function`` whose VJP is the
 twin's: training and anything else differentiated through the target work
 on the GPU path too (:func:`_metal_or_twin`).
 
-Rollback design (SPEC §4): *tape*. The verify recurrence records, per token,
+Rollback design (docs/math.md §2-3): *tape*. The verify recurrence records, per token,
 `delta_t = beta_t * (v_t - (g_t S_{t-1}) k_t)`. With the pre-verify state S_0
 and the inputs k_t, g_t already at hand, rollback to n accepted tokens applies
 `S_n = g_n...g_1 S_0 + sum_{t<=n} (g_n...g_{t+1}) delta_t k_t^T`: no q, no
@@ -368,7 +368,9 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
     out = rows[0] * w[:, 0]
     for j in range(1, K):
         out = out + rows[j] * w[:, j]
-    return nn.silu(out.astype(dtype).astype(mx.float32)).astype(dtype)
+    # Round the conv to the input dtype, then SiLU in that dtype, as mlx-lm's
+    # nn.silu(conv1d(x)) does (its conv accumulates in fp32 like this loop).
+    return nn.silu(out.astype(dtype))
 
 
 def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array:

@@ -343,7 +343,11 @@ class Policy:
         cost scaled as the observed ones were off."""
         ts = self.seen.get(width)
         if ts:
-            return sorted(ts)[len(ts) // 2]
+            t = sorted(ts)[len(ts) // 2]
+            # A plain step never counts as dearer than measured at load: the
+            # first steps after a prefill pay warm-up, and erring toward plain
+            # decoding is the safe side.
+            return min(t, self.costs.cycle(1)) if width == 1 else t
         return self.costs.cycle(width) * self.scale["plain" if width == 1 else "draft"]
 
     def best_width(self, room: int, drafted: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""Samplers for the decode loop, exact under speculative decoding (SPEC §5).
+"""Samplers for the decode loop, exact under speculative decoding (docs/math.md).
 
 Every emitted token is the target's own pick for its row, and a drafted token
 is kept only when it equals that pick, so the output distribution is the
@@ -12,35 +12,54 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
+
 from .errors import DFlashError
 
 
 class Sampler:
-    """temperature / top-k / top-p / min-p / repetition penalty, as mlx-lm's samplers.
+    """temperature / top-p / min-p / top-k / repetition penalty, as mlx-lm's
+    ``make_sampler`` and ``make_repetition_penalty`` apply them.
+
+    A row's logits go through mlx-lm's steps in its order and precision (the
+    logits' own dtype): the repetition penalty on the logits, log-probabilities
+    ``logits - logsumexp(logits)``, then top-p, min-p (keeping at least
+    ``min_tokens_to_keep``) and top-k on those log-probabilities (at
+    temperature 1, before the temperature), then ``* (1 / temperature)``.
+    Greedy is the argmax of the log-probabilities, as mlx-lm's greedy sampler.
+    Only the draw differs: Gumbel noise keyed by (seed, position) instead of
+    mlx-lm's global random state, so the distribution is mlx-lm's and the
+    draw at a position is the same in every decoding mode.
 
     ``__call__(logits [N, V], positions [N], contexts)`` -> ids [N]. ``contexts[i]``
     (only when ``needs_context``) is the token history row i sees, most recent last.
+    ``top_p`` 0 or 1, ``min_p`` 0 and ``top_k`` 0 turn a filter off.
     """
 
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, repetition_context_size: int = 20,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, *, min_tokens_to_keep: int = 1):
         if temperature < 0:
             raise DFlashError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise DFlashError(f"top_p must be in (0, 1], got {top_p}")
+        if not 0.0 <= top_p <= 1.0:
+            raise DFlashError(f"top_p must be in [0, 1] (0 or 1: off), got {top_p}")
         if top_k < 0:
             raise DFlashError(f"top_k must be >= 0, got {top_k}")
-        if not 0.0 <= min_p < 1.0:
-            raise DFlashError(f"min_p must be in [0, 1), got {min_p}")
+        if not 0.0 <= min_p <= 1.0:
+            raise DFlashError(f"min_p must be in [0, 1], got {min_p}")
+        if min_tokens_to_keep < 1:
+            raise DFlashError(f"min_tokens_to_keep must be >= 1, got {min_tokens_to_keep}")
         if repetition_penalty <= 0:
             raise DFlashError(f"repetition penalty must be positive, got {repetition_penalty}")
         if repetition_context_size < 1:
             raise DFlashError("repetition context size must be positive")
         self.temperature = temperature
         self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
+        self.min_tokens_to_keep = min_tokens_to_keep
         self.repetition_penalty = repetition_penalty
         self.repetition_context_size = repetition_context_size
+        self._penalty = (make_repetition_penalty(repetition_penalty, repetition_context_size)
+                         if repetition_penalty != 1.0 else None)
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self.seed = seed
@@ -51,40 +70,37 @@ class Sampler:
 
     @property
     def needs_context(self) -> bool:
-        return self.repetition_penalty != 1.0
+        return self._penalty is not None
 
     def _penalize(self, logits: mx.array, contexts: Sequence[Sequence[int]]) -> mx.array:
-        rows = []
-        p = self.repetition_penalty
-        for i, ctx in enumerate(contexts):
-            row = logits[i]
-            toks = sorted(set(ctx[-self.repetition_context_size:]))
-            if toks:
-                idx = mx.array(toks)
-                sel = row[idx]
-                row = row.at[idx].add(mx.where(sel < 0, sel * p, sel / p) - sel)
-            rows.append(row)
-        return mx.stack(rows)
+        # mlx-lm's processor, one row at a time (each row has its own history).
+        return mx.concatenate([
+            self._penalty(mx.array(list(ctx), dtype=mx.int32), logits[i : i + 1]) if len(ctx) else logits[i : i + 1]
+            for i, ctx in enumerate(contexts)
+        ])
 
-    def _filter(self, logits: mx.array) -> mx.array:
-        """Mask (to -inf) tokens outside top-k / top-p / min-p of softmax(logits)."""
-        neg = mx.array(-float("inf"), logits.dtype)
-        if self.top_k > 0 and self.top_k < logits.shape[-1]:
-            kth = mx.sort(logits, axis=-1)[:, -self.top_k][:, None]
-            logits = mx.where(logits < kth, neg, logits)
-        if self.min_p > 0:
-            lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            logits = mx.where(lp < lp.max(axis=-1, keepdims=True) + mx.log(mx.array(self.min_p)), neg, logits)
-        if self.top_p < 1.0:
-            order = mx.argsort(-logits, axis=-1)
-            sorted_l = mx.take_along_axis(logits, order, axis=-1)
-            probs = mx.softmax(sorted_l, axis=-1)
-            before = mx.cumsum(probs, axis=-1) - probs  # mass strictly before each token
-            keep_sorted = before < self.top_p
-            keep = mx.zeros_like(keep_sorted)
-            keep = mx.put_along_axis(keep, order, keep_sorted, axis=-1)
-            logits = mx.where(keep, logits, neg)
-        return logits
+    def _filter(self, logprobs: mx.array) -> mx.array:
+        """mlx-lm's filters, in make_sampler's order: top-p, min-p, top-k
+        (masked tokens get -inf)."""
+        if 0.0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if 0 < self.top_k < logprobs.shape[-1]:  # top_k >= V keeps every token
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs
+
+    def _scores(self, logits: mx.array, contexts) -> mx.array:
+        """Penalized log-probabilities (greedy) or filtered, tempered ones, in
+        the logits' dtype, as mlx-lm computes them."""
+        if self.needs_context:
+            if contexts is None:
+                raise ValueError("repetition penalty needs each row's context")
+            logits = self._penalize(logits, contexts)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self.greedy:
+            return logprobs
+        return self._filter(logprobs) * (1.0 / self.temperature)
 
     def noise(self, positions: Sequence[int], vocab: int) -> mx.array:
         """Gumbel noise [N, V], a fixed function of (seed, position)."""
@@ -94,23 +110,16 @@ class Sampler:
         ])
 
     def probs(self, logits: mx.array, contexts=None) -> mx.array:
-        """The distribution a row is sampled from (for tests and diagnostics)."""
-        logits = logits.astype(mx.float32)
-        if self.needs_context:
-            logits = self._penalize(logits, contexts)
-        return mx.softmax(self._filter(logits / self.temperature), axis=-1)
+        """The distribution a row is sampled from, [N, V] float32 (T > 0)."""
+        return mx.softmax(self._scores(logits, contexts).astype(mx.float32), axis=-1)
 
     def __call__(self, logits: mx.array, positions: Sequence[int],
                  contexts: Optional[Sequence[Sequence[int]]] = None) -> mx.array:
-        logits = logits.astype(mx.float32)
-        if self.needs_context:
-            if contexts is None:
-                raise ValueError("repetition penalty needs each row's context")
-            logits = self._penalize(logits, contexts)
+        scores = self._scores(logits, contexts)
         if self.greedy:
-            return mx.argmax(logits, axis=-1)
-        logits = self._filter(logits / self.temperature)
-        return mx.argmax(logits + self.noise(positions, logits.shape[-1]), axis=-1)
+            return mx.argmax(scores, axis=-1)
+        scores = scores.astype(mx.float32)
+        return mx.argmax(scores + self.noise(positions, scores.shape[-1]), axis=-1)
 
 
 def greedy_sampler() -> Sampler:

@@ -2,6 +2,7 @@
 
 import json
 
+import mlx.core as mx
 import pytest
 
 import mlx_dflash
@@ -18,7 +19,7 @@ def test_bench_writes_json_markdown_plot(tmp_path):
     eng = mlx_dflash.load()
     res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, tree_budget=6,
                     log=lambda _: None)
-    assert res["identical_tokens"] and len(res["results"]) == 2
+    assert res["identical_tokens"] and res["agrees_with_mlx_lm"] and len(res["results"]) == 2
     for r in res["results"]:
         assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash", "dflash-tree"}
         assert r["modes"]["dflash"]["generated"] == r["modes"]["mlx-lm"]["generated"]
@@ -33,18 +34,76 @@ def test_bench_writes_json_markdown_plot(tmp_path):
     assert files[2].read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_fails_loudly_on_token_mismatch(dense, moe, tok_dir, tmp_path):
-    # A target whose mlx-lm model differs from the one the engine decodes.
+class BrokenVerify(Target):
+    """Test-local mistake: multi-token (verify) forwards see slightly wrong
+    logits, so speculative decoding stops being plain decoding."""
+
+    def forward(self, tokens, cache, **kw):
+        logits, feats = super().forward(tokens, cache, **kw)
+        if logits is not None and logits.shape[0] > 1:
+            logits = logits + mx.random.normal(logits.shape, key=mx.random.key(cache.offset)) * 2.0
+        return logits, feats
+
+
+def test_bench_fails_loudly_when_speculative_differs_from_plain(dense, tok_dir, tmp_path):
     cfg, model = dense
-    target = Target(model)
-    target.model = tiny.build_target(cfg, seed=99)
-    dcfg = tiny.draft_config(cfg, block_size=4)
+    target = BrokenVerify(model)
     from mlx_dflash.loading import load_tokenizer
 
     path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
-    eng = mlx_dflash.Engine(target, load_tokenizer(path), tiny.build_draft(dcfg).bind(target))
-    with pytest.raises(DFlashError, match="LOSSLESSNESS FAILURE"):
+    draft = tiny.build_draft(tiny.draft_config(cfg, block_size=4)).bind(target)
+    eng = mlx_dflash.Engine(target, load_tokenizer(path), draft)
+    with pytest.raises(DFlashError, match="LOSSLESSNESS FAILURE: dflash differs from this engine's plain"):
         run_bench(eng, {"p": "def f(x):"}, max_tokens=[16], repeats=1, log=lambda _: None)
+
+
+def test_bench_reports_mlx_lm_disagreement_without_failing(dense, tok_dir, tmp_path):
+    """Numerics outside the engine (here: mlx-lm running other weights) are
+    reported, not taken for a losslessness failure."""
+    cfg, model = dense
+    target = Target(model)
+    target.model = tiny.build_target(cfg, seed=99)
+    from mlx_dflash.loading import load_tokenizer
+
+    path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
+    eng = mlx_dflash.Engine(target, load_tokenizer(path), tiny.build_draft(tiny.draft_config(cfg, block_size=4)).bind(target))
+    notes = []
+    res = run_bench(eng, {"p": "def f(x):"}, max_tokens=[16], repeats=1, log=notes.append)
+    assert res["identical_tokens"] and not res["agrees_with_mlx_lm"]
+    assert res["results"][0]["mlx_lm_first_difference"] is not None
+    assert any("not a losslessness failure" in n for n in notes)
+
+
+def test_bench_on_bf16_checks_plain_not_mlx_lm(tmp_path):
+    """The embedded pair in bf16: speculative output must equal plain
+    decoding; agreement with mlx-lm is a separate, reported fact."""
+    eng = mlx_dflash.load(dtype=mx.bfloat16)
+    res = run_bench(eng, {"p": "def add(a, b):\n"}, max_tokens=[12], repeats=1, tree_budget=4, log=lambda _: None)
+    assert res["identical_tokens"] and isinstance(res["agrees_with_mlx_lm"], bool)
+    md = write_results(res, tmp_path, "bf")[1].read_text()
+    assert "plain decoding equals mlx-lm's on every row" in md
+
+
+def test_shipped_prompt_set_is_package_data(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from mlx_dflash.bench import PROMPTS_DIR
+
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    assert PROMPTS_DIR.parent == Path(mlx_dflash.__file__).parent
+    assert set(read_prompts()) == {f.stem for f in PROMPTS_DIR.glob("*.txt")} and len(read_prompts()) >= 6
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert '"bench_prompts/*.txt"' in pyproject  # shipped in the wheel
+
+
+@pytest.mark.slow
+def test_bench_runs_outside_a_checkout_with_the_shipped_prompts(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no bench/prompts here
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "-n", "2", "--repeats", "1", "--blas", "bundled", "--out", str(tmp_path / "o")])
+    assert e.value.code in (0, None), capsys.readouterr().err
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert {r["prompt"] for r in res["results"]} == set(read_prompts())
 
 
 def test_bench_cli_bad_prompts(tmp_path, capsys):

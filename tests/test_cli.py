@@ -17,14 +17,16 @@ def cli(capsys, *args):
     return e.value.code, out.out, out.err
 
 
-def test_help_lists_every_flag(capsys):
+def test_help_lists_every_flag(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # a wide table: long flag names are not cut
     code, out, _ = cli(capsys, "--help")
     assert code == 0 and "generate" in out and "info" in out
     code, out, _ = cli(capsys, "generate", "--help")
     assert code == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
                  "--system", "--baseline", "--verbose", "--profile", "--seed", "--temp", "--draft-window",
-                 "--dtype"):
+                 "--dtype", "--draft-model", "--num-draft-tokens", "--system-prompt", "--ignore-chat-template",
+                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep"):
         assert flag in out, flag
 
 

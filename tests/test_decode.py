@@ -137,7 +137,7 @@ def test_plain_loop_cache_is_exact_at_every_stop(dense, profile):
     first = ref.index(ref[6])
     cases = [dict(n=N, eos_token_ids=[ref[6]], want=ref[: first + 1], why="stop"),
              dict(n=5, want=ref[:5], why="length"),
-             dict(n=N, max_context=len(prompt) + 7, want=ref[:8], why="length")]
+             dict(n=N, max_context=len(prompt) + 7, want=ref[:7], why="length")]
     for c in cases:
         cache = target.make_cache()
         out, stats = run(target, prompt, c["n"], cache=cache, profile=profile,
@@ -193,7 +193,7 @@ def test_generation_stops_at_context_limit(dense):
     ref = reference_greedy(model, prompt, 12)
     draft = ScriptedDraft(prompt, ref, target.vocab_size)
     out, stats = run(target, prompt, 12, draft=draft, block_size=4, max_context=len(prompt) + 7)
-    assert out == ref[:8]  # positions up to the limit, plus the last bonus token
+    assert out == ref[:7]  # prompt + output fill the context exactly
     assert stats.finish_reason == "length"
 
 
@@ -223,3 +223,41 @@ def test_long_prompt_hands_the_draft_only_its_window(dense, random_drafts):
     rows, skipped, pos = seen[0]
     assert rows == 8 and skipped + rows == pos == len(prompt)
     assert all(r <= 8 for r, _, _ in seen)
+MODES = {
+    "plain": dict(),
+    "plain-profiled": dict(profile=True),  # the unpipelined plain loop
+    "chain": dict(block_size=16),
+    "tree": dict(block_size=16, tree_budget=12, tree_topk=2),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_exact_stops_in_every_mode(dense, mode):
+    """max_tokens = 1, EOS as the first token, EOS inside an accepted block and
+    the context limit stop on the exact token, in every decoding mode."""
+    _, model = dense
+    target = Target(model)
+    prompt = PROMPTS[0]
+    ref = reference_greedy(model, prompt, N)
+    kw = dict(MODES[mode])
+
+    def go(n, **extra):
+        d = ScriptedDraft(prompt, ref, target.vocab_size) if "block_size" in kw else None
+        return run(target, prompt, n, draft=d, **kw, **extra)
+
+    out, stats = go(1)
+    assert out == ref[:1] and stats.generated_tokens == 1 and stats.finish_reason == "length"
+    out, stats = go(N, eos_token_ids=[ref[0]])
+    assert out == ref[:1] and stats.finish_reason == "stop"
+    # An EOS the oracle draft proposes in the middle of its first block.
+    k = next(i for i in range(4, N) if ref[i] not in ref[:i])
+    out, stats = go(N, eos_token_ids=[ref[k]])
+    assert out == ref[: k + 1] and stats.finish_reason == "stop" and stats.generated_tokens == k + 1
+    if "block_size" in kw:
+        assert stats.cycles == 1  # the EOS came inside one accepted block
+    for room in (1, 2, 9):
+        out, stats = go(N, max_context=len(prompt) + room)
+        assert out == ref[:room] and stats.finish_reason == "length"
+    # max_tokens below the room left in the context still binds first.
+    out, stats = go(3, max_context=len(prompt) + 9)
+    assert out == ref[:3]

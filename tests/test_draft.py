@@ -1,4 +1,4 @@
-"""DFlash draft forward vs a reference written from SPEC §2, and draft loading."""
+"""DFlash draft forward vs a reference written from the math (docs/math.md), and draft loading."""
 
 import math
 
@@ -23,8 +23,10 @@ def rope_ref(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def draft_ref(draft, target, feats, anchor, anchor_pos, B, window=None):
-    """Uncached draft forward, straight from SPEC §2."""
+def draft_ref(draft, target, feats, anchor, anchor_pos, B, window=None, theta=None, pos_scale=1.0):
+    """Uncached draft forward, straight from the math (docs/math.md). ``theta``
+    and ``pos_scale`` (linear RoPE scaling: positions times 1/factor) override
+    the config's RoPE."""
     cfg = draft.config
     npa = lambda t: np.array(t, dtype=np.float64)
     ctx_pos = list(range(anchor_pos))
@@ -45,8 +47,9 @@ def draft_ref(draft, target, feats, anchor, anchor_pos, B, window=None):
         kv_in = mx.concatenate([ctx, x], axis=0)
         k = npa(at.k_norm(at.k_proj(kv_in).reshape(S + B, nkv, D)))
         v = npa(at.v_proj(kv_in).reshape(S + B, nkv, D))
-        q = rope_ref(q, blk_pos, cfg.rope_theta)
-        k = rope_ref(k, ctx_pos + blk_pos, cfg.rope_theta)
+        th = theta or cfg.rope_theta
+        q = rope_ref(q, np.array(blk_pos) * pos_scale, th)
+        k = rope_ref(k, np.array(ctx_pos + blk_pos) * pos_scale, th)
         rep = nh // nkv
         k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)
@@ -97,7 +100,7 @@ def test_draft_matches_spec_reference_over_cycles(setup, window):
 def test_all_sliding_draft_keeps_only_its_window_and_matches_training_forward(dense):
     """A draft trained with a context window (every layer sliding, block
     bidirectional) keeps W-1 context rows by default; each cycle's logits
-    equal the SPEC reference and the training forward over the same anchors."""
+    equal the reference and the training forward over the same anchors."""
     from mlx_dflash.models.draft import train_logits
 
     cfg, model = dense

@@ -71,7 +71,7 @@ def test_rollback_equals_plain_forward_over_committed(any_model, n_keep):
 
 
 def sequential_reference(q, k, v, g, beta, S, mask=None):
-    """SPEC §1 per token: S = g S; u = S k; delta = beta (v - u); S += delta k^T; y = S q."""
+    """docs/math.md §1 per token: S = g S; u = S k; delta = beta (v - u); S += delta k^T; y = S q."""
     q, k, v, g, beta, S = (np.array(x, np.float64) for x in (q, k, v, g, beta, S))
     T, Hk, Hv = q.shape[1], q.shape[2], v.shape[2]
     ys, deltas, states = [], [], [S.copy()]
@@ -129,3 +129,43 @@ def test_rollback_outside_block_is_rejected(dense):
     target.forward([4, 5], cache, record=True)
     with pytest.raises(ValueError):
         cache.rollback(3)
+
+
+@pytest.fixture(scope="module")
+def bf16_converted(tmp_path_factory, tok_dir):
+    """Tiny dense targets saved in HF format and converted to bf16 by
+    ``mlx_lm.convert`` itself (what a user's bf16 checkpoint is)."""
+    from mlx_lm.convert import convert
+
+    from mlx_dflash import tiny
+
+    root = tmp_path_factory.mktemp("bf16")
+    out = []
+    for seed in (3,):  # (a mutation of either op below parts from mlx-lm within 80 tokens here)
+        cfg = tiny.target_config()
+        hf = tiny.save_hf(tiny.build_target(cfg, seed=seed), cfg, root / f"hf{seed}", tok_dir)
+        convert(str(hf), str(root / f"mlx{seed}"), dtype="bfloat16")
+        out.append(root / f"mlx{seed}")
+    return out
+
+
+def test_bf16_plain_greedy_equals_mlx_lm_generate(bf16_converted):
+    """Same ops in the same precision as mlx-lm (SiLU of the conv in the input
+    dtype, greedy argmax over bf16 log-probabilities): token for token over
+    200 tokens. (Longer prompts can part: README, 'Numerics'.)"""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    from mlx_dflash.decode import generate_tokens
+    from mlx_dflash.loading import load_target
+
+    from test_decode import PROMPTS
+
+    for path in bf16_converted:
+        ref_model, _ = load_model(path)
+        target = load_target(path)
+        assert target.embed_tokens.weight.dtype == mx.bfloat16
+        for prompt in PROMPTS:
+            ref = [int(t) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=200)]
+            ours = [t for ts in generate_tokens(target, prompt, max_tokens=200) for t in ts]
+            assert ours == ref, (path.name, prompt, next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b))

@@ -154,39 +154,141 @@ def chi2_fails(counts, probs, n):
     return stat > crit, stat, crit
 
 
-def sample_tokens(target, draft, prompt, sampler_kw, seeds, **kw):
-    # Five tokens so the first cycle drafts a full block of 4; count the first three.
-    counts = np.zeros((3, target.vocab_size))
+class SampleScript(ScriptedDraft):
+    """Proposes the target's own samples (the plain run with the same seed),
+    except with probability ``miss`` per slot, where it proposes the target's
+    most likely token instead (a real draft's typical mistake), or another
+    token when that is the sample. Right most of the time, so drafted rows
+    decide most tokens."""
+
+    def __init__(self, target, prompt, reference, seed, miss=0.25):
+        super().__init__(prompt, reference, target.vocab_size)
+        logits, _ = target.batch_forward(mx.array([self.seq]))
+        self.modes = [None] + mx.argmax(logits[0], axis=-1).tolist()  # argmax for position p
+        self.rng_miss = np.random.default_rng(seed)
+        self.miss = miss
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        for j in range(1, B):
+            p = anchor_pos + j
+            tok = self.seq[p] if p < len(self.seq) else 0
+            if self.rng_miss.random() < self.miss:
+                mode = self.modes[p] if p < len(self.modes) else 0
+                tok = mode if mode != tok else (tok + 1) % self.vocab
+            logits[j - 1, tok] = 1.0
+        return mx.array(logits)
+
+
+class KeyedToBlockStart(Sampler):
+    """Mistake: every row of a verified block draws with the noise of its first row."""
+
+    def __call__(self, logits, positions, contexts=None):
+        return super().__call__(logits, [positions[0]] * len(positions), contexts)
+
+
+class ArgmaxAcceptance:
+    """Mistake: drafted tokens are checked against the target's argmax, not its
+    sample (the bonus token is still the sample). A sampler that records the
+    argmax rows, and the acceptance rule that reads them."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.argmax = None
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def __call__(self, logits, positions, contexts=None):
+        self.argmax = mx.argmax(logits, axis=-1).tolist()
+        return self.sampler(logits, positions, contexts)
+
+    def acceptance(self, drafted, picks):
+        return longest_match(drafted, self.argmax)
+
+
+SAMPLING = dict(temperature=0.8, top_k=8)
+MODES = {"chain": dict(block_size=4), "tree": dict(block_size=4, tree_budget=6, tree_topk=3)}
+
+
+def speculative_samples(target, prompt, mode, seeds, n=5, mistake=None):
+    """For each seed: the plain output and the speculative one with a draft that
+    proposes the target's own samples most of the time. Returns (plain outputs,
+    speculative outputs, mean committed tokens per cycle)."""
+    plains, specs, commits, cycles = [], [], 0, 0
     for s in seeds:
-        out, _ = run(target, prompt, 5, draft=draft, sampler=Sampler(**sampler_kw, seed=s), **kw)
-        for i, t in enumerate(out[:3]):
-            counts[i, t] += 1
-    return counts
+        plain, _ = run(target, prompt, n, sampler=Sampler(**SAMPLING, seed=s))
+        draft = SampleScript(target, prompt, plain, seed=s)
+        kw = dict(MODES[mode])
+        sampler = Sampler(**SAMPLING, seed=s)
+        if mistake == "wrong-key":
+            sampler = KeyedToBlockStart(**SAMPLING, seed=s)
+        elif mistake == "argmax":
+            sampler = ArgmaxAcceptance(sampler)
+            kw["acceptance"] = sampler.acceptance
+        spec, st = run(target, prompt, n, draft=draft, sampler=sampler, **kw)
+        plains.append(plain)
+        specs.append(spec)
+        commits += st.generated_tokens - 1
+        cycles += st.cycles
+    return plains, specs, commits / cycles
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_speculative_sampling_matches_target_distribution(small_vocab, mode):
-    target, draft = small_vocab
+def counts_of(outs, vocab, k=3):
+    c = np.zeros((k, vocab))
+    for o in outs:
+        for i, t in enumerate(o[:k]):
+            c[i, t] += 1
+    return c
+
+
+def check_exact(target, mode, n):
     prompt = [1, 5, 7]
-    kw = dict(temperature=0.8, top_k=8)
-    exact = exact_marginals(target, prompt, Sampler(**kw, seed=0), 3)
-    n = 800
-    extra = dict(block_size=4) if mode == "chain" else dict(block_size=4, tree_budget=6, tree_topk=3)
-    counts = sample_tokens(target, draft, prompt, kw, range(n), **extra)
+    plains, specs, tau = speculative_samples(target, prompt, mode, range(n))
+    assert tau > 2, tau  # drafted rows decide most tokens
+    assert specs == plains
+    exact = exact_marginals(target, prompt, Sampler(**SAMPLING, seed=0), 3)
+    counts = counts_of(specs, target.vocab_size)
     for i in range(3):
         fails, stat, crit = chi2_fails(counts[i], exact[i], n)
         assert not fails, (i, stat, crit)
 
 
-def test_wrong_acceptance_rule_is_caught(small_vocab):
-    target, draft = small_vocab
-    prompt = [1, 5, 7]
-    kw = dict(temperature=0.8, top_k=8)
-    exact = exact_marginals(target, prompt, Sampler(**kw, seed=0), 2)
-    n = 800
-    wrong = lambda drafted, picks: max(longest_match(drafted, picks), min(len(drafted), 1))  # keeps the first draft
-    counts = sample_tokens(target, draft, prompt, kw, range(n), block_size=4, acceptance=wrong)
-    assert chi2_fails(counts[1], exact[1], n)[0]
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_speculative_sampling_is_exact(small_vocab, mode):
+    """T > 0 with a draft that is right most of the time (tau > 2): for every
+    seed the speculative output is the plain output, and the tokens follow the
+    target's exact distribution (marginals by enumeration)."""
+    check_exact(small_vocab[0], mode, 120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_speculative_sampling_is_exact_many_seeds(small_vocab, mode):
+    check_exact(small_vocab[0], mode, 600)
+
+
+@pytest.mark.parametrize("mode,mistake", [("chain", "wrong-key"), ("tree", "wrong-key"), ("chain", "argmax")])
+def test_realistic_sampling_mistakes_fail_the_exactness_test(small_vocab, mode, mistake):
+    """Noise keyed to the wrong position for drafted rows, or acceptance against
+    the argmax instead of the sample: the speculative output leaves the plain
+    one (the exactness test's first check) for many seeds."""
+    target, _ = small_vocab
+    n = 40
+    plains, specs, _ = speculative_samples(target, [1, 5, 7], mode, range(n), mistake=mistake)
+    differ = sum(a != b for a, b in zip(plains, specs))
+    assert differ > n // 4, differ
+
+
+@pytest.mark.slow
+def test_argmax_acceptance_skews_the_distribution(small_vocab):
+    """The argmax mistake also fails the distribution check on its own."""
+    target, _ = small_vocab
+    prompt, n = [1, 5, 7], 600
+    _, specs, _ = speculative_samples(target, prompt, "chain", range(n), mistake="argmax")
+    exact = exact_marginals(target, prompt, Sampler(**SAMPLING, seed=0), 3)
+    counts = counts_of(specs, target.vocab_size)
+    assert any(chi2_fails(counts[i], exact[i], n)[0] for i in (1, 2))
 
 
 def test_same_seed_same_output_in_every_mode(any_model):

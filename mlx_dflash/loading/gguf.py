@@ -30,7 +30,7 @@ changes the Hugging Face tensors in ways undone here (docs/gguf.md):
 import json
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -377,13 +377,15 @@ def _progress_bar(path, total_bytes: int):
 
 
 def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[str, int]] = None,
-                     dtype=None, progress=None):
+                     dtype=None, progress=None, only: Optional[Callable[[str], bool]] = None):
     """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
 
     ``dtype`` (default :func:`default_dtype`) is the float type of unquantized
     weights and of quantization scales; ``A_log`` stays float32 as in mlx-lm.
     ``progress``: True for a tqdm bar on stderr, or a callable
     ``(tensors_done, tensors_total, bytes_done)``. MTP blocks are checked and skipped.
+    ``only(parameter name)``: decode just those tensors (a pipeline stage's
+    share); the other parameters stay lazy placeholders, never evaluated.
     """
     from gguf.quants import dequantize
     from mlx.utils import tree_flatten
@@ -431,6 +433,8 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     try:
         for n, (gname, (pname, kind)) in enumerate(names.items(), 1):
             t = tensors[gname]
+            if only is not None and not only(pname):
+                continue
             try:
                 w = dequantize(t.data, t.tensor_type)
             except (NotImplementedError, ValueError, KeyError) as e:

@@ -17,6 +17,9 @@ for (int j = 0; j < K; ++j) {
   const int row = idx[t * K + j];
   acc += static_cast<float>(weight[c * K + j]) * static_cast<float>(conv_in[(b * R + row) * C + c]);
 }
-// Round like the MLX twin: the sum in the input dtype, SiLU in float.
-const float x = static_cast<float>(static_cast<InT>(acc));
-out[(b * T + t) * C + c] = static_cast<InT>(x / (1.0f + exp(-x)));
+// Round like the MLX twin and mlx-lm (nn.silu in the input dtype): the sum
+// rounded to InT, sigmoid rounded to InT, then their product rounded to InT.
+const InT x = static_cast<InT>(acc);
+const float xf = static_cast<float>(x);
+const InT sig = static_cast<InT>(1.0f / (1.0f + exp(-xf)));
+out[(b * T + t) * C + c] = static_cast<InT>(xf * static_cast<float>(sig));

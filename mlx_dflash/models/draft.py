@@ -1,4 +1,4 @@
-"""DFlash v1 draft (z-lab checkpoints), SPEC §2.
+"""DFlash v1 draft (z-lab checkpoints), docs/math.md §4.
 
 The draft has no embedding and no lm_head: it borrows the target's (``bind``).
 Its cache holds context K/V only (after k_norm and RoPE); the block's K/V are
@@ -65,7 +65,7 @@ class DraftConfig:
             head_dim=head_dim,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1000000.0)),
-            rope_scaling=d.get("rope_scaling"),
+            rope_scaling=d.get("rope_scaling") or _rope_scaling(d.get("rope_parameters")),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
             vocab_size=d.get("vocab_size"),
             attention_bias=d.get("attention_bias", False),
@@ -80,6 +80,14 @@ class DraftConfig:
 
     def is_sliding(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+
+def _rope_scaling(params: Optional[dict]) -> Optional[dict]:
+    """Scaling from a transformers-v5 ``rope_parameters`` dict (None: plain RoPE)."""
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    return None if kind == "default" else dict(params, type=kind)
 
 
 class DraftAttention(nn.Module):
@@ -277,15 +285,14 @@ class DFlashDraft(nn.Module):
 
 # --- training forward -----------------------------------------------------------
 
-def _rope_at(x: mx.array, positions: mx.array, base: float) -> mx.array:
-    """NeoX RoPE over the full head dim at explicit positions.
-    x [Bt, nh, S, D]; positions [Bt, S]. Matches nn.RoPE(D, traditional=False, base)."""
-    D = x.shape[-1]
-    inv = mx.power(base, -mx.arange(0, D, 2, dtype=mx.float32) / D)
-    ang = positions.astype(mx.float32)[:, None, :, None] * inv  # [Bt, 1, S, D/2]
-    cos, sin = mx.cos(ang), mx.sin(ang)
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
+    """The layer's RoPE module (scaling included, as at inference) at explicit
+    positions: x [Bt, nh, S, D]; positions [Bt, S]. Tokens go in as the batch,
+    each with its own offset."""
+    Bt, nh, S, D = x.shape
+    xt = x.transpose(0, 2, 1, 3).reshape(Bt * S, nh, 1, D)
+    out = rope(xt, offset=positions.reshape(-1).astype(mx.int32))
+    return out.reshape(Bt, S, nh, D).transpose(0, 2, 1, 3)
 
 
 def training_mask(anchors: mx.array, L: int, B: int, sliding_window: Optional[int] = None,
@@ -335,13 +342,13 @@ def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anc
         x = layer.input_layernorm(h)
         nh, nkv = at.n_heads, at.n_kv
         q = at.q_norm(at.q_proj(x).reshape(Bt, m * B, nh, -1)).transpose(0, 2, 1, 3)
-        q = _rope_at(q, q_pos, cfg.rope_theta)
+        q = _rope_at(at.rope, q, q_pos)
 
         def kv(rows, pos):
             S = rows.shape[1]
             k = at.k_norm(at.k_proj(rows).reshape(Bt, S, nkv, -1)).transpose(0, 2, 1, 3)
             v = at.v_proj(rows).reshape(Bt, S, nkv, -1).transpose(0, 2, 1, 3)
-            return _rope_at(k, pos, cfg.rope_theta), v
+            return _rope_at(at.rope, k, pos), v
 
         kc, vc = kv(ctx, c_pos)
         kb, vb = kv(x, q_pos)

@@ -17,6 +17,12 @@ from ..cache import DeltaNetState, KVBuffer, TargetCache
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
+def tree_inputs(parents: Sequence[int]):
+    """(depth [T], ancestor matrix [T, T]) of a verify tree, for the attention layers."""
+    anc = kernels.ancestor_matrix(parents)
+    return anc.astype(mx.int32).sum(axis=1) - 1, anc
+
+
 class Target:
     """Wraps an mlx-lm ``qwen3_5`` / ``qwen3_5_moe`` Model with an owned forward."""
 
@@ -175,8 +181,7 @@ class Target:
             if not record:
                 raise ValueError("a tree forward must be recorded (it is always rolled back)")
             parents = list(parents)
-            anc = kernels.ancestor_matrix(parents)
-            tree = (anc.astype(mx.int32).sum(axis=1) - 1, anc)
+            tree = tree_inputs(parents)
         h, features = self.layers_forward(self.embed_tokens(tokens[None]), cache.layers, capture=capture,
                                           record=record, parents=parents, tree=tree)
         cache.offset += T

@@ -1,0 +1,90 @@
+"""mlx_lm.generate's flag names work as aliases of ours, with the same effect."""
+
+import json
+
+import pytest
+
+from mlx_dflash import tiny
+from mlx_dflash.api import DEFAULT_DRAFT
+
+from test_cli import cli
+
+
+KEYS = ("mode", "prompt tokens", "generated tokens", "finish reason", "cycles", "block size",
+        "acceptance histogram")
+
+
+def stats(err):
+    """The deterministic rows of the --verbose table (no timings)."""
+    out = {}
+    for line in err.splitlines():
+        parts = line.split("  ", 1)
+        if len(parts) == 2 and parts[0].strip() in KEYS:
+            out[parts[0].strip()] = parts[1].strip()
+    return out
+
+
+def run(capsys, *args):
+    code, out, err = cli(capsys, "generate", "def f(x):", "-n", "16", "--verbose", *args)
+    assert code in (0, None), err
+    return out, stats(err)
+
+
+def test_draft_model_num_draft_tokens_and_system_prompt(capsys):
+    a = run(capsys, "--draft", str(DEFAULT_DRAFT), "--block-size", "4", "--system", "note")
+    b = run(capsys, "--draft-model", str(DEFAULT_DRAFT), "--num-draft-tokens", "3", "--system-prompt", "note")
+    assert a == b  # same text, same stats rows (prompt tokens, block size, ...)
+    assert b[1]["block size"] == "4" and b[1]["mode"] == "dflash"
+    without = run(capsys, "--block-size", "4")
+    assert int(without[1]["prompt tokens"]) < int(b[1]["prompt tokens"])  # the system message went in
+
+
+def test_ignore_chat_template_is_no_chat_template(capsys):
+    a = run(capsys, "--no-chat-template", "--system", "note")
+    b = run(capsys, "--ignore-chat-template", "--system", "note")
+    c = run(capsys, "--system", "note")
+    assert a == b and a[1]["prompt tokens"] != c[1]["prompt tokens"]
+    code, _, err = cli(capsys, "generate", "x", "--chat-template", "--ignore-chat-template")
+    assert code == 2 and "contradict" in err
+
+
+def test_extra_eos_token_stops_generation(capsys):
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    ids = mlx_dflash.generate(eng, "def f(x):", max_tokens=16, baseline=True).tokens
+    i = next(i for i in range(2, 16) if ids[i] not in ids[:i])
+    as_text = eng.tokenizer._tokenizer.convert_ids_to_tokens(ids[i])
+    for spelling in (str(ids[i]), as_text):
+        _, st = run(capsys, "--no-chat-template", "--baseline", "--extra-eos-token", spelling)
+        assert st["finish reason"] == "stop" and int(st["generated tokens"]) == i + 1, spelling
+    code, _, err = cli(capsys, "generate", "x", "--extra-eos-token", "<|no-such-token|>")
+    assert code == 2 and "not a token" in err
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, tok_dir):
+    """A tiny target whose chat template has Qwen's enable_thinking switch."""
+    cfg = tiny.target_config(vocab_size=400)
+    path = tiny.save_mlx(tiny.build_target(cfg, seed=2), cfg, tmp_path_factory.mktemp("think") / "t",
+                         tokenizer_dir=tok_dir)
+    tc = json.loads((path / "tokenizer_config.json").read_text())
+    tc["chat_template"] = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+        "{% if enable_thinking %}{{ '<think>\\n' }}{% endif %}"
+        "{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    return path
+
+
+def test_chat_template_config_reaches_the_template(capsys, thinking_model):
+    m = ["--model", str(thinking_model), "--chat-template"]
+    plain = run(capsys, *m)[1]
+    off = run(capsys, *m, "--chat-template-config", '{"enable_thinking": false}')[1]
+    on = run(capsys, *m, "--chat-template-config", '{"enable_thinking": true}')[1]
+    # mlx-lm's tokenizer passes enable_thinking = "has <think> tokens" (False here) by default.
+    assert int(off["prompt tokens"]) == int(plain["prompt tokens"]) != int(on["prompt tokens"])
+    for bad, msg in (("{nope", "not valid JSON"), ("[1, 2]", "JSON object")):
+        code, _, err = cli(capsys, "generate", "x", *m, "--chat-template-config", bad)
+        assert code == 2 and msg in err

@@ -1,0 +1,105 @@
+"""The sampler's distribution is mlx-lm's (make_sampler) for the same logits and flags."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.sampling import Sampler
+
+V = 32
+FLAGS = [
+    dict(temp=0.7, top_p=0.9),
+    dict(temp=1.0, min_p=0.1),
+    dict(temp=1.0, min_p=0.3, min_tokens_to_keep=6),
+    dict(temp=1.3, top_k=5),
+    dict(temp=0.8, top_p=0.8, min_p=0.05, top_k=10),
+    dict(temp=0.5),
+]
+
+
+def logits_row(dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    return mx.array((rng.normal(size=(1, V)) * 2.5).astype(np.float32)).astype(dtype)
+
+
+def ours(flags, seed=0):
+    return Sampler(flags["temp"], top_p=flags.get("top_p", 1.0), top_k=flags.get("top_k", 0),
+                   min_p=flags.get("min_p", 0.0), seed=seed,
+                   min_tokens_to_keep=flags.get("min_tokens_to_keep", 1))
+
+
+def chi2_ok(counts, probs, n):
+    exp = probs * n
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    ex = np.append(exp[big], exp[~big].sum())
+    keep = ex > 0
+    stat = (((obs - ex) ** 2)[keep] / ex[keep]).sum()
+    df = max(keep.sum() - 1, 1)
+    crit = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3  # 0.999 quantile
+    return stat <= crit, stat, crit
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: ",".join(f"{k}={v}" for k, v in f.items()))
+def test_distribution_equals_mlx_lm_make_sampler(flags, dtype):
+    logits = logits_row(dtype)
+    p = np.array(ours(flags).probs(logits)[0], dtype=np.float64)
+    # mlx-lm's own sampler on its own log-probabilities (as generate_step computes them), many draws.
+    n = 20000
+    mx.random.seed(1)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    draws = np.array(make_sampler(**flags)(mx.broadcast_to(logprobs, (n, V))))
+    counts = np.bincount(draws, minlength=V).astype(np.float64)
+    # Same support: mlx-lm never draws a token we filtered, and draws every token we keep
+    # with probability above 1e-3.
+    assert counts[p == 0].sum() == 0
+    assert (counts[p > 1e-3] > 0).all()
+    ok, stat, crit = chi2_ok(counts, p, n)
+    assert ok, (stat, crit)
+    # Our position-keyed draws follow the same distribution.
+    m = 1500
+    mine = np.array(ours(flags, seed=5)(mx.broadcast_to(logits, (m, V)), list(range(m))))
+    ok, stat, crit = chi2_ok(np.bincount(mine, minlength=V).astype(np.float64), p, m)
+    assert ok, (stat, crit)
+
+
+def test_filters_follow_mlx_lm_order_and_precision():
+    """Filters act on temperature-1 log-probabilities, in mlx-lm's order (top-p,
+    min-p, top-k): a temperature-first or top-k-first sampler keeps other tokens."""
+    logits = mx.array(np.random.default_rng(3).normal(size=(1, V)).astype(np.float32))
+    kept = lambda s: set(np.nonzero(np.array(s.probs(logits)[0]))[0].tolist())
+    p = np.exp(np.array(logits[0] - mx.logsumexp(logits[0])).astype(np.float64))
+    order = np.argsort(-p)
+    above = np.cumsum(p[order]) - p[order]  # mass strictly above each token
+    top_p = lambda t: set(order[above < t].tolist())
+    min_p = lambda m: set(np.nonzero(p >= m * p.max())[0].tolist())
+    # top-p at temperature 1, whatever the temperature.
+    assert kept(Sampler(3.0, top_p=0.5, seed=0)) == top_p(0.5)
+    assert len(top_p(0.5)) > 1 and kept(Sampler(0.3, top_p=0.5, seed=0)) == top_p(0.5)
+    # top-p, then min-p, then top-k.
+    want = set(sorted(top_p(0.8) & min_p(0.3), key=lambda t: -p[t])[:3])
+    assert kept(Sampler(1.0, top_p=0.8, min_p=0.3, top_k=3, seed=0)) == want
+    # min_tokens_to_keep holds the top tokens min-p would drop.
+    assert kept(Sampler(1.0, min_p=0.99, seed=0, min_tokens_to_keep=4)) == set(order[:4].tolist())
+    # Greedy: argmax of the log-probabilities in the logits' dtype (mlx-lm's greedy).
+    for dt in (mx.float32, mx.bfloat16):
+        lg = logits.astype(dt)
+        want = mx.argmax(lg - mx.logsumexp(lg, keepdims=True), axis=-1)
+        assert Sampler(0.0, seed=0)(lg, [0]).item() == want.item()
+
+
+def test_mlx_lm_flag_values_and_bad_values():
+    logits = logits_row(mx.float32)
+    # mlx-lm's "off" values: top_p 0 or 1, min_p 0, top_k 0 (and top_k >= V keeps all).
+    full = np.array(Sampler(1.0, seed=0).probs(logits))
+    for kw in (dict(top_p=0.0), dict(top_p=1.0), dict(top_k=V), dict(min_p=0.0)):
+        np.testing.assert_allclose(np.array(Sampler(1.0, seed=0, **kw).probs(logits)), full, rtol=1e-6)
+    for kw, msg in ((dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(top_k=-1), "top_k"),
+                    (dict(min_tokens_to_keep=0), "min_tokens_to_keep"), (dict(temperature=-1), "temperature")):
+        with pytest.raises(DFlashError, match=msg):
+            Sampler(**{"temperature": 1.0, **kw})
