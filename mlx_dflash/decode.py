@@ -404,19 +404,23 @@ def generate_tokens(
     max_tokens = min(max_tokens, max_context - len(prompt))
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
-    cache = cache if cache is not None else target.make_cache(kv_bits=kv_bits)
     if draft is not None:
         limit = draft.block_size
         if block_size is not None and not 2 <= block_size <= limit:
             raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
         if policy is None:
             pinned = block_size is not None or tree_budget > 0 or not adaptive
-            costs = None if pinned else load_costs(target, draft, kv_bits=getattr(cache, "kv_bits", None))[0]
+            # Measured (once per machine and model) before this generation's
+            # cache exists: a pipeline-split target has one live cache at a time.
+            bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
+            costs = None if pinned else load_costs(target, draft, kv_bits=bits)[0]
             policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget)
         block_size = block_size or limit
     else:
         block_size = 1
         policy = Policy(1)
+    if cache is None:
+        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
     sampler = sampler or Sampler(0.0, seed=0)
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
