@@ -112,6 +112,10 @@ def main():
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
     ap.add_argument("--draft-only", action="store_true",
                     help="keep OUT/target (already trained) and rebuild only the draft")
+    ap.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"], help="draft architecture")
+    ap.add_argument("--feature-cache", type=Path, default=None,
+                    help="cache the generated continuations and features here (reused by a rerun "
+                         "with the same prompts, e.g. for the other --arch)")
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     log = lambda s: print(s, flush=True)
@@ -175,8 +179,9 @@ def main():
     tc = TrainConfig(block_size=16, num_layers=2, target_layer_ids=[1, 3, 5, 7], seq_len=args.seq_len,
                      gen_tokens=args.seq_len, batch_size=8,
                      blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
-                     log_every=100)
-    summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log)
+                     log_every=100, arch=args.arch)
+    summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log,
+                          feature_cache=args.feature_cache)
     dw = mx.load(str(work / "draft" / "model.safetensors"))  # float16 on disk, like the target
     mx.save_safetensors(str(work / "draft" / "model.safetensors"), {k: v.astype(mx.float16) for k, v in dw.items()})
     pjsonl.unlink()
@@ -189,7 +194,7 @@ def main():
         target_info = {k: old.get(k) for k in target_info}
     (work / "BUILD.json").write_text(json.dumps({
         "python": sys.version.split()[0], **target_info,
-        "draft_steps": args.draft_steps, "prompts": len(prompts), "draft_minutes": round((t2 - t1) / 60, 1),
+        "draft_arch": args.arch, "draft_steps": args.draft_steps, "prompts": len(prompts), "draft_minutes": round((t2 - t1) / 60, 1),
         "draft_seq_len": args.seq_len, "draft_target_layer_ids": tc.target_layer_ids,
         "blas": blas.describe(),
         "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],

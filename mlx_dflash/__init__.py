@@ -12,8 +12,11 @@ from .sampling import Sampler
 from .train import TrainConfig, train_draft
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
+from .prefix import PrefixCache
+from .session import ChatSession
 
 __all__ = [
+    "ChatSession",
     "DFlashError",
     "Engine",
     "GenerationResponse",
@@ -22,6 +25,7 @@ __all__ = [
     "generate",
     "generate_tokens",
     "load",
+    "PrefixCache",
     "Sampler",
     "TrainConfig",
     "train_draft",

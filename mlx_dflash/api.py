@@ -125,19 +125,29 @@ def stream_generate(
     profile: bool = False,
     adaptive: bool = True,
     kv_bits: Optional[int] = None,
+    accept_rule: str = "speculative",
+    prefix_cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
 
     ``baseline=True`` (or an engine without a draft) decodes plainly through
     the same loop. At temperature 0 the tokens equal plain greedy decoding.
-    At temperature > 0 every emitted token is the target's own sample (a
-    draft token is kept only when it equals that sample), so the output
-    distribution is exactly the target's; with the same ``seed`` the output
-    is the same token for token in plain, chain and tree mode.
+    At temperature > 0 the output distribution is exactly the target's
+    (see ``accept_rule``).
     ``tree_budget`` > 0 verifies a DDTree of that many draft nodes
     (``tree_topk`` candidates per depth) instead of a chain.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
+    ``accept_rule`` (temperature > 0, chain): "speculative" (the default;
+    it kept more drafted tokens in bench/results/accept-rules.md): the draft
+    samples its block and a token is kept with probability min(1, p/q), the
+    first rejection resampling from the residual; "equality": the
+    draft's greedy block, kept where it equals the target's keyed sample.
+    Both give exactly the target's distribution; only "equality" gives the
+    same text for a seed in every mode (plain, chain, tree).
+    ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
+    prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
+    and this request's prompt and reply are snapshotted into it.
     ``adaptive`` (default on): each cycle's verify width is chosen from the
     pair's measured costs and the acceptance so far, down to plain steps;
     ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
@@ -145,6 +155,8 @@ def stream_generate(
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system,
                         chat_template_config=chat_template_config)
+    if prefix_cache is not None:
+        prefix_cache.bind(engine)
     sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
                       repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
     if prefill_chunk < 1:
@@ -161,7 +173,9 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile, adaptive=adaptive, kv_bits=kv_bits,
+        profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule, prefix_cache=prefix_cache,
+        prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
+                         if prefix_cache is not None else None),
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:

@@ -127,15 +127,16 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
               tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False,
-              contexts: Sequence[int] = (), adaptive: bool = True) -> dict:
+              draft2=None, draft2_path=None, contexts: Sequence[int] = (), adaptive: bool = True) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
-    and, with ``tree_budget`` > 0, dflash-tree. ``pipeline``: the engine is a
-    pipeline's rank 0 (no whole model for mlx-lm): baseline is the reference.
-    ``contexts``: also one row per context length (prompts of that many
-    tokens, see :func:`context_prompt`), generating ``max_tokens[0]`` tokens.
-    ``adaptive``: the dflash mode's width policy."""
+    and, with ``tree_budget`` > 0, dflash-tree; with ``draft2`` (a second
+    loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
+    ``pipeline``: the engine is a pipeline's rank 0 (no whole model for
+    mlx-lm): baseline is the reference. ``contexts``: also one row per context
+    length (prompts of that many tokens, see :func:`context_prompt`),
+    generating ``max_tokens[0]`` tokens. ``adaptive``: the dflash modes' width policy."""
     modes = BASE_MODES[1:] if pipeline else BASE_MODES
-    modes = modes + (("dflash-tree",) if tree_budget > 0 else ())
+    modes = modes + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -154,6 +155,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                                                 adaptive=adaptive),
                 "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
                                                      tree_topk, profile=p),
+                "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
             }
             tokens = {}
             for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
@@ -176,15 +178,20 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                 row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
+            d2 = row["modes"].get("dflash2")
             log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
-                + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else ""))
+                + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else "")
+                + (f" | dflash2 {d2['decode_tps']:7.1f} ({d2['speedup']:.2f}x, tau {d2['tau']:.2f})" if d2 else ""))
             results.append(row)
     return {
         "machine": f"{platform.platform()} ({platform.machine()})",
         "blas": blas.describe(),
         "model": str(engine.model_path), "draft": str(engine.draft_path),
+        **({"draft2": str(draft2_path), "draft2_kind": draft2.config.kind if hasattr(draft2, "config") else None}
+           if draft2 is not None else {}),
+        "draft_kind": engine.draft.config.kind if hasattr(engine.draft, "config") else None,
         "block_size": block_size or engine.draft.block_size,
         "policy": "pinned" if block_size or not adaptive else "adaptive",
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
@@ -198,13 +205,16 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
 def to_markdown(res: dict) -> str:
     modes = res["modes"]
     tree = "dflash-tree" in modes
+    two = "dflash2" in modes
     lines = [
         "# mlx-dflash bench",
         "",
         f"- machine: {res['machine']}",
         f"- BLAS: {res['blas']}",
         f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
-        + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else ""),
+        + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else "")
+        + (f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
+           f"dflash on the first ({res.get('draft_kind')})" if two else ""),
         f"- dflash width policy: {res.get('policy', 'pinned')}",
         f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
@@ -214,8 +224,10 @@ def to_markdown(res: dict) -> str:
         "",
         "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
         + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")
+        + ("dflash2 speedup | dflash2 tau | " if two else "")
         + "dflash ms per cycle | dflash draft/verify/rollback/other ms (profiled) | peak GB |",
-        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "") + "---:|---|---:|",
+        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "")
+        + ("---:|---:|" if two else "") + "---:|---|---:|",
     ]
     for r in res["results"]:
         m = r["modes"]
@@ -226,6 +238,8 @@ def to_markdown(res: dict) -> str:
         if tree:
             tr = m["dflash-tree"]
             cells += [f"{tr['speedup']:.2f}x", f"{tr['tau']:.2f}", f"{tr['mean_tree_size']:.1f}"]
+        if two:
+            cells += [f"{m['dflash2']['speedup']:.2f}x", f"{m['dflash2']['tau']:.2f}"]
         cells += [f"{d['ms_per_cycle_timed']:.1f}",
                   f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
                   f"{d['peak_memory']:.3f}"]
@@ -233,10 +247,15 @@ def to_markdown(res: dict) -> str:
     med = lambda mode, key: statistics.median(r["modes"][mode][key] for r in res["results"])
     lines += ["", "Medians over all rows: " + ", ".join(
         f"{x} {med(x, 'decode_tps'):.1f} tok/s ({med(x, 'speedup'):.2f}x)" for x in modes) + "."]
-    lines += ["", "Acceptance histograms, dflash chain (committed tokens per cycle: count):", ""]
-    for r in res["results"]:
-        h = r["modes"]["dflash"]["accept_hist"]
-        lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
+    for mode in ("dflash", "dflash2") if two else ("dflash",):
+        lines += ["", f"Acceptance histograms, {mode} chain (committed tokens per cycle: count):", ""]
+        for r in res["results"]:
+            h = r["modes"][mode]["accept_hist"]
+            lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
+    if two:
+        lines += ["", "Medians of tau: " + ", ".join(
+            f"{x} {statistics.median(r['modes'][x]['tau'] for r in res['results']):.2f}" for x in ("dflash", "dflash2"))
+            + "."]
     lines += ["", "Verify widths chosen, dflash (width: cycles; 1 = a plain step):", ""]
     for r in res["results"]:
         w = r["modes"]["dflash"].get("widths", {})

@@ -66,6 +66,7 @@ def _stats_table(s, mode: str, profile: bool = False) -> str:
         ("width policy", s.policy),
         ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
         ("prompt tokens", f"{s.prompt_tokens}"),
+        ("cached tokens", f"{s.cached_tokens} (restored from the prefix cache, not prefilled)"),
         ("generated tokens", f"{s.generated_tokens}"),
         ("finish reason", f"{s.finish_reason}"),
         ("cycles", f"{s.cycles}"),
@@ -131,7 +132,13 @@ def generate(
         1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
     repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
     seed: Optional[int] = typer.Option(
-        None, "--seed", help="Sampling seed: the same seed gives the same output in plain, chain and tree mode."),
+        None, "--seed", help="Sampling seed. With --accept-rule equality the same seed gives the same output "
+                             "in plain, chain and tree mode."),
+    accept_rule: str = typer.Option(
+        "speculative", "--accept-rule", help="With --temp > 0 on a chain: 'speculative' (default) samples the draft "
+                                             "and keeps a token with probability min(1, p/q); 'equality' keeps a "
+                                             "drafted token when it equals the target's own sample (same seed, same "
+                                             "text in every mode). Both are exact; speculative keeps more drafts."),
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
@@ -161,12 +168,21 @@ def generate(
     pipeline_timeout: float = typer.Option(
         60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
                                          "a generation before ending every rank with an error."),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None, "--prompt-cache-file",
+        help="Prefix snapshots file (safetensors): restore the longest cached prefix of the prompt from it "
+             "if it exists, and save the snapshots of this run to it afterwards."),
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None, "--prompt-cache-bytes",
+        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
     from .cache import check_kv_bits
 
     stage = None
+    if pipeline and prompt_cache_file:
+        raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
     if pipeline:
         from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
 
@@ -201,6 +217,7 @@ def generate(
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats = None
     for r in stream_generate(
         engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
@@ -209,16 +226,115 @@ def generate(
         chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits,
+        prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule,
+        prefix_cache=pc,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         stats = r.stats
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if pc is not None:
+        pc.save(prompt_cache_file)
     if verbose and stats is not None:
         mode = "dflash" if use_draft else "baseline (plain decoding)"
         typer.echo(_stats_table(stats, mode, profile), err=True)
+
+
+def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
+    """A prefix cache, loaded from ``path`` when that file exists."""
+    from .prefix import PrefixCache
+
+    if max_bytes is not None and max_bytes <= 0:
+        raise DFlashError(f"--prompt-cache-bytes must be positive, got {max_bytes}")
+    if path is not None and Path(path).exists():
+        return PrefixCache.load(path, engine, max_bytes=max_bytes)
+    return PrefixCache(max_bytes=max_bytes)
+
+
+@app.command()
+def chat(
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="Target folder or GGUF file. Default: the embedded pair."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d", help="DFlash draft folder. Default: the embedded draft with the embedded target."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per reply."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens verified per cycle (default: the draft's)."),
+    baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
+    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    chat_template_config: Optional[str] = typer.Option(
+        None, "--chat-template-config",
+        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+    prompt_cache_file: Optional[Path] = typer.Option(
+        None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."),
+    prompt_cache_bytes: Optional[int] = typer.Option(
+        None, "--prompt-cache-bytes", help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+):
+    """Chat in the terminal; each turn restores the conversation so far from the prefix cache.
+
+    Commands: /reset (new conversation), /save FILE (write the prefix snapshots), /quit.
+    """
+    from .api import load
+    from .session import ChatSession
+
+    if max_tokens < 1:
+        raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
+    engine = load(model, draft, dtype=_dtype(dtype))
+    use_draft = engine.draft is not None and not baseline
+    if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
+        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
+    session = ChatSession(engine, system=system, prefix_cache=pc,
+                          chat_template_config=_template_config(chat_template_config))
+    kw = dict(max_tokens=max_tokens, block_size=block_size if use_draft else None, baseline=baseline,
+              temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+              tree_budget=tree_budget if use_draft else 0)
+    typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        if line.startswith("/"):
+            cmd, _, arg = line.strip().partition(" ")
+            if cmd in ("/quit", "/exit"):
+                break
+            if cmd == "/reset":
+                session.reset()
+                typer.echo("(conversation reset)", err=True)
+            elif cmd == "/save" and arg.strip():
+                try:
+                    pc.save(arg.strip(), engine)
+                    typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {arg.strip()})", err=True)
+                except (OSError, DFlashError) as e:
+                    typer.echo(f"error: {e}", err=True)
+            else:
+                typer.echo("commands: /reset, /save FILE, /quit", err=True)
+            continue
+        stats = None
+        try:
+            for r in session.stream(line, **kw):
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+                stats = r.stats
+        except KeyboardInterrupt:  # stop this reply, keep the conversation
+            pass
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if stats is not None:
+            s = stats
+            typer.echo(f"[{s.prompt_tokens} prompt tokens: {s.cached_tokens} cached, "
+                       f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_time * 1e3:.0f} ms | "
+                       f"{s.generated_tokens} generated, tau {s.tau:.2f}, {s.decode_tps:.1f} tok/s]", err=True)
 
 
 @app.command("train-draft")
@@ -259,8 +375,16 @@ def train_draft_cmd(
     init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
     log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
+    arch: str = typer.Option("dflash", "--arch", help="'dflash' (v1) or 'dflash2' (block convolutions and a "
+                                                      "candidate selector; also trains the selector)."),
+    selector_rank: int = typer.Option(32, "--selector-rank", help="DFlash 2: rank of the selector's codebooks."),
+    selector_top_k: int = typer.Option(8, "--selector-top-k", help="DFlash 2: candidates per slot the selector ranks."),
+    conv_kernel_size: int = typer.Option(2, "--conv-kernel-size", help="DFlash 2: taps of the block convolutions."),
+    conv_group_size: Optional[int] = typer.Option(
+        None, "--conv-group-size", help="DFlash 2: channels sharing one dynamic coefficient "
+                                        "(default: 64 when it divides the hidden size, else the hidden size)."),
 ):
-    """Train a DFlash v1 draft for a target (corpus or the target's own outputs)."""
+    """Train a DFlash v1 or DFlash 2 draft for a target (corpus or the target's own outputs)."""
     from .train import TrainConfig, train_draft
 
     ids = None
@@ -278,6 +402,8 @@ def train_draft_cmd(
         seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
         warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
         checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
+        arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
+        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
     )
     summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
                           text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
@@ -315,6 +441,9 @@ def bench(
     pipeline_timeout: float = typer.Option(
         60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
                                          "a generation before ending every rank with an error."),
+    draft2: Optional[Path] = typer.Option(
+        None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
+                               "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
     from plain decoding's (agreement with mlx-lm is reported, not required)."""
@@ -342,10 +471,20 @@ def bench(
     engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    second = None
+    if draft2 is not None:
+        import mlx.core as mx
+
+        from .loading import load_draft
+
+        # as load() does for the first: the embedded pair runs in float32
+        second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        if block_size is not None and not 2 <= block_size <= second.block_size:
+            raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, contexts=context or (),
-                    adaptive=adaptive)
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2,
+                    contexts=context or (), adaptive=adaptive)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 

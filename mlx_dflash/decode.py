@@ -15,13 +15,15 @@ import mlx.core as mx
 from . import ddtree
 from .errors import DFlashError
 from .kernels import path_rows as kernels_path
+from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, load_costs
-from .sampling import Sampler
+from .sampling import Sampler, speculative_rule
 
 
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from a prefix cache, not prefilled
     generated_tokens: int = 0
     cycles: int = 0
     block_size: int = 1
@@ -71,7 +73,8 @@ class GenerationStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_time if self.prefill_time else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -121,6 +124,7 @@ class Proposal:
 
     plan: Plan
     drafted: Optional[mx.array] = None  # chain: draft token ids [B-1]
+    q: Optional[mx.array] = None  # chain, speculative rule: the draft's sampling distribution per row
     tree: Optional[ddtree.Tree] = None
     logits: Optional[mx.array] = None  # tree: the draft's logits, until the tree is built
 
@@ -138,6 +142,7 @@ class Verified:
     block: List[int]  # tokens verified (anchor first; tree nodes in order)
     picks: List[int]
     features: Optional[mx.array]  # captured target features of every row
+    kept: Optional[List[bool]] = None  # speculative rule: each drafted row kept or not
 
 
 class Decoder:
@@ -146,11 +151,13 @@ class Decoder:
     not in the target cache yet and sits at position ``pos``."""
 
     def __init__(self, target, cache, draft, dcache, sampler: Sampler, stats: GenerationStats,
-                 eos, max_tokens: int, max_context: int, profile: bool, acceptance, tree_topk: int):
+                 eos, max_tokens: int, max_context: int, profile: bool, acceptance, tree_topk: int,
+                 spec: bool = False, spec_rule=speculative_rule):
         self.target, self.cache, self.draft, self.dcache = target, cache, draft, dcache
         self.sampler, self.stats, self.eos = sampler, stats, eos
         self.max_tokens, self.max_context = max_tokens, max_context
         self.profile, self.acceptance, self.tree_topk = profile, acceptance, tree_topk
+        self.spec, self.spec_rule = spec, spec_rule  # the speculative acceptance rule (T > 0, chain)
         self.capture = draft.target_layer_ids if draft is not None else ()
         self.feats: List[mx.array] = []  # target features of committed rows the draft has not read
         self.history: List[int] = []  # committed tokens (for repetition-penalty contexts)
@@ -189,6 +196,12 @@ class Decoder:
         if f is not None:
             self.feats.append(f)
 
+    def pending_features(self) -> Optional[mx.array]:
+        """The committed rows' features the draft has not read, in one array."""
+        if not self.feats:
+            return None
+        return self.feats[0] if len(self.feats) == 1 else mx.concatenate(self.feats, axis=0)
+
     def draft_context(self) -> Optional[mx.array]:
         """The pending feature rows, in one array; rows the draft's window would
         drop on arrival are never handed over."""
@@ -209,10 +222,11 @@ class Decoder:
         """The draft's proposal for ``plan``, left lazy (chain: token ids; tree:
         built from the draft's logits, which reads them)."""
         B = plan.block if plan.tree else plan.width
-        dlogits = self.draft(self.draft_context(), self.anchor, self.pos, B, self.dcache)
         if plan.tree:
-            return Proposal(plan, logits=dlogits)
-        return Proposal(plan, drafted=greedy(dlogits).astype(mx.int32))
+            return Proposal(plan, logits=self.draft(self.draft_context(), self.anchor, self.pos, B, self.dcache))
+        drafted, q = draft_propose(self.draft, self.draft_context(), self.anchor, self.pos, B, self.dcache,
+                                   self.sampler, sample=self.spec)
+        return Proposal(plan, drafted=drafted, q=q)
 
     def propose(self, plan: Plan) -> Proposal:
         if plan.width == 1:
@@ -230,7 +244,8 @@ class Decoder:
         handles this cycle's tokens (detokenizing, printing)."""
         if plan.width > 1 and not self.profile and not self.finished:
             self.pending = self.launch(plan)
-            mx.async_eval(self.pending.drafted if self.pending.drafted is not None else self.pending.logits)
+            p = self.pending
+            mx.async_eval([x for x in (p.drafted, p.q, p.logits) if x is not None])
 
     # --- verify ------------------------------------------------------------------
     def verify(self, prop: Proposal) -> Verified:
@@ -257,11 +272,15 @@ class Decoder:
             tail = self.history[-self.sampler.repetition_context_size:]
             contexts = [tail + [block[j] for j in r[1:]] for r in rows]
         picks = self.sampler(vlogits, positions, contexts)
+        kept = None
+        if prop.q is not None:
+            kept, picks = self.spec_rule(self.sampler.probs(vlogits, contexts), prop.q, prop.drafted, picks,
+                                         self.sampler.seed, positions)
         if drafted is None and prop.drafted is not None:
-            mx.eval(picks, prop.drafted)  # the one host sync of a cycle
+            mx.eval(picks, prop.drafted, *(() if kept is None else (kept,)))  # the one host sync of a cycle
             drafted = prop.drafted.tolist()
         block = tree.tokens if tree is not None else [self.anchor] + (drafted or [])
-        return Verified(block, picks.tolist(), vfeats)
+        return Verified(block, picks.tolist(), vfeats, kept.tolist() if kept is not None else None)
 
     # --- accept ------------------------------------------------------------------
     def accept(self, prop: Proposal, v: Verified) -> List[int]:
@@ -269,6 +288,8 @@ class Decoder:
         target agrees with (chain), or the tree path along its picks."""
         if prop.tree is not None:
             return ddtree.walk(prop.tree, v.picks)
+        if v.kept is not None:  # the speculative rule: rows kept up to the first rejected
+            return list(range((v.kept.index(False) if False in v.kept else len(v.kept)) + 1))
         return list(range(self.acceptance(v.block[1:], v.picks) + 1))
 
     # --- commit / rollback ---------------------------------------------------------
@@ -365,6 +386,10 @@ def generate_tokens(
     adaptive: bool = True,
     policy: Optional[Policy] = None,
     kv_bits: Optional[int] = None,
+    accept_rule: str = "equality",
+    spec_rule=speculative_rule,
+    prefix_cache=None,
+    prefix_boundary: Optional[int] = None,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
@@ -387,6 +412,17 @@ def generate_tokens(
     ``profile``: synchronise after each phase so ``stats`` splits the time
     into draft / verify / rollback (slower; without it the device work of a
     cycle is queued as one graph and ``verify_time`` holds nearly all of it).
+    ``accept_rule`` at temperature > 0 on a chain: "equality" (the draft's
+    greedy block; a token is kept when it equals the target's own keyed
+    sample, so every mode gives the same text for a seed) or "speculative"
+    (the draft samples its block from its proposal q; a token is kept with
+    probability min(1, p/q), the first rejected row resamples from the
+    residual: the target's distribution, typically more tokens kept, but
+    the text depends on the mode; the API and CLI default). ``spec_rule``:
+    that rule (a test hook).
+    ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
+    longest cached prefix of the prompt from and to snapshot into
+    (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
@@ -399,6 +435,8 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
+    if accept_rule not in ("equality", "speculative"):
+        raise DFlashError(f"acceptance rule must be 'equality' or 'speculative', got {accept_rule!r}")
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))
@@ -429,16 +467,24 @@ def generate_tokens(
     mx.reset_peak_memory()
 
     dcache = draft.make_cache(draft_window) if draft is not None else None
+    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     d = Decoder(target, cache, draft, dcache, sampler, stats, set(eos_token_ids), max_tokens, max_context,
-                profile, acceptance, tree_topk)
+                profile, acceptance, tree_topk, spec, spec_rule)
     d.history = list(prompt)
-    # Prefill: features only of the rows the draft's window will read.
-    skip = getattr(dcache, "skip", None)
-    first = skip(len(prompt)) if skip is not None else 0
     tic = time.perf_counter()
-    logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=prefill_chunk,
-                                   capture_from=first)
-    d.add_features(feats)
+    prefix_run = None
+    if prefix_cache is not None:
+        # The draft consumes the prompt's features during this prefill.
+        logits, prefix_run = prefix_cache.prefill(
+            target, prompt, cache, draft=draft, dcache=dcache, capture=d.capture,
+            chunk_size=prefill_chunk, boundary=prefix_boundary, stats=stats)
+    else:
+        # Features only of the rows the draft's window will read.
+        skip = getattr(dcache, "skip", None)
+        first = skip(len(prompt)) if skip is not None else 0
+        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=prefill_chunk,
+                                       capture_from=first)
+        d.add_features(feats)
     d.anchor = int(sampler(logits, [len(prompt)], [d.history] if sampler.needs_context else None)[0].item())
     stats.prefill_time = time.perf_counter() - tic
     d.pos = len(prompt)
@@ -446,6 +492,20 @@ def generate_tokens(
     if d.finished:  # the first token was EOS, or max_tokens == 1
         return
     d.tic = time.perf_counter()
+    try:
+        yield from _loop(d, policy, profile)
+    except GeneratorExit:  # closed early: snapshot what is committed
+        if prefix_run is not None:
+            prefix_run.finish(d.history, d.pending_features())
+        raise
+    if prefix_run is not None:
+        prefix_run.finish(d.history, d.pending_features())
+
+
+def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
+    """Cycles until done: ask the policy, run plain steps or one drafted
+    cycle (propose, verify, accept, commit), book it, yield its tokens."""
+    stats = d.stats
 
     plan = policy.plan(d.room())
     timed = None  # (plan, tokens, start) of the last cycle or plain run, timed up to the next

@@ -36,10 +36,10 @@ def describe(path, draft: Optional[Path] = None) -> str:
         return describe_gguf(p, draft)
     cfg = read_config(p)
     lines = [f"path: {p}"]
-    if "dflash_config" in cfg or "DFlashDraftModel" in (cfg.get("architectures") or []):
+    if "dflash_config" in cfg or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or []):
         d = DraftConfig.from_dict(cfg)
         lines += [
-            "kind: DFlash v1 draft",
+            f"kind: {d.kind} draft",
             f"layers: {d.num_hidden_layers} "
             f"({', '.join(d.layer_types) if d.layer_types else 'all full attention'})",
             f"hidden: {d.hidden_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}",
@@ -47,6 +47,9 @@ def describe(path, draft: Optional[Path] = None) -> str:
             f"target layer ids: {d.target_layer_ids} (for a {d.num_target_layers}-layer target)",
             f"size on disk: {_fmt_bytes(_size_on_disk(p))}",
         ]
+        if d.is_v2:
+            lines.insert(-1, f"selector: top-{d.selector_top_k}, rank {d.selector_rank}; block convolutions: "
+                             f"{d.conv_kernel_size} taps, groups of {d.conv_group_size} channels")
         if draft is not None:
             raise DFlashError("--draft goes with a target folder, not a draft folder")
         return "\n".join(lines)
@@ -78,7 +81,8 @@ def describe(path, draft: Optional[Path] = None) -> str:
     if draft is not None:
         try:
             d = load_draft(draft, target)
-            lines.append(f"draft {draft}: fits (block size {d.block_size}, target layers {d.target_layer_ids})")
+            lines.append(f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, "
+                         f"target layers {d.target_layer_ids})")
         except DFlashError as e:
             lines.append(f"draft {draft}: does NOT fit: {e}")
     return "\n".join(lines)

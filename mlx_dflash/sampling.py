@@ -124,3 +124,49 @@ class Sampler:
 
 def greedy_sampler() -> Sampler:
     return Sampler(0.0, seed=0)
+
+
+# --- the speculative-sampling rule (docs/dflash2.md) -----------------------------
+
+def _keys(seed: int, positions) -> List[mx.array]:
+    return [mx.random.key((seed * 1_000_003 + int(p)) % (2**63)) for p in positions]
+
+
+def keyed_gumbel(seed: int, positions, n: int, stream: int) -> mx.array:
+    """Gumbel noise [len(positions), n] keyed by (seed, position, stream);
+    streams >= 1 never reuse the target sampler's own noise."""
+    return mx.stack([mx.random.gumbel((n,), key=mx.random.split(k, stream + 1)[stream])
+                     for k in _keys(seed, positions)])
+
+
+def keyed_uniform(seed: int, positions, stream: int) -> mx.array:
+    """One uniform in [0, 1) per position, keyed by (seed, position, stream)."""
+    return mx.stack([mx.random.uniform(shape=(), key=mx.random.split(k, stream + 1)[stream])
+                     for k in _keys(seed, positions)])
+
+
+def speculative_rule(p: mx.array, q: mx.array, drafted: mx.array, picks: mx.array, seed: int,
+                     positions: Sequence[int]):
+    """Standard speculative sampling of a drafted chain (Leviathan et al.;
+    Chen et al.), on the device.
+
+    p [B, V]: the target's sampling distribution for each block row; q [B-1, V]:
+    the proposal each drafted token [B-1] was drawn from; picks [B]: the
+    sampler's own draws from p (the last one is the bonus). Draft i is
+    accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+    rejection the row's token is drawn from the residual max(p_i - q_i, 0).
+    Returns (accepted [B-1] bool, token [B]: what row i emits if it is the
+    first row not accepted).
+    """
+    n = drafted.shape[0]
+    d = drafted[:, None].astype(mx.int32)
+    pd = mx.take_along_axis(p[:n], d, axis=-1)[:, 0]
+    qd = mx.take_along_axis(q, d, axis=-1)[:, 0]
+    u = keyed_uniform(seed, positions[:n], stream=2)
+    accepted = u * qd < pd
+    res = mx.maximum(p[:n] - q, 0.0)
+    tot = res.sum(axis=-1, keepdims=True)
+    res = mx.where(tot > 0, res / mx.maximum(tot, 1e-30), p[:n])
+    g = keyed_gumbel(seed, positions[:n], p.shape[-1], stream=3)
+    fix = mx.argmax(mx.log(res) + g, axis=-1).astype(picks.dtype)
+    return accepted, mx.concatenate([fix, picks[n:]])

@@ -1,10 +1,15 @@
-"""Train a DFlash v1 draft for a supported target (``mlx-dflash train-draft``).
+"""Train a DFlash v1 or DFlash 2 draft for a supported target (``mlx-dflash train-draft``).
 
 Objective (DFlash paper): sample anchor positions; each block
 ``[anchor token, MASK x (B-1)]`` attends to the target features of the context
 before its anchor and to its own slots (several blocks per sequence in one
 forward, see :func:`models.draft.train_logits`); cross-entropy on slots
-1..B-1 against the target's tokens, slot k weighted ``exp(-(k-1)/gamma)``.
+1..B-1 against the target's tokens, slot k weighted ``exp(-(k-1)/gamma)``. DFlash 2 (``arch="dflash2"``) adds
+the candidate selector's loss: along the target's own path (slot k's
+predecessor is the target's token at slot k-1, the anchor for slot 1), the
+cross-entropy of the target's token among the head's top-K candidates
+scored by the selector (slots where it is not among them are left to the
+head's loss); its convolutions start as the identity.
 """
 
 import hashlib
@@ -23,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import DFlashError
-from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_logits
+from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden, train_logits
 
 
 @dataclass
@@ -51,6 +56,12 @@ class TrainConfig:
     init: str = "target"  # "target" (copy what fits) or "random"
     seed: int = 0
     log_every: int = 10
+    arch: str = "dflash"  # or "dflash2"
+    selector_rank: int = 32
+    selector_top_k: int = 8
+    conv_kernel_size: int = 2
+    conv_group_size: Optional[int] = None  # default: 64 when it divides the hidden size, else the hidden size
+    selector_weight: float = 1.0
 
 
 # --- data -------------------------------------------------------------------------
@@ -190,6 +201,11 @@ def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
         "block_size": tc.block_size,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(ids)},
     }
+    if tc.arch == "dflash2":
+        group = tc.conv_group_size or (64 if a.hidden_size % 64 == 0 else a.hidden_size)
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["dflash_config"].update(selector_rank=tc.selector_rank, selector_top_k=tc.selector_top_k,
+                                    conv_kernel_size=tc.conv_kernel_size, conv_group_size=group)
     window = tc.seq_len if tc.context_window is None else tc.context_window
     if window:
         # Every layer sees the last window-1 positions before its anchor;
@@ -234,20 +250,47 @@ def init_from_target(draft: DFlashDraft, target) -> List[str]:
     return copied
 
 
+def init_dflash2(draft: DFlashDraft, seed: int) -> None:
+    """Convolutions to the identity (so a DFlash 2 draft starts as its v1
+    backbone) and small random selector codebooks (a zero pair has no gradient)."""
+    for layer in draft.layers:
+        layer.attention_conv.set_identity()
+        layer.mlp_conv.set_identity()
+    sel = draft.candidate_selector
+    k1, k2 = mx.random.split(mx.random.key(seed + 17))
+    sel.predecessor_codebook = 0.02 * mx.random.normal(sel.predecessor_codebook.shape, key=k1)
+    sel.successor_codebook = 0.02 * mx.random.normal(sel.successor_codebook.shape, key=k2)
+
+
 # --- loss ---------------------------------------------------------------------------
 
-def block_loss(draft, features, tokens, anchors, gamma: float):
-    """Weighted CE over slots 1..B-1, and per-slot accuracy [B-1]."""
+def block_loss(draft, features, tokens, anchors, gamma: float, selector_weight: float = 1.0):
+    """Weighted CE over slots 1..B-1, and per-slot accuracy [B-1] (DFlash 2:
+    plus the selector's CE along the target's path; accuracy is the
+    selector's pick given the target's previous token)."""
     B = draft.config.block_size
-    logits = train_logits(draft, features, tokens, anchors)  # [Bt, m, B-1, V]
-    idx = anchors[..., None] + mx.arange(1, B)
+    hidden = train_hidden(draft, features, tokens, anchors)[:, :, 1:]  # [Bt, m, B-1, H]
+    logits = draft.logits(hidden)  # [Bt, m, B-1, V]
+    idx = anchors[..., None] + mx.arange(0, B)
     rows = mx.broadcast_to(tokens[:, None, :], (tokens.shape[0], anchors.shape[1], tokens.shape[1]))
-    labels = mx.take_along_axis(rows, idx, axis=-1)  # [Bt, m, B-1]
+    path = mx.take_along_axis(rows, idx, axis=-1)  # [Bt, m, B]: anchor and the target's tokens
+    labels = path[..., 1:]
     ce = nn.losses.cross_entropy(logits.astype(mx.float32), labels)  # [Bt, m, B-1]
     w = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
     loss = (ce * w).sum(-1).mean() / w.sum()
-    acc = (mx.argmax(logits, -1) == labels).astype(mx.float32).mean(axis=(0, 1))
-    return loss, acc
+    if not draft.config.is_v2:
+        acc = (mx.argmax(logits, -1) == labels).astype(mx.float32).mean(axis=(0, 1))
+        return loss, acc, mx.stack([loss, mx.array(0.0)])
+    sel = draft.candidate_selector
+    cand, unary = sel.candidates(logits)
+    scores = sel.scores(path[..., :-1], sel.hidden_projection(hidden), cand, unary)  # [Bt, m, B-1, K]
+    hit = (cand == labels[..., None]).astype(mx.float32)
+    present = hit.sum(-1)
+    sel_ce = mx.logsumexp(scores, axis=-1) - (scores * hit).sum(-1)
+    sel_loss = (sel_ce * present * w).sum() / mx.maximum((present * w).sum(), 1.0)
+    pick = mx.take_along_axis(cand, mx.argmax(scores, -1)[..., None], axis=-1)[..., 0]
+    acc = (pick == labels).astype(mx.float32).mean(axis=(0, 1))
+    return loss + selector_weight * sel_loss, acc, mx.stack([loss, sel_loss])
 
 
 def sample_anchors(rng, n_seqs: int, m: int, L: int, B: int) -> np.ndarray:
@@ -304,6 +347,10 @@ def train_draft(
         raise DFlashError(f"context window must be >= 0, got {tc.context_window}")
     if tc.steps < 1 or tc.batch_size < 1 or tc.blocks_per_seq < 1 or tc.num_layers < 1:
         raise DFlashError("steps, batch size, blocks per sequence and layers must be positive")
+    if tc.arch not in ("dflash", "dflash2"):
+        raise DFlashError(f"--arch must be 'dflash' or 'dflash2', got {tc.arch!r}")
+    if tc.arch == "dflash2" and min(tc.selector_rank, tc.selector_top_k, tc.conv_kernel_size) < 1:
+        raise DFlashError("selector rank, selector top-k and conv kernel size must be positive")
     engine = engine or load(target_path, dtype=mx.float32)
     target, tok = engine.target, engine.tokenizer
     if tc.target_layer_ids is not None:
@@ -320,6 +367,10 @@ def train_draft(
     ckpt = out / "checkpoint"
     dcfg = make_draft_config(target, tc, mask_id)
     ids = dcfg["dflash_config"]["target_layer_ids"]
+    if tc.arch == "dflash2":
+        from .loading.hf import validate_v2
+
+        validate_v2(DraftConfig.from_dict(dcfg), "to train")
 
     # Data and features (tokens [n, L], features [n, L, N*H]).
     if corpus is not None:
@@ -378,18 +429,22 @@ def train_draft(
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
         start = json.loads(state_file.read_text())["step"]
         log(f"resumed from step {start}")
-    elif tc.init == "target":
-        copied = init_from_target(draft, target)
-        log(f"initialised {len(copied)} draft tensors from the target")
+    else:
+        if tc.init == "target":
+            copied = init_from_target(draft, target)
+            log(f"initialised {len(copied)} draft tensors from the target")
+        if tc.arch == "dflash2":
+            init_dflash2(draft, tc.seed)
     mx.eval(draft.parameters())
 
-    loss_and_grad = nn.value_and_grad(draft, lambda f, t, a: block_loss(draft, f, t, a, tc.gamma))
+    loss_and_grad = nn.value_and_grad(
+        draft, lambda f, t, a: block_loss(draft, f, t, a, tc.gamma, tc.selector_weight))
 
     def step_fn(f, t, a):
-        (loss, acc), grads = loss_and_grad(f, t, a)
+        (loss, acc, parts), grads = loss_and_grad(f, t, a)
         grads, _ = optim.clip_grad_norm(grads, tc.grad_clip)
         opt.update(draft, grads)
-        return loss, acc
+        return loss, acc, parts
 
     n = tokens.shape[0]
     history = []
@@ -401,14 +456,17 @@ def train_draft(
         idx = rng.choice(n, size=min(tc.batch_size, n), replace=n < tc.batch_size)
         anchors = mx.array(sample_anchors(rng, len(idx), tc.blocks_per_seq, L, tc.block_size))
         bi = mx.array(idx)
-        loss, acc = step_fn(feats[bi], tokens[bi], anchors)
-        mx.eval(loss, acc, draft.parameters(), opt.state)
+        loss, acc, parts = step_fn(feats[bi], tokens[bi], anchors)
+        mx.eval(loss, acc, parts, draft.parameters(), opt.state)
         done_tokens += len(idx) * tc.blocks_per_seq * (tc.block_size - 1)
         if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
             dt = time.perf_counter() - tic
             a = acc.tolist()
-            history.append({"step": step + 1, "loss": loss.item(), "acc": a})
-            log(f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}  acc@1 {a[0]:.2f}  "
+            head, sel = parts.tolist()
+            history.append({"step": step + 1, "loss": loss.item(), "acc": a, "head_loss": head,
+                            "selector_loss": sel})
+            split = f" (head {head:.3f}, selector {sel:.3f})" if draft.config.is_v2 else ""
+            log(f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}{split}  acc@1 {a[0]:.2f}  "
                 f"acc(mean) {sum(a) / len(a):.2f}  {done_tokens / dt:.0f} tok/s")
         if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
             _save_draft(draft, dcfg, ckpt)

@@ -167,3 +167,34 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         code, out = cli(capsys, *args)
         assert code == 2, (args, out)
         assert msg in out and "Traceback" not in out, (args, out)
+
+
+def test_train_dflash2_lowers_both_losses_and_decodes_losslessly(target_dir, tmp_path, capsys):
+    """--arch dflash2: convolutions start as the identity (the first step's
+    head loss is the v1 draft's), the head and selector losses fall, and the
+    folder loads as a DFlash 2 draft that decodes like plain decoding."""
+    path, corpus = target_dir
+    quiet = lambda _: None
+    v1 = train_draft(path, tmp_path / "v1", corpus=[corpus], config=TrainConfig(steps=1, **CFG), log=quiet)
+    s = train_draft(path, tmp_path / "draft", corpus=[corpus], log=quiet,
+                    config=TrainConfig(steps=60, arch="dflash2", selector_top_k=4, selector_rank=8, **CFG))
+    h = s["history"]
+    assert h[0]["head_loss"] == pytest.approx(v1["history"][0]["loss"], rel=1e-4)
+    head = [x["head_loss"] for x in h]
+    sel = [x["selector_loss"] for x in h]
+    assert np.mean(head[-10:]) < head[0] - 0.3
+    assert np.mean(sel[-10:]) < np.mean(sel[5:15])  # the selector learns once candidates hold the target's token
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == 4 and cfg["dflash_config"]["conv_group_size"] == 64
+    w = mx.load(str(tmp_path / "draft" / "model.safetensors"))
+    assert "candidate_selector.predecessor_codebook" in w and "layers.0.mlp_conv.base_kernel" in w
+    eng = mlx_dflash.load(path, tmp_path / "draft")
+    assert eng.draft.config.is_v2
+    for prompt in ("def fib", "class Stack:"):
+        a = mlx_dflash.generate(eng, prompt, max_tokens=24)
+        b = mlx_dflash.generate(eng, prompt, max_tokens=24, baseline=True)
+        assert a.tokens == b.tokens and len(a.tokens) == 24
+    code, out = cli(capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "x"), "--corpus", str(corpus),
+                    "--arch", "dflash3")
+    assert code == 2 and "--arch must be" in out

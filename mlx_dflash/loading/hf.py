@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..errors import DFlashError
-from ..models.draft import DFlashDraft, DraftConfig
+from ..models.draft import V2_FIELDS, DFlashDraft, DraftConfig
 from ..models.qwen35 import SUPPORTED_MODEL_TYPES, Target
 
 _TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
@@ -139,11 +139,36 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
         raise DFlashError(
             f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers"
         )
+    if cfg.is_v2:
+        validate_v2(cfg, where)
+
+
+def validate_v2(cfg: DraftConfig, where: str) -> None:
+    """A DFlash 2 config names its convolution and selector sizes; never run it as v1."""
+    missing = [k for k in V2_FIELDS if getattr(cfg, k) is None]
+    if missing:
+        raise DFlashError(
+            f"DFlash 2 draft {where}: dflash_config lacks {', '.join(missing)} "
+            "(architectures says DFlash2DraftModel; its convolutions and candidate selector need them)"
+        )
+    if cfg.conv_kernel_size < 1 or cfg.selector_rank < 1 or cfg.selector_top_k < 1:
+        raise DFlashError(
+            f"DFlash 2 draft {where}: conv_kernel_size, selector_rank and selector_top_k must be positive, "
+            f"got {cfg.conv_kernel_size}, {cfg.selector_rank}, {cfg.selector_top_k}"
+        )
+    if cfg.conv_group_size < 1 or cfg.hidden_size % cfg.conv_group_size:
+        raise DFlashError(
+            f"DFlash 2 draft {where}: conv_group_size {cfg.conv_group_size} does not divide "
+            f"hidden_size {cfg.hidden_size}"
+        )
+    if cfg.selector_top_k > cfg.vocab_size:
+        raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
 def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
                group_size: int = 64, dtype=None) -> DFlashDraft:
-    """Load a DFlash v1 draft (z-lab folder, or a draft GGUF file) and bind it to ``target``.
+    """Load a DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft
+    GGUF file) and bind it to ``target``.
 
     ``quantize_bits`` (4 or 8) quantizes the draft's linear layers at load.
     """
@@ -167,6 +192,10 @@ def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
         cfg = DraftConfig.from_dict(raw)
     except KeyError as e:
         raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"draft {where}: bad field value: {e}") from None
+    if cfg.vocab_size is None:
+        cfg.vocab_size = target.vocab_size  # the selector's codebooks span the target vocab
     validate_draft(cfg, target, where)
     weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
     # Drafts ship without embedding/lm_head; ignore copies if a converter kept them.
@@ -185,7 +214,7 @@ def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
     extra = sorted(set(weights) - expected)
     if missing or extra:
         raise DFlashError(
-            f"draft {p}: weights do not match a DFlash v1 draft"
+            f"draft {p}: weight names do not match a {cfg.kind} draft with this config"
             + (f"; missing {missing[:5]}" if missing else "")
             + (f"; unexpected {extra[:5]}" if extra else "")
         )

@@ -1,6 +1,10 @@
-"""DFlash v1 draft (z-lab checkpoints), docs/math.md §4.
+"""DFlash drafts (z-lab checkpoints): v1 (docs/math.md §4) and DFlash 2.
 
 The draft has no embedding and no lm_head: it borrows the target's (``bind``).
+DFlash 2 adds, per layer, a grouped dynamic convolution along the block
+around the attention and the MLP sublayer, and a candidate selector that
+re-ranks the head's top-K per slot with transition scores from the
+previous slot's token (docs/dflash2.md).
 Its cache holds context K/V only (after k_norm and RoPE); the block's K/V are
 transient. Context rows can be windowed to ``sink`` first + ``recent`` last
 positions so long generations stay cheap; RoPE is applied before caching, so
@@ -21,6 +25,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> L
         return [num_target_layers // 2]
     span = num_target_layers - 4
     return [int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+V2_FIELDS = ("selector_rank", "selector_top_k", "conv_kernel_size", "conv_group_size")
 
 
 @dataclass
@@ -46,6 +53,25 @@ class DraftConfig:
     # Sliding layers: context limited to the last window-1 positions before the
     # anchor; inside the block causal (True, z-lab's default) or bidirectional.
     sliding_block_causal: bool = True
+    # DFlash 2 ("DFlash2DraftModel"): convolutions and candidate selector;
+    # None = missing from the config (an error for a DFlash 2 draft).
+    architecture: str = "DFlashDraftModel"
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
+    selector_rank: Optional[int] = None
+    selector_top_k: Optional[int] = None
+    # Applied to the draft's logits (and to the target embedding it reads).
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    input_embedding_scale: float = 1.0
+
+    @property
+    def is_v2(self) -> bool:
+        return self.architecture == "DFlash2DraftModel"
+
+    @property
+    def kind(self) -> str:
+        return "DFlash 2" if self.is_v2 else "DFlash v1"
 
     @classmethod
     def from_dict(cls, d: dict) -> "DraftConfig":
@@ -76,6 +102,12 @@ class DraftConfig:
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"),
             sliding_block_causal=d.get("sliding_block_causal", True),
+            architecture="DFlash2DraftModel" if "DFlash2DraftModel" in (d.get("architectures") or [])
+            else "DFlashDraftModel",
+            **{k: (int(dc[k]) if k in dc else d.get(k)) for k in V2_FIELDS},
+            output_multiplier=float(dc.get("output_multiplier", d.get("output_multiplier", 1.0))),
+            final_logit_softcapping=dc.get("final_logit_softcapping", d.get("final_logit_softcapping")),
+            input_embedding_scale=float(dc.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))),
         )
 
     def is_sliding(self, i: int) -> bool:
@@ -136,6 +168,119 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
+    def __call__(self, h: mx.array, attend) -> mx.array:
+        """Block rows h [..., B, H]; ``attend`` maps normed rows to attention output."""
+        h = h + attend(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class BlockConv(nn.Module):
+    """DFlash 2 grouped dynamic causal convolution along the block.
+
+    ``base_kernel`` [2 sides, taps, H]: side 0 filters a sublayer's input,
+    side 1 its output. The per-row correction comes from one projection of
+    the sublayer's (normed) input, one coefficient per tap and group of
+    ``group_size`` channels. Tap o reads the row o places earlier in the
+    same block (zero before the anchor).
+    """
+
+    def __init__(self, hidden: int, taps: int, group_size: int):
+        super().__init__()
+        self.taps, self.group_size = taps, group_size
+        self.base_kernel = mx.zeros((2, taps, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group_size), bias=False)
+
+    def coefficients(self, x: mx.array) -> mx.array:
+        """[..., B, H] -> [..., B, 2, taps, groups]."""
+        return self.kernel_projection(x).reshape(*x.shape[:-1], 2, self.taps, -1)
+
+    def __call__(self, x: mx.array, coeff: mx.array, side: int) -> mx.array:
+        B = x.shape[-2]
+        out = None
+        for o in range(min(self.taps, B)):
+            xs = x
+            if o:
+                pad = mx.zeros((*x.shape[:-2], o, x.shape[-1]), x.dtype)
+                xs = mx.concatenate([pad, x[..., : B - o, :]], axis=-2)
+            k = self.base_kernel[side, o].astype(x.dtype) + mx.repeat(coeff[..., side, o, :], self.group_size, axis=-1)
+            out = k * xs if out is None else out + k * xs
+        return out
+
+    def set_identity(self) -> None:
+        """Tap 0 = 1, other taps and the projection 0: the layer starts as v1's."""
+        self.base_kernel = mx.zeros_like(self.base_kernel).at[:, 0].add(1.0)
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+
+class Draft2Layer(DraftLayer):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        self.attention_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def __call__(self, h: mx.array, attend) -> mx.array:
+        for norm, conv, fn in ((self.input_layernorm, self.attention_conv, attend),
+                               (self.post_attention_layernorm, self.mlp_conv, self.mlp)):
+            x = norm(h)
+            c = conv.coefficients(x)
+            h = h + conv(fn(conv(x, c, 0)), c, 1)
+        return h
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2 selector: per slot the head's top-K candidates, scored
+    ``unary(c) + <A[prev] * P(h_slot), B[c]>`` given the previous slot's
+    token (the anchor for slot 1). Tables keep the published names."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = mx.zeros((vocab, rank))
+        self.successor_codebook = mx.zeros((vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def candidates(self, logits: mx.array) -> Tuple[mx.array, mx.array]:
+        """Top-K ids [..., K] (best first) and their fp32 logits."""
+        K = min(self.top_k, logits.shape[-1])
+        part = mx.stop_gradient(mx.argpartition(-logits, K - 1, axis=-1)[..., :K])
+        vals = mx.take_along_axis(logits, part, axis=-1)
+        order = mx.stop_gradient(mx.argsort(-vals, axis=-1))
+        return mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(vals, order, axis=-1).astype(mx.float32)
+
+    def scores(self, prev: mx.array, proj: mx.array, cand: mx.array, unary: mx.array) -> mx.array:
+        """prev [...], proj [..., r], cand/unary [..., K] -> transition scores [..., K]."""
+        a = self.predecessor_codebook[prev] * proj
+        edges = (self.successor_codebook[cand] @ a[..., None])[..., 0]
+        return unary + edges.astype(mx.float32)
+
+    def lattice(self, hidden: mx.array, logits: mx.array, anchor):
+        """The candidate lattice of slots 1..S: candidates [S, K], slot 1's
+        scores from the anchor [K], and every later slot's transition scores
+        [S-1, K (previous candidate), K]. hidden [S, H], logits [S, V]."""
+        cand, unary = self.candidates(logits)
+        proj = self.hidden_projection(hidden)  # [S, r]
+        succ = self.successor_codebook[cand]  # [S, K, r]
+        anchor = anchor.reshape(()) if isinstance(anchor, mx.array) else mx.array(anchor)
+        first = self.scores(anchor, proj[0], cand[0], unary[0])
+        pred = self.predecessor_codebook[cand[:-1]] * proj[1:, None]  # [S-1, K, r]
+        trans = unary[1:, None] + (pred @ succ[1:].swapaxes(-1, -2)).astype(mx.float32)
+        return cand, first, trans
+
+    def walk(self, hidden: mx.array, logits: mx.array, anchor, choose):
+        """Walk the lattice from the anchor; ``choose(scores [K], slot) -> index``
+        picks each step. Returns (tokens [S], candidates [S, K], the scores
+        each step chose from [S, K])."""
+        cand, row, trans = self.lattice(hidden, logits, anchor)
+        idx, rows = [], []
+        for i in range(cand.shape[0]):
+            if i:
+                row = trans[i - 1][idx[-1]]
+            j = choose(row, i)
+            idx.append(j if isinstance(j, mx.array) else mx.array(j))
+            rows.append(row)
+        picks = mx.stack(idx).reshape(-1, 1)
+        return mx.take_along_axis(cand, picks, axis=-1)[:, 0].astype(mx.int32), cand, mx.stack(rows)
+
 
 @dataclass
 class DraftCache:
@@ -177,8 +322,12 @@ class DFlashDraft(nn.Module):
         n_feat = len(cfg.target_layer_ids or [0] * cfg.num_hidden_layers)
         self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = [DraftLayer(cfg) for _ in range(cfg.num_hidden_layers)]
+        layer = Draft2Layer if cfg.is_v2 else DraftLayer
+        self.layers = [layer(cfg) for _ in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.is_v2:
+            self.candidate_selector = CandidateSelector(
+                cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k)
 
     def bind(self, target) -> "DFlashDraft":
         """Borrow the target's embedding and lm_head (kept out of the parameter tree)."""
@@ -227,6 +376,88 @@ class DFlashDraft(nn.Module):
             blk = mx.ones((B, B), dtype=mx.bool_)
         return mx.concatenate([ctx_ok, blk], axis=1)
 
+    def add_context(self, features: mx.array, cache: DraftCache) -> None:
+        """Append context rows for target features [S, N*H] of positions
+        cache.length .. cache.length + S - 1 (new arrays: earlier ones are kept intact)."""
+        S = features.shape[0]
+        ctx = self.hidden_norm(self.fc(features[None]))
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, cache.length)
+            if cache.keys[i] is None:
+                cache.keys[i], cache.values[i] = k, v
+            else:
+                cache.keys[i] = mx.concatenate([cache.keys[i], k], axis=2)
+                cache.values[i] = mx.concatenate([cache.values[i], v], axis=2)
+        cache.positions.extend(range(cache.length, cache.length + S))
+        cache.length += S
+        cache.trim()
+
+    def _extend_context(self, features: Optional[mx.array], anchor_pos: int, cache: DraftCache) -> None:
+        if features is not None and features.shape[0] > 0:
+            S = features.shape[0]
+            if cache.length + S != anchor_pos:
+                raise ValueError(
+                    f"draft context out of step: cache holds {cache.length} positions, "
+                    f"{S} new rows, anchor at {anchor_pos}"
+                )
+            self.add_context(features, cache)
+        elif cache.length != anchor_pos:
+            raise ValueError(f"draft context missing: holds {cache.length}, anchor at {anchor_pos}")
+
+    def embed(self, ids: mx.array) -> mx.array:
+        h = self.target.embed(ids)
+        s = self.config.input_embedding_scale
+        return h if s == 1.0 else h * s
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """The target's head on normed draft rows, with the draft's output
+        multiplier and soft cap (if its config has them)."""
+        cfg = self.config
+        out = self.target.lm_head(hidden)
+        if cfg.output_multiplier != 1.0:
+            out = out * cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            cap = cfg.final_logit_softcapping
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def block_hidden(
+        self,
+        features: Optional[mx.array],
+        anchor: int,
+        anchor_pos: int,
+        block_size: int,
+        cache: DraftCache,
+    ) -> mx.array:
+        """Normed final hidden rows [block_size, H] of [anchor, MASK x (B-1)].
+
+        ``features`` [S, N*H_target]: captured target features of the context
+        positions cache.length .. anchor_pos - 1 not yet in the cache (or None).
+        """
+        cfg = self.config
+        B = block_size
+        self._extend_context(features, anchor_pos, cache)
+        ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
+        h = self.embed(ids)[None]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            mask = self._mask(i, cache, anchor_pos, B)
+
+            def attend(x, i=i, attn=attn, mask=mask):
+                q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+                q = attn.rope(q, offset=anchor_pos)
+                kb, vb = attn.kv(x, anchor_pos)
+                if cache.keys[i] is not None:
+                    keys = mx.concatenate([cache.keys[i], kb], axis=2)
+                    values = mx.concatenate([cache.values[i], vb], axis=2)
+                else:
+                    keys, values = kb, vb
+                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+                return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+
+            h = layer(h, attend)
+        return self.norm(h[0])
+
     def __call__(
         self,
         features: Optional[mx.array],
@@ -235,52 +466,61 @@ class DFlashDraft(nn.Module):
         block_size: int,
         cache: DraftCache,
     ) -> mx.array:
-        """Draft logits [block_size - 1, V] for slots 1..B-1 of [anchor, MASK x (B-1)].
+        """Draft logits [block_size - 1, V] for slots 1..B-1 (DFlash 2: the
+        selector's unary logits, which DDTree reads)."""
+        return self.logits(self.block_hidden(features, anchor, anchor_pos, block_size, cache)[1:])
 
-        ``features`` [S, N*H_target]: captured target features of the context
-        positions cache.length .. anchor_pos - 1 not yet in the cache (or None).
+    def propose(self, features, anchor: int, anchor_pos: int, block_size: int, cache: DraftCache,
+                sampler=None, sample: bool = False):
+        """The drafted block: (tokens [B-1] int32, q [B-1, V] or None).
+
+        Greedy: v1 takes each slot's argmax, DFlash 2 walks the selector's
+        best successors from the anchor. ``sample``: tokens drawn from the
+        proposal q (v1: the sampler's filtered softmax of the logits;
+        DFlash 2: the selector's softmax over each slot's K candidates given
+        the token drawn before it), with noise keyed by (seed, position).
         """
-        cfg = self.config
-        B = block_size
-        if features is not None and features.shape[0] > 0:
-            S = features.shape[0]
-            if cache.length + S != anchor_pos:
-                raise ValueError(
-                    f"draft context out of step: cache holds {cache.length} positions, "
-                    f"{S} new rows, anchor at {anchor_pos}"
-                )
-            ctx = self.hidden_norm(self.fc(features[None]))
-            for i, layer in enumerate(self.layers):
-                k, v = layer.self_attn.kv(ctx, cache.length)
-                if cache.keys[i] is None:
-                    cache.keys[i], cache.values[i] = k, v
-                else:
-                    cache.keys[i] = mx.concatenate([cache.keys[i], k], axis=2)
-                    cache.values[i] = mx.concatenate([cache.values[i], v], axis=2)
-            cache.positions.extend(range(cache.length, cache.length + S))
-            cache.length += S
-            cache.trim()
-        elif cache.length != anchor_pos:
-            raise ValueError(f"draft context missing: holds {cache.length}, anchor at {anchor_pos}")
+        hidden = self.block_hidden(features, anchor, anchor_pos, block_size, cache)[1:]
+        logits = self.logits(hidden)
+        if not self.config.is_v2:
+            return logits_proposal(logits, anchor_pos, sampler, sample)
+        sel = self.candidate_selector
+        if not sample:
+            toks, _, _ = sel.walk(hidden, logits, anchor, lambda sc, i: mx.argmax(sc))
+            return toks, None
+        from ..sampling import keyed_gumbel
 
-        ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
-        h = self.target.embed(ids)[None]
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-            q = attn.rope(q, offset=anchor_pos)
-            kb, vb = attn.kv(x, anchor_pos)
-            if cache.keys[i] is not None:
-                keys = mx.concatenate([cache.keys[i], kb], axis=2)
-                values = mx.concatenate([cache.values[i], vb], axis=2)
-            else:
-                keys, values = kb, vb
-            mask = self._mask(i, cache, anchor_pos, B)
-            out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
-            h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.target.lm_head(self.norm(h[:, 1:]))[0]
+        T = sampler.temperature
+        g = keyed_gumbel(sampler.seed, range(anchor_pos + 1, anchor_pos + block_size), sel.top_k, stream=1)
+        toks, cand, sc = sel.walk(hidden, logits, anchor, lambda sc, i: mx.argmax(sc / T + g[i]))
+        q = mx.softmax(sc / T, axis=-1)
+        full = mx.put_along_axis(mx.zeros(logits.shape, mx.float32), cand, q, axis=-1)
+        return toks, full
+
+
+def logits_proposal(logits: mx.array, anchor_pos: int, sampler=None, sample: bool = False):
+    """(tokens, q) from per-slot logits [B-1, V]: argmax, or a draw from the
+    sampler's filtered, tempered distribution (no repetition penalty; keyed
+    by seed and position)."""
+    if not sample:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+    from ..sampling import keyed_gumbel
+
+    lg = logits.astype(mx.float32)
+    lg = sampler._filter(lg - mx.logsumexp(lg, axis=-1, keepdims=True)) / sampler.temperature
+    q = mx.softmax(lg, axis=-1)
+    n, V = logits.shape
+    g = keyed_gumbel(sampler.seed, range(anchor_pos + 1, anchor_pos + 1 + n), V, stream=1)
+    return mx.argmax(lg + g, axis=-1).astype(mx.int32), q
+
+
+def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cache,
+            sampler=None, sample: bool = False):
+    """A draft's block proposal (tokens, q); drafts that only return logits
+    (``draft(features, anchor, anchor_pos, B, cache)``) are drafted from those."""
+    if hasattr(draft, "propose"):
+        return draft.propose(features, anchor, anchor_pos, block_size, cache, sampler, sample)
+    return logits_proposal(draft(features, anchor, anchor_pos, block_size, cache), anchor_pos, sampler, sample)
 
 
 # --- training forward -----------------------------------------------------------
@@ -315,8 +555,8 @@ def training_mask(anchors: mx.array, L: int, B: int, sliding_window: Optional[in
     return mx.concatenate([ctx_ok, same], axis=-1)
 
 
-def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
-    """Logits [Bt, m, B-1, V] for m blocks per sequence in one forward.
+def train_hidden(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """Normed final hidden rows [Bt, m, B, H] for m blocks per sequence in one forward.
 
     features [Bt, L, N*H] (target features at every position), tokens [Bt, L],
     anchors [Bt, m] (1 <= a <= L - B). Block j is [tokens[a_j], MASK x (B-1)]
@@ -330,7 +570,7 @@ def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anc
     ctx = draft.hidden_norm(draft.fc(features))  # [Bt, L, H]
     first = mx.take_along_axis(tokens, anchors, axis=1)  # [Bt, m]
     ids = mx.concatenate([first[..., None], mx.full((Bt, m, B - 1), cfg.mask_token_id, dtype=tokens.dtype)], -1)
-    h = draft.target.embed(ids.reshape(Bt, m * B))
+    h = draft.embed(ids)  # [Bt, m, B, H]
     q_pos = (anchors[..., None] + mx.arange(B)).reshape(Bt, m * B)
     c_pos = mx.broadcast_to(mx.arange(L)[None], (Bt, L))
     masks = {}
@@ -339,28 +579,35 @@ def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anc
         sl = cfg.sliding_window if cfg.is_sliding(i) else None
         if sl not in masks:
             masks[sl] = training_mask(anchors, L, B, sl, cfg.sliding_block_causal)[:, None]
-        x = layer.input_layernorm(h)
-        nh, nkv = at.n_heads, at.n_kv
-        q = at.q_norm(at.q_proj(x).reshape(Bt, m * B, nh, -1)).transpose(0, 2, 1, 3)
-        q = _rope_at(at.rope, q, q_pos)
 
-        def kv(rows, pos):
-            S = rows.shape[1]
-            k = at.k_norm(at.k_proj(rows).reshape(Bt, S, nkv, -1)).transpose(0, 2, 1, 3)
-            v = at.v_proj(rows).reshape(Bt, S, nkv, -1).transpose(0, 2, 1, 3)
-            return _rope_at(at.rope, k, pos), v
+        def attend(x, at=at, mask=masks[sl]):
+            x = x.reshape(Bt, m * B, -1)
+            nh, nkv = at.n_heads, at.n_kv
+            q = at.q_norm(at.q_proj(x).reshape(Bt, m * B, nh, -1)).transpose(0, 2, 1, 3)
+            q = _rope_at(at.rope, q, q_pos)
 
-        kc, vc = kv(ctx, c_pos)
-        kb, vb = kv(x, q_pos)
-        keys = mx.concatenate([kc, kb], axis=2)
-        values = mx.concatenate([vc, vb], axis=2)
-        if nh != nkv:
-            keys = mx.repeat(keys, nh // nkv, axis=1)
-            values = mx.repeat(values, nh // nkv, axis=1)
-        scores = (q * at.scale) @ keys.swapaxes(-1, -2)
-        scores = mx.where(masks[sl], scores, -1e9)
-        out = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype) @ values
-        h = h + at.o_proj(out.transpose(0, 2, 1, 3).reshape(Bt, m * B, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = draft.target.lm_head(draft.norm(h)).reshape(Bt, m, B, -1)
-    return logits[:, :, 1:]
+            def kv(rows, pos):
+                S = rows.shape[1]
+                k = at.k_norm(at.k_proj(rows).reshape(Bt, S, nkv, -1)).transpose(0, 2, 1, 3)
+                v = at.v_proj(rows).reshape(Bt, S, nkv, -1).transpose(0, 2, 1, 3)
+                return _rope_at(at.rope, k, pos), v
+
+            kc, vc = kv(ctx, c_pos)
+            kb, vb = kv(x, q_pos)
+            keys = mx.concatenate([kc, kb], axis=2)
+            values = mx.concatenate([vc, vb], axis=2)
+            if nh != nkv:
+                keys = mx.repeat(keys, nh // nkv, axis=1)
+                values = mx.repeat(values, nh // nkv, axis=1)
+            scores = (q * at.scale) @ keys.swapaxes(-1, -2)
+            scores = mx.where(mask, scores, -1e9)
+            out = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype) @ values
+            return at.o_proj(out.transpose(0, 2, 1, 3).reshape(Bt, m * B, -1)).reshape(Bt, m, B, -1)
+
+        h = layer(h, attend)
+    return draft.norm(h)
+
+
+def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:
+    """Logits [Bt, m, B-1, V] for slots 1..B-1 of each block (see :func:`train_hidden`)."""
+    return draft.logits(train_hidden(draft, features, tokens, anchors)[:, :, 1:])

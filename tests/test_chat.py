@@ -1,0 +1,166 @@
+"""ChatSession reuses each previous turn; `mlx-dflash chat` driven through a real terminal;
+`generate --prompt-cache-file`."""
+
+import os
+import pty
+import re
+import select
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.cli import main
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.prefix import PrefixCache
+
+from test_prefix import engines  # noqa: F401  (the fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_three_turn_session_reuses_each_previous_turn(engines, which):  # noqa: F811
+    eng = engines[which]
+    chat = mlx_dflash.ChatSession(eng, system="You write small Python functions. " * 4,
+                                  prefix_cache=PrefixCache(rung_interval=0))
+    turns = ["def fibonacci(n):", "class Stack:", "import os, sys"]
+    for i, text in enumerate(turns):
+        r = chat.send(text, max_tokens=12)
+        s = r.stats
+        if i == 0:
+            assert s.cached_tokens == 0
+        else:
+            assert s.cached_tokens > 0.8 * s.prompt_tokens, (i, s.cached_tokens, s.prompt_tokens)
+        # The turn's output is exactly a cold run over the same prompt ids.
+        ids = chat._ids[: s.prompt_tokens]
+        assert mlx_dflash.generate(eng, ids, max_tokens=12).tokens == r.tokens
+    assert [m["role"] for m in chat.messages] == ["system"] + ["user", "assistant"] * 3
+    # The conversation is the template's rendering of the messages.
+    rendered = eng.tokenizer.apply_chat_template(chat.messages + [{"role": "user", "content": "x"}],
+                                                 add_generation_prompt=True, tokenize=False)
+    assert rendered.startswith(eng.tokenizer.decode(chat._ids[: chat.stats.prompt_tokens]))
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": chat.system}]
+    with pytest.raises(DFlashError, match="set by the chat session"):
+        chat.send("hi", chat_template=True)
+
+
+def test_session_on_a_template_that_rewrites_history(engines):  # noqa: F811
+    """When a template renders earlier replies differently, the turn is
+    re-encoded and the stable boundary of the previous prompt still hits."""
+    eng = engines["dense"]
+    tok = eng.tokenizer
+    saved = tok._tokenizer.chat_template
+    # Like Qwen3's template dropping earlier thinking: assistant turns rendered without their text.
+    tok._tokenizer.chat_template = saved.replace("message['content']", "(message['content'] if message['role'] != 'assistant' else '')")
+    try:
+        chat = mlx_dflash.ChatSession(eng, system="Be brief. " * 8, prefix_cache=PrefixCache(rung_interval=0))
+        first = chat.send("def f(x):", max_tokens=6)
+        second = chat.send("def g(y):", max_tokens=6)
+        boundary = first.stats.prompt_tokens - len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+        assert second.stats.cached_tokens == boundary
+    finally:
+        tok._tokenizer.chat_template = saved
+
+
+def _read_until(fd, pattern, timeout=240.0):
+    buf = b""
+    end = time.time() + timeout
+    while time.time() < end:
+        r, _, _ = select.select([fd], [], [], 0.5)
+        if r:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+            m = re.search(pattern, buf.decode(errors="replace"))
+            if m:
+                return buf.decode(errors="replace"), m
+    raise AssertionError(f"no {pattern!r} in output: {buf.decode(errors='replace')[-2000:]}")
+
+
+def test_chat_repl_through_a_pty(tmp_path):
+    """Two turns in a real terminal: the second restores the first's prompt and reply."""
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the REPL on the embedded pair
+        os.chdir(ROOT)
+        os.environ["PYTHONPATH"] = str(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "mlx_dflash", "chat", "--max-tokens", "24"])
+    try:
+        _read_until(fd, r">> ")
+        os.write(fd, b"def fibonacci(n):\n")
+        out1, m1 = _read_until(fd, r"\[(\d+) prompt tokens: (\d+) cached, (\d+) prefilled.*tau ([\d.]+).* tok/s")
+        os.write(fd, b"def main():\n")
+        out2, m2 = _read_until(fd, r"\[(\d+) prompt tokens: (\d+) cached, (\d+) prefilled.*tau ([\d.]+).* tok/s")
+        p1, c1 = int(m1.group(1)), int(m1.group(2))
+        p2, c2, f2 = int(m2.group(1)), int(m2.group(2)), int(m2.group(3))
+        assert c1 == 0
+        assert c2 >= p1 and c2 + f2 == p2  # the whole first turn came from the cache
+        save = tmp_path / "chat.safetensors"
+        os.write(fd, f"/save {save}\n".encode())
+        _read_until(fd, r"saved")
+        os.write(fd, b"/reset\n")
+        _read_until(fd, r"reset")
+        os.write(fd, b"/quit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert save.stat().st_size > 0
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def cli(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
+    f = tmp_path / "prompt.safetensors"
+    code, cold, err = cli(capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose",
+                          "--prompt-cache-file", str(f))
+    assert code in (0, None), err
+    assert f.is_file() and re.search(r"cached tokens\s+0\b", err)
+    code, warm, err = cli(capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose",
+                          "--prompt-cache-file", str(f))
+    assert code in (0, None), err
+    assert warm == cold
+    m = re.search(r"prompt tokens\s+(\d+)", err)
+    assert re.search(rf"cached tokens\s+{int(m.group(1)) - 1}\b", err)
+    # A file for another model, a truncated file: one error line, exit 2.
+    cfg = tiny.target_config()
+    other = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "other", tokenizer_dir=tok_dir)
+    code, _, err = cli(capsys, "generate", "-m", str(other), "def f():", "-n", "4", "--prompt-cache-file", str(f))
+    assert code == 2 and err.startswith("error:") and "another model" in err and "Traceback" not in err
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(f.read_bytes()[:1000])
+    code, _, err = cli(capsys, "generate", "def f():", "-n", "4", "--prompt-cache-file", str(bad))
+    assert code == 2 and err.startswith("error:") and ("truncated" in err or "corrupt" in err)
+    assert bad.read_bytes() == f.read_bytes()[:1000]  # left as it was
+    code, _, err = cli(capsys, "generate", "def f():", "-n", "4", "--prompt-cache-file", str(tmp_path / "n.safetensors"),
+                       "--prompt-cache-bytes", "100")
+    assert code == 2 and "too small for one snapshot" in err
+
+
+def test_chat_and_generate_help_list_the_cache_flags(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # long option names are not cut in a wide help table
+    code, out, _ = cli(capsys, "chat", "--help")
+    assert code == 0
+    for flag in ("--model", "--draft", "--system", "--max-tokens", "--temp", "--seed", "--tree-budget",
+                 "--prompt-cache-file", "--prompt-cache-bytes", "/reset", "/save", "/quit"):
+        assert flag in out, flag
+    code, out, _ = cli(capsys, "generate", "--help")
+    assert "--prompt-cache-file" in out and "--prompt-cache-bytes" in out

@@ -1,0 +1,326 @@
+"""Prefix snapshots: a restored prefix gives exactly the cold output and cache,
+snapshots are never mutated or wrongly shared, LRU by real bytes, files."""
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_dflash
+from mlx_dflash import tiny
+from mlx_dflash.api import Engine
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.loading import load_tokenizer
+from mlx_dflash.models.qwen35 import Target
+from mlx_dflash.prefix import PrefixCache
+
+N = 20
+
+
+def assert_cache_is_plain_forward(target, cache, tokens):
+    """``cache`` equals one unchunked prefill over ``tokens``. A prefill split
+    at snapshot positions rounds differently in float32 (the DeltaNet block
+    is evaluated in closed form per chunk), hence the tolerance."""
+    fresh = target.make_cache()
+    target.forward(list(tokens), fresh, logits="none")
+    assert cache.offset == fresh.offset == len(tokens)
+    got, want = cache.state(), fresh.state()
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4)
+
+
+def make_engine(cfg, model, tok_dir, draft_kind):
+    target = Target(model)
+    if draft_kind == "window":  # sliding draft: its cache keeps a window of context rows
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8,
+                                 layer_types=["sliding_attention", "sliding_attention"], sliding_window=12)
+    else:  # full-attention draft: its cache keeps every context row
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    draft = tiny.build_draft(dcfg, seed=5).bind(target)
+    return Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), draft)
+
+
+@pytest.fixture(scope="module")
+def engines(dense, moe, tok_dir):
+    return {"dense": make_engine(*dense, tok_dir, "window"), "moe": make_engine(*moe, tok_dir, "full")}
+
+
+def ids(seed, n, vocab=400):
+    return np.random.default_rng(seed).integers(4, vocab, n).tolist()
+
+
+MODES = {
+    "plain": dict(baseline=True),
+    "chain": dict(),
+    "tree": dict(tree_budget=6, tree_topk=2),
+}
+
+
+FAST = {("dense", "chain", False), ("moe", "tree", True), ("moe", "plain", False), ("dense", "chain", True)}
+COMBOS = [pytest.param(w, m, smp, id=f"{w}-{m}-{'sampled' if smp else 'greedy'}",
+                       marks=() if (w, m, smp) in FAST else pytest.mark.slow)
+          for w in ("dense", "moe") for m in MODES for smp in (False, True)]
+
+
+@pytest.mark.parametrize("which,mode,sampled", COMBOS)
+def test_restore_equals_cold(engines, which, mode, sampled):
+    eng = engines[which]
+    kw = dict(MODES[mode], max_tokens=N)
+    if sampled:
+        kw.update(temperature=0.9, top_p=0.95, seed=3)
+    prompt = ids(1, 150)
+    cold = mlx_dflash.generate(eng, prompt, **kw)
+    pc = PrefixCache(rung_interval=64)
+    first = mlx_dflash.generate(eng, prompt, prefix_cache=pc, **kw)
+    assert first.stats.cached_tokens == 0 and first.tokens == cold.tokens
+    again = mlx_dflash.generate(eng, prompt, prefix_cache=pc, **kw)
+    assert again.stats.cached_tokens == len(prompt) - 1  # the retry restores all but one token
+    assert again.tokens == cold.tokens
+    # Speculation after a restore accepts exactly what it accepts cold.
+    assert again.stats.accept_hist == first.stats.accept_hist
+    # The next turn extends prompt + reply: the end-of-generation snapshot.
+    nxt = prompt + cold.tokens + ids(2, 12)
+    warm = mlx_dflash.generate(eng, nxt, prefix_cache=pc, **kw)
+    assert warm.stats.cached_tokens == len(prompt) + len(cold.tokens) - 1
+    assert warm.stats.prompt_tokens == len(nxt)
+    assert warm.tokens == mlx_dflash.generate(eng, nxt, **kw).tokens
+    # Diverging at token 100: the rung at 64 is the longest usable prefix.
+    div = prompt[:100] + ids(3, 30)
+    warm = mlx_dflash.generate(eng, div, prefix_cache=pc, **kw)
+    assert warm.stats.cached_tokens == 64
+    assert warm.tokens == mlx_dflash.generate(eng, div, **kw).tokens
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_every_snapshot_restores_a_plain_forward(engines, which):
+    eng = engines[which]
+    target = eng.target
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(4, 100)
+    out = mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    kinds = sorted(kind for _, kind in pc.snapshots())
+    assert kinds == ["boundary", "end", "rung", "rung", "rung"]
+    seq = prompt + out.tokens
+    for snap in list(pc._snaps):
+        assert list(snap.tokens) == seq[: snap.n]
+        cache = target.make_cache()
+        pc._restore(snap, cache, None)
+        assert_cache_is_plain_forward(target, cache, seq[: snap.n])
+    # A restore plus a partial prefill also equals a plain forward.
+    cache = target.make_cache()
+    pc.prefill(target, seq[:90] + [5, 6, 7], cache)
+    assert_cache_is_plain_forward(target, cache, seq[:90] + [5, 6, 7])
+
+
+def _all_arrays(pc):
+    return [np.array(a) for s in pc._snaps for a in s.arrays()]
+
+
+def test_no_snapshot_is_mutated(engines):
+    eng = engines["dense"]
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(5, 90)
+    a1 = mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    before = _all_arrays(pc)
+    n_before = len(pc)
+    # Restore the rung at 64 and decode past it in another direction.
+    other = mlx_dflash.generate(eng, prompt[:70] + ids(6, 20), max_tokens=N, prefix_cache=pc)
+    assert other.stats.cached_tokens == 64
+    after = _all_arrays(pc)[: len(before)]
+    assert len(pc) > n_before
+    for x, y in zip(before, after):
+        np.testing.assert_array_equal(x, y)
+    a2 = mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    assert a2.stats.cached_tokens == len(prompt) - 1 and a2.tokens == a1.tokens
+
+
+def test_equal_length_prompts_differing_in_one_token_never_share(engines):
+    eng = engines["moe"]
+    a = ids(7, 80)
+    for j in (0, 40, 79):
+        b = list(a)
+        b[j] = 4 if a[j] != 4 else 5
+        pc = PrefixCache(rung_interval=0)
+        mlx_dflash.generate(eng, a, max_tokens=8, prefix_cache=pc)
+        rb = mlx_dflash.generate(eng, b, max_tokens=8, prefix_cache=pc)
+        # Only the boundary at 79 (== a[:79]) can start b, and only if b differs after it.
+        assert rb.stats.cached_tokens == (79 if j == 79 else 0)
+        assert rb.tokens == mlx_dflash.generate(eng, b, max_tokens=8).tokens
+        assert pc.lookup(b + [9]).tokens != tuple(a[:80]) if j < 79 else True
+
+
+def test_shared_system_prompt_reuses_the_rung_below_the_divergence(engines):
+    eng = engines["dense"]
+    pc = PrefixCache(rung_interval=32)
+    system = "Beautiful is better than ugly. Explicit is better than implicit. " * 6
+    kw = dict(chat_template=True, system=system, max_tokens=8, prefix_cache=pc)
+    ra = mlx_dflash.generate(eng, "def fibonacci(n):", **kw)
+    a = eng.encode("def fibonacci(n):", chat_template=True, system=system)
+    b = eng.encode("class Stack:", chat_template=True, system=system)
+    d = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert d > 64
+    rb = mlx_dflash.generate(eng, "class Stack:", **kw)
+    assert rb.stats.cached_tokens == (d // 32) * 32
+    cold = mlx_dflash.generate(eng, "class Stack:", chat_template=True, system=system, max_tokens=8)
+    assert rb.tokens == cold.tokens and ra.stats.cached_tokens == 0
+
+
+def test_stable_boundary_sits_before_the_generation_prompt(engines):
+    eng = engines["dense"]
+    pc = PrefixCache(rung_interval=0)
+    p = eng.encode("hello", chat_template=True)
+    tail = eng.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert p[-len(tail):] == tail
+    assert pc.stable_boundary(eng.tokenizer, p) == len(p) - len(tail)
+    assert pc.stable_boundary(eng.tokenizer, [5, 6, 7]) == 2
+
+
+def test_lru_eviction_by_real_bytes(engines):
+    eng = engines["dense"]
+    big = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(eng, ids(10, 60), max_tokens=8, prefix_cache=big)
+    one = big.nbytes  # one conversation: boundary + end snapshots
+    pc = PrefixCache(max_bytes=int(2.5 * one), rung_interval=0)
+    A, B, C = ids(10, 60), ids(11, 60), ids(12, 60)
+    for p in (A, B):
+        mlx_dflash.generate(eng, p, max_tokens=8, prefix_cache=pc)
+    assert len(pc) == 4
+    assert mlx_dflash.generate(eng, A, max_tokens=8, prefix_cache=pc).stats.cached_tokens == 59  # A used last
+    mlx_dflash.generate(eng, C, max_tokens=8, prefix_cache=pc)
+    assert pc.nbytes <= pc.max_bytes
+    assert pc.lookup(A + [1]) is not None and pc.lookup(C + [1]) is not None
+    assert pc.lookup(B + [1]) is None  # the least recently used went first
+
+
+def test_byte_accounting_equals_device_memory(engines):
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(13, 130)
+    mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    mlx_dflash.generate(eng, prompt[:50] + ids(14, 40), max_tokens=N, prefix_cache=pc)
+    gc.collect()
+    held = pc.nbytes
+    assert held > 0
+    arrays = {id(a): a.nbytes for s in pc._snaps for a in s.arrays()}
+    m1 = mx.get_active_memory()
+    pc.clear()
+    gc.collect()
+    freed = m1 - mx.get_active_memory()
+    # The allocator rounds each buffer up (at most to the next power of two
+    # here); anything more would be a hidden buffer a snapshot keeps alive.
+    assert held <= freed <= sum(max(4096, 1 << (n - 1).bit_length()) for n in arrays.values())
+
+
+def test_budget_too_small_for_one_snapshot(engines):
+    eng = engines["dense"]
+    pc = PrefixCache(max_bytes=1000)
+    with pytest.raises(DFlashError, match="too small for one snapshot"):
+        mlx_dflash.generate(eng, ids(1, 20), max_tokens=4, prefix_cache=pc)
+    assert len(pc) == 0
+    with pytest.raises(DFlashError, match="must be positive"):
+        PrefixCache(max_bytes=0)
+
+
+def test_one_cache_per_model(engines):
+    pc = PrefixCache()
+    mlx_dflash.generate(engines["dense"], ids(1, 20), max_tokens=4, prefix_cache=pc)
+    with pytest.raises(DFlashError, match="another model"):
+        mlx_dflash.generate(engines["moe"], ids(1, 20), max_tokens=4, prefix_cache=pc)
+
+
+def test_closing_the_stream_early_leaves_the_cache_consistent(engines):
+    eng = engines["dense"]
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(15, 70)
+    for kw in (dict(), dict(baseline=True)):
+        pc.clear()
+        gen = mlx_dflash.stream_generate(eng, prompt, max_tokens=N, prefix_cache=pc, **kw)
+        got = []
+        for r in gen:
+            got.extend(r.tokens)
+            if len(got) >= 5:
+                break
+        gen.close()
+        full = mlx_dflash.generate(eng, prompt, max_tokens=N, **kw).tokens
+        assert got == full[: len(got)]
+        ends = [s for s in pc._snaps if s.kind == "end"]
+        assert len(ends) == 1 and list(ends[0].tokens) == (prompt + full)[: ends[0].n]
+        for snap in pc._snaps:
+            cache = eng.target.make_cache()
+            pc._restore(snap, cache, None)
+            assert_cache_is_plain_forward(eng.target, cache, list(snap.tokens))
+        nxt = prompt + got + [7, 8]
+        warm = mlx_dflash.generate(eng, nxt, max_tokens=N, prefix_cache=pc, **kw)
+        assert warm.stats.cached_tokens == ends[0].n
+        assert warm.tokens == mlx_dflash.generate(eng, nxt, max_tokens=N, **kw).tokens
+
+
+def test_save_load_round_trip(engines, tmp_path):
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(16, 100)
+    cold = mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    f = tmp_path / "pc.safetensors"
+    pc.save(f)
+    back = PrefixCache.load(f, eng)
+    assert back.snapshots() == pc.snapshots() and back.nbytes == pc.nbytes
+    for s, t in zip(sorted(pc._snaps, key=lambda s: s.used), sorted(back._snaps, key=lambda s: s.used)):
+        assert s.tokens == t.tokens
+        for x, y in zip(s.arrays(), t.arrays()):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+    again = mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=back)
+    assert again.stats.cached_tokens == len(prompt) - 1 and again.tokens == cold.tokens
+    assert again.stats.accept_hist == cold.stats.accept_hist
+
+
+def test_bad_cache_files(engines, tmp_path):
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(eng, ids(17, 40), max_tokens=8, prefix_cache=pc)
+    f = tmp_path / "pc.safetensors"
+    pc.save(f)
+    data = f.read_bytes()
+    with pytest.raises(DFlashError, match="another model"):
+        PrefixCache.load(f, engines["dense"])
+    cases = {
+        "truncated.safetensors": data[: len(data) // 2],
+        "garbage.safetensors": b"\x00\x01not a safetensors file" * 10,
+        "flipped.safetensors": data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:],
+    }
+    for name, content in cases.items():
+        p = tmp_path / name
+        p.write_bytes(content)
+        with pytest.raises(DFlashError, match="corrupt|truncated"):
+            PrefixCache.load(p, eng)
+    with pytest.raises(DFlashError, match="not found"):
+        PrefixCache.load(tmp_path / "missing.safetensors", eng)
+    plain = tmp_path / "plain.safetensors"
+    mx.save_safetensors(str(plain), {"x": mx.zeros((2,))})
+    with pytest.raises(DFlashError, match="not an mlx-dflash prompt cache"):
+        PrefixCache.load(plain, eng)
+
+
+
+def test_unwindowed_draft_rows_are_stored_once(engines):
+    """A full-attention draft's context rows are position-local like target
+    KV: all snapshots of a conversation share one copy of each row."""
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=16)
+    prompt = ids(30, 100)
+    mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
+    assert len(pc) == 8  # 6 rungs, the boundary, the end
+    segs = {}
+    for s in pc._snaps:
+        assert s.draft is not None and s.draft.keys is None
+        seg = s.seg
+        while seg is not None:
+            segs[id(seg)] = seg
+            seg = seg.parent
+    rows = sum(seg.end - seg.start for seg in segs.values())
+    assert rows == len(prompt) + N - 1
+    draft_bytes = sum(a.nbytes for seg in segs.values() for pair in seg.dkv for a in pair)
+    k, v = next(iter(segs.values())).dkv[0]
+    per_row = len(eng.draft.layers) * (k.nbytes / k.shape[2] + v.nbytes / v.shape[2])
+    assert draft_bytes == rows * per_row
