@@ -123,6 +123,8 @@ def stream_generate(
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
+    adaptive: bool = True,
+    kv_bits: Optional[int] = None,
     accept_rule: str = "speculative",
     prefix_cache=None,
 ) -> Iterator[GenerationResponse]:
@@ -146,6 +148,10 @@ def stream_generate(
     ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
     prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
     and this request's prompt and reply are snapshotted into it.
+    ``adaptive`` (default on): each cycle's verify width is chosen from the
+    pair's measured costs and the acceptance so far, down to plain steps;
+    ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
+    target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
     ids = engine.encode(prompt, chat_template=chat_template, system=system,
                         chat_template_config=chat_template_config)
@@ -167,7 +173,7 @@ def stream_generate(
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
         tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile, accept_rule=accept_rule, prefix_cache=prefix_cache,
+        profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule, prefix_cache=prefix_cache,
         prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
                          if prefix_cache is not None else None),
     ):

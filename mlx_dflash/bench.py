@@ -27,6 +27,18 @@ BASE_MODES = ("mlx-lm", "baseline", "dflash")
 PROMPTS_DIR = Path(__file__).parent / "bench_prompts"  # the prompt set shipped with the package
 
 
+def context_prompt(engine, n_tokens: int) -> List[int]:
+    """About ``n_tokens`` prompt ids for the context-length axis: the start of
+    a Python standard-library source (argparse.py), cut at ``n_tokens``."""
+    import argparse
+
+    text = Path(argparse.__file__).read_text()
+    ids = engine.encode(text)
+    if len(ids) < n_tokens:
+        raise DFlashError(f"context prompt source has only {len(ids)} tokens, {n_tokens} asked")
+    return ids[:n_tokens]
+
+
 def read_prompts(folder: Optional[Path] = None) -> Dict[str, str]:
     """``*.txt`` files in ``folder`` (default: the shipped set): name -> prompt text (file stem = name)."""
     folder = Path(folder) if folder is not None else PROMPTS_DIR
@@ -63,19 +75,19 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
 
 
 def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4,
-                profile=False):
+                profile=False, adaptive=True):
     st = GenerationStats()
     toks: List[int] = []
     for t in generate_tokens(engine.target, ids, draft=draft, max_tokens=max_tokens,
                              block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st,
-                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile):
+                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile, adaptive=adaptive):
         toks.extend(t)
     c = max(st.cycles, 1)
     return toks, {
         "decode_tps": st.decode_tps, "prefill_tps": st.prefill_tps, "peak_memory": st.peak_memory,
         "tau": st.tau, "accept_hist": st.accept_hist, "cycles": st.cycles,
         "cycle_commits": st.cycle_commits, "depth_acceptance": st.depth_acceptance,
-        "mean_tree_size": st.mean_tree_size,
+        "mean_tree_size": st.mean_tree_size, "widths": st.widths, "policy": st.policy,
         "ms_per_cycle_timed": st.decode_time / c * 1e3,
         "ms_per_cycle": {
             "draft": st.draft_time / c * 1e3, "verify": st.verify_time / c * 1e3,
@@ -115,12 +127,14 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
               repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
               tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False,
-              draft2=None, draft2_path=None) -> dict:
+              draft2=None, draft2_path=None, contexts: Sequence[int] = (), adaptive: bool = True) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
     and, with ``tree_budget`` > 0, dflash-tree; with ``draft2`` (a second
     loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
     ``pipeline``: the engine is a pipeline's rank 0 (no whole model for
-    mlx-lm): baseline is the reference."""
+    mlx-lm): baseline is the reference. ``contexts``: also one row per context
+    length (prompts of that many tokens, see :func:`context_prompt`),
+    generating ``max_tokens[0]`` tokens. ``adaptive``: the dflash modes' width policy."""
     modes = BASE_MODES[1:] if pipeline else BASE_MODES
     modes = modes + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
     if engine.draft is None:
@@ -128,14 +142,17 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     if repeats < 1:
         raise DFlashError(f"repeats must be positive, got {repeats}")
     results = []
-    for name, text in prompts.items():
-        ids = engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
-        for n in max_tokens:
+    cases = [(name, engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None),
+              max_tokens) for name, text in prompts.items()]
+    cases += [(f"context_{L}", context_prompt(engine, L), max_tokens[:1]) for L in contexts]
+    for name, ids, lengths in cases:
+        for n in lengths:
             row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
             fns = {
                 "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
                 "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
-                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p),
+                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
+                                                adaptive=adaptive),
                 "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
                                                      tree_topk, profile=p),
                 "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
@@ -176,6 +193,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
            if draft2 is not None else {}),
         "draft_kind": engine.draft.config.kind if hasattr(engine.draft, "config") else None,
         "block_size": block_size or engine.draft.block_size,
+        "policy": "pinned" if block_size or not adaptive else "adaptive",
         "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
         "repeats": repeats, "identical_tokens": True,
         "agrees_with_mlx_lm": (all(r["mlx_lm_first_difference"] is None for r in results)
@@ -197,6 +215,7 @@ def to_markdown(res: dict) -> str:
         + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else "")
         + (f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
            f"dflash on the first ({res.get('draft_kind')})" if two else ""),
+        f"- dflash width policy: {res.get('policy', 'pinned')}",
         f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
         "speculative modes produced the tokens of plain decoding "
@@ -237,6 +256,22 @@ def to_markdown(res: dict) -> str:
         lines += ["", "Medians of tau: " + ", ".join(
             f"{x} {statistics.median(r['modes'][x]['tau'] for r in res['results']):.2f}" for x in ("dflash", "dflash2"))
             + "."]
+    lines += ["", "Verify widths chosen, dflash (width: cycles; 1 = a plain step):", ""]
+    for r in res["results"]:
+        w = r["modes"]["dflash"].get("widths", {})
+        lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{k}:{c}" for k, c in w.items()))
+    ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
+    if ctx:
+        lines += ["", "Context length (prompt tokens; peak memory of the whole process's MLX allocations):", "",
+                  "| prompt tokens | generated | mlx-lm tok/s | dflash tok/s | dflash speedup | dflash tau "
+                  "| mlx-lm peak GB | dflash peak GB |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in ctx:
+            m, d = r["modes"].get("mlx-lm") or r["modes"]["baseline"], r["modes"]["dflash"]
+            lines.append(f"| {r['prompt_tokens']} | {d['generated']} | {m['decode_tps']:.1f} | {d['decode_tps']:.1f} "
+                         f"| {d['speedup']:.2f}x | {d['tau']:.2f} | {m['peak_memory']:.3f} | {d['peak_memory']:.3f} |")
+        lines += ["", f"Speedup at the longest context / at the shortest: "
+                      f"{ctx[-1]['modes']['dflash']['speedup'] / ctx[0]['modes']['dflash']['speedup']:.2f}."]
     pre = [r["modes"]["dflash"]["prefill_tps"] for r in res["results"]]
     lines += ["", f"Prefill (dflash, with feature capture): median {statistics.median(pre):.0f} tok/s."]
     return "\n".join(lines) + "\n"

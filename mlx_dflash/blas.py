@@ -1,8 +1,10 @@
 """Which BLAS this process uses, and a re-exec under OpenBLAS on Linux.
 
 mlx-cpu bundles the netlib reference BLAS, whose batched matmul cost grows
-linearly with the batch, so timings on Linux are taken with OpenBLAS
-preloaded (Debian package libopenblas0-pthread).
+linearly with the batch (a 16-token verify runs ~7x slower than with
+OpenBLAS). The command line (cli.main) re-executes itself once with
+OpenBLAS preloaded when it is installed (Debian package
+libopenblas0-pthread), for every command; ``bench --blas bundled`` opts out.
 """
 
 import glob
@@ -28,7 +30,14 @@ def ensure_openblas(mode: str = "auto", argv=None) -> None:
 
     ``argv``: the command line to re-run (default: this interpreter + sys.argv).
     """
-    if platform.system() != "Linux" or mode == "bundled":
+    if platform.system() != "Linux":
+        return
+    pre = os.environ.get("LD_PRELOAD", "")
+    if mode == "bundled":
+        if "openblas" in pre:  # preloaded by the command line entry: run again without it
+            env = dict(os.environ, LD_PRELOAD=" ".join(p for p in pre.split() if "openblas" not in p))
+            argv = argv or [sys.executable] + sys.argv
+            os.execve(argv[0], argv, env)
         return
     lib = openblas_path()
     if lib is None:
@@ -37,9 +46,9 @@ def ensure_openblas(mode: str = "auto", argv=None) -> None:
 
             raise DFlashError("OpenBLAS not found: apt-get install libopenblas0-pthread")
         return
-    if lib in os.environ.get("LD_PRELOAD", ""):
+    if lib in pre:
         return
-    env = dict(os.environ, LD_PRELOAD=lib)
+    env = dict(os.environ, LD_PRELOAD=f"{lib} {pre}".strip())
     argv = argv or [sys.executable] + sys.argv
     os.execve(argv[0], argv, env)
 

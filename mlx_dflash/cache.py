@@ -3,11 +3,16 @@
 Batch size is 1 throughout (one generation per cache).
 """
 
+import math
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
 from . import kernels
+from .errors import DFlashError
+
+KV_BITS = (4, 8)
+KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
 
 
 class KVBuffer:
@@ -61,6 +66,129 @@ class KVBuffer:
             return []
         return [self.keys[:, :, : self.offset], self.values[:, :, : self.offset]]
 
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+        """Append the block's k, v and attend q [1, H, T, D] over everything held."""
+        keys, values = self.append(k, v)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+    def nbytes(self) -> int:
+        """Bytes of the rows held (not the spare capacity)."""
+        return sum(a.nbytes for a in self.state())
+
+
+def _grow(parts: List[Optional[mx.array]], new: List[mx.array], offset: int, step: int) -> List[mx.array]:
+    """Buffers [1, H, cap, *] holding ``offset`` rows, grown in ``step``s to fit ``new``."""
+    end = offset + new[0].shape[2]
+    if parts[0] is not None and end <= parts[0].shape[2]:
+        return parts
+    cap = ((end + step - 1) // step) * step
+    out = []
+    for old, n in zip(parts, new):
+        buf = mx.zeros(n.shape[:2] + (cap,) + n.shape[3:], n.dtype)
+        if old is not None and offset > 0:
+            buf[:, :, :offset] = old[:, :, :offset]
+        out.append(buf)
+    return out
+
+
+def check_kv_bits(bits: Optional[int], head_dim: Optional[int] = None) -> None:
+    if bits is None:
+        return
+    if bits not in KV_BITS:
+        raise DFlashError(f"--kv-bits must be 4 or 8 (or omitted for full precision), got {bits}")
+    if head_dim is not None:
+        if head_dim % 32:
+            raise DFlashError(f"--kv-bits needs an attention head dim divisible by 32; this model's is {head_dim}")
+        m = head_dim
+        while m % 2 == 0:
+            m //= 2
+        if m not in (1, 3, 5, 7):  # what mx.hadamard_transform supports: m * 2^k, m in 1, 12, 20, 28
+            raise DFlashError(f"--kv-bits: no Walsh-Hadamard transform of size {head_dim}")
+
+
+class QuantizedKVBuffer:
+    """Attention K/V stored quantized (``bits`` 8 or 4, affine groups along
+    the head dim, as mlx-lm's quantized KV cache), K rotated by an orthonormal
+    Walsh-Hadamard transform first: the rotation spreads outlier channels
+    over the group so they quantize with less error, and since q.k = (Hq).(Hk)
+    the queries are rotated alike and attention is unchanged in exact
+    arithmetic. Rows are quantized one by one when appended, so truncation
+    and tree compaction move quantized rows exactly as :class:`KVBuffer`
+    moves float ones.
+    """
+
+    step = 256
+
+    def __init__(self, bits: int = 8, group_size: int = KV_GROUP_SIZE):
+        check_kv_bits(bits)
+        self.bits = bits
+        self.group_size = group_size
+        self.keys: List[Optional[mx.array]] = [None, None, None]  # packed, scales, biases
+        self.values: List[Optional[mx.array]] = [None, None, None]
+        self.offset = 0
+
+    def _group(self, D: int) -> int:
+        return self.group_size if D % self.group_size == 0 else 32
+
+    def _rotate(self, x: mx.array) -> mx.array:
+        return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
+
+    def append(self, k: mx.array, v: mx.array):
+        """Rotate and quantize k, v [1, H, T, D]; returns the (packed, scales,
+        biases) triples of all rows held."""
+        gs = self._group(k.shape[-1])
+        qk = list(mx.quantize(self._rotate(k), group_size=gs, bits=self.bits))
+        qv = list(mx.quantize(v, group_size=gs, bits=self.bits))
+        end = self.offset + k.shape[2]
+        self.keys = _grow(self.keys, qk, self.offset, self.step)
+        self.values = _grow(self.values, qv, self.offset, self.step)
+        for buf, new in zip(self.keys + self.values, qk + qv):
+            buf[:, :, self.offset : end] = new
+        self.offset = end
+        return [a[:, :, :end] for a in self.keys], [a[:, :, :end] for a in self.values]
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+        from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+        keys, values = self.append(k, v)
+        return quantized_scaled_dot_product_attention(
+            self._rotate(q), keys, values, scale=scale, mask=mask,
+            group_size=self._group(q.shape[-1]), bits=self.bits)
+
+    def dequantized(self) -> Tuple[mx.array, mx.array]:
+        """K (rotated back) and V of the rows held, as floats (diagnostics, tests)."""
+        gs = self._group(self._head_dim())
+        ks = [a[:, :, : self.offset] for a in self.keys]
+        vs = [a[:, :, : self.offset] for a in self.values]
+        k = mx.dequantize(*ks, group_size=gs, bits=self.bits)
+        return self._rotate(k), mx.dequantize(*vs, group_size=gs, bits=self.bits)
+
+    def _head_dim(self) -> int:
+        return self.keys[0].shape[-1] * 32 // self.bits
+
+    def compact(self, start: int, rows) -> None:
+        idx = mx.array([start + r for r in rows])
+        n = len(rows)
+        for buf in self.keys + self.values:
+            buf[:, :, start : start + n] = buf[:, :, idx]
+
+    def truncate(self, length: int) -> None:
+        self.offset = min(self.offset, length)
+
+    def snapshot(self):
+        return self.offset
+
+    def restore(self, snap) -> None:
+        self.truncate(snap)
+
+    def state(self) -> List[mx.array]:
+        if self.keys[0] is None:
+            return []
+        return [a[:, :, : self.offset] for a in self.keys + self.values]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state())
+
 
 class DeltaNetState:
     """Gated DeltaNet layer state.
@@ -104,8 +232,12 @@ class DeltaNetState:
 class TargetCache:
     """Per-layer caches of the target plus the number of committed positions."""
 
-    def __init__(self, is_linear: List[bool]):
-        self.layers = [DeltaNetState() if lin else KVBuffer() for lin in is_linear]
+    def __init__(self, is_linear: List[bool], kv_bits: Optional[int] = None,
+                 kv_group_size: int = KV_GROUP_SIZE):
+        check_kv_bits(kv_bits)
+        attn = (lambda: QuantizedKVBuffer(kv_bits, kv_group_size)) if kv_bits else KVBuffer
+        self.kv_bits = kv_bits
+        self.layers = [DeltaNetState() if lin else attn() for lin in is_linear]
         self.offset = 0  # positions held (including an unrolled-back block)
         self.block = 0  # tokens of the last recorded block, 0 if none pending
 
@@ -122,7 +254,7 @@ class TargetCache:
         start = self.offset - self.block
         new_offset = start + n_keep
         for c in self.layers:
-            if isinstance(c, KVBuffer):
+            if isinstance(c, (KVBuffer, QuantizedKVBuffer)):
                 if path is not None:
                     c.compact(start, path)
                 c.truncate(new_offset)
@@ -146,3 +278,7 @@ class TargetCache:
         for c in self.layers:
             out.extend(c.state())
         return out
+
+    def kv_nbytes(self) -> int:
+        """Bytes of attention K/V held (the part that grows with the context)."""
+        return sum(c.nbytes() for c in self.layers if not isinstance(c, DeltaNetState))

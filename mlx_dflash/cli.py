@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_FROM_COMMAND_LINE = False  # main() runs as the process's own command line (may re-exec)
 
 
 def _dtype(name: Optional[str]):
@@ -57,8 +58,13 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
 
 
 def _stats_table(s, mode: str, profile: bool = False) -> str:
+    from . import blas
+
     rows = [
         ("mode", mode),
+        ("BLAS", blas.describe()),
+        ("width policy", s.policy),
+        ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
         ("prompt tokens", f"{s.prompt_tokens}"),
         ("cached tokens", f"{s.cached_tokens} (restored from the prefix cache, not prefilled)"),
         ("generated tokens", f"{s.generated_tokens}"),
@@ -144,6 +150,14 @@ def generate(
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
+    adaptive: bool = typer.Option(
+        True, "--adaptive/--no-adaptive",
+        help="Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
+             "down to plain steps when drafting does not pay (costs measured once per machine and model, "
+             "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's block."),
+    kv_bits: Optional[int] = typer.Option(
+        None, "--kv-bits", help="Store the target's attention K/V quantized to 8 or 4 bits (group size 64, "
+                                "K Hadamard-rotated). Saves memory on long contexts; changes the target slightly."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."),
     profile: bool = typer.Option(
         False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
@@ -164,6 +178,7 @@ def generate(
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
+    from .cache import check_kv_bits
 
     stage = None
     if pipeline and prompt_cache_file:
@@ -177,6 +192,7 @@ def generate(
             stage.serve()  # this rank's layers, until rank 0 is done
             return
     text = _read_prompt(prompt, prompt_opt)
+    check_kv_bits(kv_bits)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
@@ -210,7 +226,8 @@ def generate(
         chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
         tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
         draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile, accept_rule=accept_rule, prefix_cache=pc,
+        prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule,
+        prefix_cache=pc,
     ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -413,6 +430,11 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
+    context: Optional[List[int]] = typer.Option(
+        None, "--context", help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
+                                "the start of Python's argparse.py), generating the first --max-tokens."),
+    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
+                                  help="DFlash picks each cycle's width from measured costs (see generate --help)."),
     pipeline: bool = typer.Option(
         False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
                                   "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
@@ -433,7 +455,10 @@ def bench(
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
-    blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+    if any(n < 1 for n in context or ()):
+        raise DFlashError("--context values must be positive")
+    if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
+        blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     texts = read_prompts(prompts)
     if pipeline:
         from .distributed import load as load_stage
@@ -458,7 +483,8 @@ def bench(
             raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
                     chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
-                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2)
+                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2,
+                    contexts=context or (), adaptive=adaptive)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -613,7 +639,17 @@ def serve(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point: user errors print one line and exit 2, no traceback."""
+    """Entry point: user errors print one line and exit 2, no traceback.
+
+    Run from the command line (``argv`` None) on Linux, every command first
+    re-executes itself with OpenBLAS preloaded when it is installed (see
+    blas.py); ``--verbose`` and bench results say which BLAS ran."""
+    global _FROM_COMMAND_LINE
+    _FROM_COMMAND_LINE = argv is None
+    if argv is None:
+        from . import blas
+
+        blas.ensure_openblas("auto", argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     try:
         app(args=argv, standalone_mode=True)
     except DFlashError as e:

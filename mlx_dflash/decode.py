@@ -1,7 +1,9 @@
-"""The decode loop (docs/math.md §5): prefill, draft, verify, accept, rollback.
+"""The decode loop (docs/math.md §5) as phases: propose, verify, accept, commit.
 
-Plain autoregressive decoding is the same loop with no draft: every cycle
-verifies a block of one token (the anchor) and commits the bonus token.
+Each cycle the policy (``policy.Policy``) chooses what to verify: a chain of
+B tokens (the anchor and B-1 drafts), a DDTree, or plain steps (B = 1, no
+draft). ``Decoder`` holds one generation's state and has one method per
+phase; ``generate_tokens`` is the loop that asks the policy and runs them.
 """
 
 import time
@@ -13,7 +15,8 @@ import mlx.core as mx
 from . import ddtree
 from .errors import DFlashError
 from .kernels import path_rows as kernels_path
-from .models.draft import propose
+from .models.draft import propose as draft_propose
+from .policy import Plan, Policy, load_costs
 from .sampling import Sampler, speculative_rule
 
 
@@ -35,6 +38,7 @@ class GenerationStats:
     rollback_time: float = 0.0
     peak_memory: float = 0.0  # GB
     finish_reason: Optional[str] = None
+    policy: str = ""  # how widths were chosen (Policy.describe)
 
     @property
     def tau(self) -> float:
@@ -54,6 +58,14 @@ class GenerationStats:
         while out and out[-1] == 0:
             out.pop()
         return out
+
+    @property
+    def widths(self) -> dict:
+        """Cycles per verify width chosen (1 = a plain step)."""
+        out = {}
+        for w in self.tree_sizes:
+            out[w] = out.get(w, 0) + 1
+        return dict(sorted(out.items()))
 
     @property
     def mean_tree_size(self) -> float:
@@ -86,43 +98,14 @@ class GenerationStats:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps,
-                 other_time=self.other_time, depth_acceptance=self.depth_acceptance,
+                 other_time=self.other_time, depth_acceptance=self.depth_acceptance, widths=self.widths,
                  mean_tree_size=self.mean_tree_size)
         return d
 
 
+
 def greedy(logits: mx.array) -> mx.array:
     return mx.argmax(logits, axis=-1)
-
-
-def _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit, max_tokens, max_context, tic):
-    """Plain decoding with each step queued before the host reads the one
-    before it (as mlx-lm's ``generate_step``), so the device never waits on
-    Python. A step queued past the end is undone from a cache snapshot."""
-
-    def step(tok: mx.array, p: int):
-        snap = cache.snapshot()
-        logits, _ = target.forward(tok, cache)
-        nxt = sampler(logits, [p + 1]).astype(mx.int32)
-        mx.async_eval(nxt)
-        return snap, nxt
-
-    queued = step(mx.array([anchor], dtype=mx.int32), pos) if pos < max_context else None
-    while queued is not None:
-        _, cur = queued
-        queued = None
-        if stats.generated_tokens + 1 < max_tokens and pos + 1 < max_context:
-            queued = step(cur, pos + 1)
-        tok = cur.item()
-        pos += 1
-        out = emit([tok])
-        if stats.finish_reason is not None and queued is not None:
-            cache.restore(queued[0])
-            queued = None
-        stats.add_cycle(1, 1, tic)
-        yield out
-    if stats.finish_reason is None:
-        stats.finish_reason = "length"  # context full
 
 
 def longest_match(drafted: List[int], picks: List[int]) -> int:
@@ -132,6 +115,254 @@ def longest_match(drafted: List[int], picks: List[int]) -> int:
     while a < len(drafted) and drafted[a] == picks[a]:
         a += 1
     return a
+
+
+@dataclass
+class Proposal:
+    """What one cycle verifies: the anchor plus a chain of drafts (on device)
+    or a DDTree; neither for a plain step."""
+
+    plan: Plan
+    drafted: Optional[mx.array] = None  # chain: draft token ids [B-1]
+    q: Optional[mx.array] = None  # chain, speculative rule: the draft's sampling distribution per row
+    tree: Optional[ddtree.Tree] = None
+    logits: Optional[mx.array] = None  # tree: the draft's logits, until the tree is built
+
+    @property
+    def width(self) -> int:
+        if self.tree is not None:
+            return len(self.tree)
+        return 1 + (self.drafted.shape[0] if self.drafted is not None else 0)
+
+
+@dataclass
+class Verified:
+    """The target's picks for each verified row, and the drafts as host ints."""
+
+    block: List[int]  # tokens verified (anchor first; tree nodes in order)
+    picks: List[int]
+    features: Optional[mx.array]  # captured target features of every row
+    kept: Optional[List[bool]] = None  # speculative rule: each drafted row kept or not
+
+
+class Decoder:
+    """One generation's state (caches, position, anchor, committed history)
+    and the phases of a cycle. The anchor is the last committed token; it is
+    not in the target cache yet and sits at position ``pos``."""
+
+    def __init__(self, target, cache, draft, dcache, sampler: Sampler, stats: GenerationStats,
+                 eos, max_tokens: int, max_context: int, profile: bool, acceptance, tree_topk: int,
+                 spec: bool = False, spec_rule=speculative_rule):
+        self.target, self.cache, self.draft, self.dcache = target, cache, draft, dcache
+        self.sampler, self.stats, self.eos = sampler, stats, eos
+        self.max_tokens, self.max_context = max_tokens, max_context
+        self.profile, self.acceptance, self.tree_topk = profile, acceptance, tree_topk
+        self.spec, self.spec_rule = spec, spec_rule  # the speculative acceptance rule (T > 0, chain)
+        self.capture = draft.target_layer_ids if draft is not None else ()
+        self.feats: List[mx.array] = []  # target features of committed rows the draft has not read
+        self.history: List[int] = []  # committed tokens (for repetition-penalty contexts)
+        self.anchor = 0
+        self.pos = 0
+        self.pending: Optional[Proposal] = None  # the next cycle's draft, launched early
+        self.committed = self.verified = 0  # tokens kept / verified by the last cycle
+        self.tic = 0.0
+
+    # --- bookkeeping -------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.stats.finish_reason is not None
+
+    def room(self) -> int:
+        """Tokens the next cycle may verify: what is left of max_tokens and the context."""
+        return min(self.max_tokens - self.stats.generated_tokens, self.max_context - self.pos)
+
+    def emit(self, tokens: List[int]) -> List[int]:
+        """Hand out committed tokens up to EOS or max_tokens."""
+        out = []
+        st = self.stats
+        for t in tokens:
+            out.append(t)
+            st.generated_tokens += 1
+            if t in self.eos:
+                st.finish_reason = "stop"
+                break
+            if st.generated_tokens >= self.max_tokens:
+                st.finish_reason = "length"
+                break
+        self.history.extend(out)
+        return out
+
+    def add_features(self, f: Optional[mx.array]) -> None:
+        if f is not None:
+            self.feats.append(f)
+
+    def pending_features(self) -> Optional[mx.array]:
+        """The committed rows' features the draft has not read, in one array."""
+        if not self.feats:
+            return None
+        return self.feats[0] if len(self.feats) == 1 else mx.concatenate(self.feats, axis=0)
+
+    def draft_context(self) -> Optional[mx.array]:
+        """The pending feature rows, in one array; rows the draft's window would
+        drop on arrival are never handed over."""
+        if not self.feats:
+            return None
+        f = self.feats[0] if len(self.feats) == 1 else mx.concatenate(self.feats, axis=0)
+        self.feats = []
+        skip = getattr(self.dcache, "skip", None)
+        n = skip(f.shape[0]) if skip is not None else 0
+        return f[n:] if n else f
+
+    def sync(self, *arrays) -> None:
+        if self.profile:
+            mx.eval(*arrays)
+
+    # --- propose -----------------------------------------------------------------
+    def launch(self, plan: Plan) -> Proposal:
+        """The draft's proposal for ``plan``, left lazy (chain: token ids; tree:
+        built from the draft's logits, which reads them)."""
+        B = plan.block if plan.tree else plan.width
+        if plan.tree:
+            return Proposal(plan, logits=self.draft(self.draft_context(), self.anchor, self.pos, B, self.dcache))
+        drafted, q = draft_propose(self.draft, self.draft_context(), self.anchor, self.pos, B, self.dcache,
+                                   self.sampler, sample=self.spec)
+        return Proposal(plan, drafted=drafted, q=q)
+
+    def propose(self, plan: Plan) -> Proposal:
+        if plan.width == 1:
+            return Proposal(plan)
+        prop = self.pending if self.pending is not None else self.launch(plan)
+        self.pending = None
+        if prop.logits is not None:
+            prop.tree = ddtree.build(prop.logits, self.anchor, plan.width - 1, self.tree_topk)
+            prop.logits = None
+        self.sync(prop.drafted if prop.drafted is not None else [])
+        return prop
+
+    def prefetch(self, plan: Plan) -> None:
+        """Queue the next cycle's draft now, so it runs while the caller
+        handles this cycle's tokens (detokenizing, printing)."""
+        if plan.width > 1 and not self.profile and not self.finished:
+            self.pending = self.launch(plan)
+            p = self.pending
+            mx.async_eval([x for x in (p.drafted, p.q, p.logits) if x is not None])
+
+    # --- verify ------------------------------------------------------------------
+    def verify(self, prop: Proposal) -> Verified:
+        """One target forward over the proposal; the target's pick per row."""
+        tree = prop.tree
+        if tree is not None:
+            block_in, parents, depths = tree.tokens, tree.parents, tree.depths
+        else:
+            parents = None
+            anchor = mx.array([self.anchor], dtype=mx.int32)
+            block_in = anchor if prop.drafted is None else mx.concatenate([anchor, prop.drafted])
+            depths = range(prop.width)
+        vlogits, vfeats = self.target.forward(block_in, self.cache, capture=self.capture,
+                                              record=prop.width > 1, parents=parents)
+        positions = [self.pos + 1 + d for d in depths]
+        drafted = None
+        contexts = None
+        if self.sampler.needs_context:
+            # Each row's penalty context includes the drafts before it: read them first.
+            drafted = prop.drafted.tolist() if prop.drafted is not None else []
+            block = tree.tokens if tree is not None else [self.anchor] + drafted
+            rows = ([kernels_path(parents, i) for i in range(len(block))] if tree is not None
+                    else [list(range(i + 1)) for i in range(len(block))])
+            tail = self.history[-self.sampler.repetition_context_size:]
+            contexts = [tail + [block[j] for j in r[1:]] for r in rows]
+        picks = self.sampler(vlogits, positions, contexts)
+        kept = None
+        if prop.q is not None:
+            kept, picks = self.spec_rule(self.sampler.probs(vlogits, contexts), prop.q, prop.drafted, picks,
+                                         self.sampler.seed, positions)
+        if drafted is None and prop.drafted is not None:
+            mx.eval(picks, prop.drafted, *(() if kept is None else (kept,)))  # the one host sync of a cycle
+            drafted = prop.drafted.tolist()
+        block = tree.tokens if tree is not None else [self.anchor] + (drafted or [])
+        return Verified(block, picks.tolist(), vfeats, kept.tolist() if kept is not None else None)
+
+    # --- accept ------------------------------------------------------------------
+    def accept(self, prop: Proposal, v: Verified) -> List[int]:
+        """The block rows kept, root first: the longest drafted prefix the
+        target agrees with (chain), or the tree path along its picks."""
+        if prop.tree is not None:
+            return ddtree.walk(prop.tree, v.picks)
+        if v.kept is not None:  # the speculative rule: rows kept up to the first rejected
+            return list(range((v.kept.index(False) if False in v.kept else len(v.kept)) + 1))
+        return list(range(self.acceptance(v.block[1:], v.picks) + 1))
+
+    # --- commit / rollback ---------------------------------------------------------
+    def commit(self, prop: Proposal, v: Verified, path: List[int]) -> List[int]:
+        """Keep the accepted rows in the caches (rollback of the rest, left
+        lazy for the next forward), hand their features to the draft, and
+        emit the accepted drafts plus the bonus token."""
+        n_keep = len(path)
+        if prop.width > 1:
+            self.cache.rollback(n_keep, path=path if prop.tree is not None else None)
+            self.sync(self.cache.state())
+        if v.features is not None:
+            self.add_features(v.features[mx.array(path)] if prop.tree is not None else v.features[:n_keep])
+        self.anchor = v.picks[path[-1]]
+        self.pos += n_keep
+        return self.emit([v.block[i] for i in path[1:]] + [self.anchor])
+
+    # --- one cycle, and runs of plain steps --------------------------------------------
+    def cycle(self, plan: Plan) -> List[int]:
+        """propose -> verify -> accept -> commit; sets ``committed`` and ``verified``."""
+        st = self.stats
+        t0 = time.perf_counter()
+        prop = self.propose(plan)
+        t1 = time.perf_counter()
+        v = self.verify(prop)
+        t2 = time.perf_counter()
+        path = self.accept(prop, v)
+        out = self.commit(prop, v, path)
+        t3 = time.perf_counter()
+        st.draft_time += t1 - t0
+        st.verify_time += t2 - t1
+        st.rollback_time += t3 - t2
+        self.committed, self.verified = len(path), len(v.block)
+        return out
+
+    def plain_steps(self, n: int) -> Iterator[List[int]]:
+        """Up to ``n`` plain steps, each queued before the host reads the one
+        before it (as mlx-lm's ``generate_step``), so the device never waits
+        on Python. A step queued past EOS is undone from a cache snapshot."""
+        if self.sampler.needs_context or self.profile:
+            for _ in range(n):
+                out = self.cycle(Plan(1))
+                self.stats.add_cycle(1, 1, self.tic)
+                yield out
+                if self.finished or self.room() < 1:
+                    return
+            return
+        target, cache, sampler = self.target, self.cache, self.sampler
+
+        def step(tok: mx.array, p: int):
+            snap = cache.snapshot()
+            logits, f = target.forward(tok, cache, capture=self.capture)
+            nxt = sampler(logits, [p + 1]).astype(mx.int32)
+            mx.async_eval(nxt)
+            return snap, nxt, f
+
+        left = min(n, self.room())
+        queued = step(mx.array([self.anchor], dtype=mx.int32), self.pos) if left > 0 else None
+        while queued is not None:
+            _, cur, f = queued
+            queued = None
+            left -= 1
+            if left > 0:
+                queued = step(cur, self.pos + 1)
+            self.anchor = cur.item()
+            self.add_features(f)
+            self.pos += 1
+            out = self.emit([self.anchor])
+            if self.finished and queued is not None:
+                cache.restore(queued[0])
+                queued = None
+            self.stats.add_cycle(1, 1, self.tic)
+            yield out
 
 
 def generate_tokens(
@@ -152,6 +383,9 @@ def generate_tokens(
     cache=None,
     acceptance: Callable[[List[int], List[int]], int] = longest_match,
     profile: bool = False,
+    adaptive: bool = True,
+    policy: Optional[Policy] = None,
+    kv_bits: Optional[int] = None,
     accept_rule: str = "equality",
     spec_rule=speculative_rule,
     prefix_cache=None,
@@ -166,6 +400,12 @@ def generate_tokens(
     target's own pick for its position, so the output equals plain decoding
     with the same sampler and seed. ``tree_budget`` > 0 verifies a DDTree of
     that many nodes (``tree_topk`` candidates per depth) instead of a chain.
+    ``adaptive`` (default): with a draft and neither ``block_size`` nor
+    ``tree_budget`` given, a :class:`policy.Policy` picks each cycle's width
+    from the pair's measured costs (cached per machine) and the acceptance
+    seen so far, down to plain steps when drafting does not pay; ``policy``
+    passes one explicitly. ``block_size`` / ``tree_budget`` pin the width.
+    ``kv_bits`` 8 or 4: quantized attention KV (when no ``cache`` is given).
     ``cache``: an empty ``target.make_cache()`` to use (and inspect afterwards);
     it ends holding the prompt and every emitted token but the last.
     ``acceptance``: the chain acceptance rule (a test hook; keep the default).
@@ -204,182 +444,95 @@ def generate_tokens(
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
     if draft is not None:
         limit = draft.block_size
-        block_size = block_size or limit
-        if not 2 <= block_size <= limit:
+        if block_size is not None and not 2 <= block_size <= limit:
             raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
+        if policy is None:
+            pinned = block_size is not None or tree_budget > 0 or not adaptive
+            # Measured (once per machine and model) before this generation's
+            # cache exists: a pipeline-split target has one live cache at a time.
+            bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
+            costs = None if pinned else load_costs(target, draft, kv_bits=bits)[0]
+            policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget)
+        block_size = block_size or limit
     else:
         block_size = 1
-        tree_budget = 0
+        policy = Policy(1)
+    if cache is None:
+        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
     sampler = sampler or Sampler(0.0, seed=0)
-    eos = set(eos_token_ids)
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
-    hist_len = max(block_size, tree_budget + 1)
-    stats.accept_hist = [0] * (hist_len + 1)
+    stats.policy = policy.describe() if draft is not None else "plain"
+    stats.accept_hist = [0] * (max(block_size, tree_budget + 1) + 1)
     mx.reset_peak_memory()
-    history = prompt  # committed tokens (for repetition-penalty contexts)
 
-    capture = draft.target_layer_ids if draft is not None else ()
-    cache = cache if cache is not None else target.make_cache()
     dcache = draft.make_cache(draft_window) if draft is not None else None
+    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
+    d = Decoder(target, cache, draft, dcache, sampler, stats, set(eos_token_ids), max_tokens, max_context,
+                profile, acceptance, tree_topk, spec, spec_rule)
+    d.history = list(prompt)
     tic = time.perf_counter()
     prefix_run = None
     if prefix_cache is not None:
-        feats = None  # the draft consumes the prompt's features during the prefill
+        # The draft consumes the prompt's features during this prefill.
         logits, prefix_run = prefix_cache.prefill(
-            target, prompt, cache, draft=draft, dcache=dcache, capture=capture,
+            target, prompt, cache, draft=draft, dcache=dcache, capture=d.capture,
             chunk_size=prefill_chunk, boundary=prefix_boundary, stats=stats)
     else:
-        logits, feats = target.prefill(prompt, cache, capture=capture, chunk_size=prefill_chunk)
-    anchor = int(sampler(logits, [len(prompt)], [history] if sampler.needs_context else None)[0].item())
+        # Features only of the rows the draft's window will read.
+        skip = getattr(dcache, "skip", None)
+        first = skip(len(prompt)) if skip is not None else 0
+        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=prefill_chunk,
+                                       capture_from=first)
+        d.add_features(feats)
+    d.anchor = int(sampler(logits, [len(prompt)], [d.history] if sampler.needs_context else None)[0].item())
     stats.prefill_time = time.perf_counter() - tic
-    pos = len(prompt)  # position of the anchor (not yet in the target cache)
-
-    def emit(tokens: List[int]) -> List[int]:
-        out = []
-        for t in tokens:
-            out.append(t)
-            stats.generated_tokens += 1
-            if t in eos:
-                stats.finish_reason = "stop"
-                break
-            if stats.generated_tokens >= max_tokens:
-                stats.finish_reason = "length"
-                break
-        return out
-
-    history = history + emit([anchor])
-    yield history[-1:]
-    if stats.finish_reason is not None:  # the first token was EOS, or max_tokens == 1
+    d.pos = len(prompt)
+    yield d.emit([d.anchor])
+    if d.finished:  # the first token was EOS, or max_tokens == 1
         return
-    tic = time.perf_counter()
-    if draft is None and not sampler.needs_context and not profile:
-        plain = _plain_pipelined(target, cache, anchor, pos, sampler, stats, emit,
-                                 max_tokens, max_context, tic)
-        if prefix_run is None:
-            yield from plain
-            return
-        for out in plain:
-            history.extend(out)
-            try:
-                yield out
-            except GeneratorExit:  # closed early: snapshot what is committed
-                prefix_run.finish(history)
-                raise
-        prefix_run.finish(history)
-        return
+    d.tic = time.perf_counter()
+    try:
+        yield from _loop(d, policy, profile)
+    except GeneratorExit:  # closed early: snapshot what is committed
+        if prefix_run is not None:
+            prefix_run.finish(d.history, d.pending_features())
+        raise
+    if prefix_run is not None:
+        prefix_run.finish(d.history, d.pending_features())
 
-    def block_len(pos):
-        """Tokens the next cycle verifies: the block, cut to what is left."""
-        return min(block_size, max_tokens - stats.generated_tokens, max_context - pos)
 
-    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
+def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
+    """Cycles until done: ask the policy, run plain steps or one drafted
+    cycle (propose, verify, accept, commit), book it, yield its tokens."""
+    stats = d.stats
 
-    def launch_draft(feats, anchor, pos, B):
-        """The draft's proposal for the next block, left lazy (chain: token
-        ids and, with the speculative rule, q; tree: the logits ``ddtree.build`` reads)."""
-        if tree_budget > 0:
-            return draft(feats, anchor, pos, B, dcache)
-        return propose(draft, feats, anchor, pos, B, dcache, sampler, sample=spec)
-
-    pending = None  # the next cycle's draft, launched before yielding
-    while stats.finish_reason is None:
-        B = block_len(pos)
-        if B < 1:
+    plan = policy.plan(d.room())
+    timed = None  # (plan, tokens, start) of the last cycle or plain run, timed up to the next
+    while not d.finished:
+        t0 = time.perf_counter()
+        if timed is not None and not profile:
+            policy.timed(timed[0], timed[1], t0 - timed[2])
+        if d.room() < 1:
             stats.finish_reason = "length"  # context full
             break
-        t0 = time.perf_counter()
-        tree = None
-        drafted_arr = q_arr = None
-        if draft is not None and B > 1:
-            proposal = pending if pending is not None else launch_draft(feats, anchor, pos, B)
-            feats = None
-            if tree_budget > 0:
-                tree = ddtree.build(proposal, anchor, tree_budget, tree_topk)
-            else:
-                drafted_arr, q_arr = proposal
-                if profile:
-                    mx.eval(drafted_arr)
-        pending = None
-        t1 = time.perf_counter()
-        if tree is not None:
-            block, parents, depths = tree.tokens, tree.parents, tree.depths
-            block_in = block
+        if plan.width == 1:
+            n = 0
+            for out in d.plain_steps(plan.steps):
+                n += 1
+                yield out
+            policy.observe(plan, n)
+            timed = (plan, n, t0)
         else:
-            parents = None
-            depths = range(B if drafted_arr is not None else 1)
-            anchor_arr = mx.array([anchor], dtype=mx.int32)
-            block_in = anchor_arr if drafted_arr is None else mx.concatenate([anchor_arr, drafted_arr])
-        record = len(depths) > 1
-        vlogits, vfeats = target.forward(block_in, cache, capture=capture, record=record, parents=parents)
-        positions = [pos + 1 + d for d in depths]
-        contexts = None
-        drafted: Optional[List[int]] = None
-        if sampler.needs_context:
-            # Each row's penalty context includes the drafts before it: read them first.
-            drafted = drafted_arr.tolist() if drafted_arr is not None else []
-            if tree is None:
-                block = [anchor] + drafted
-            rows = [kernels_path(parents, i) for i in range(len(block))] if tree is not None \
-                else [list(range(i + 1)) for i in range(len(block))]
-            contexts = [history + [block[j] for j in r[1:]] for r in rows]
-        picks_arr = sampler(vlogits, positions, contexts)
-        kept = None
-        if q_arr is not None:
-            kept, picks_arr = spec_rule(sampler.probs(vlogits, contexts), q_arr, drafted_arr, picks_arr,
-                                        sampler.seed, positions)
-        if drafted is None and drafted_arr is not None:
-            mx.eval(picks_arr, drafted_arr, *(() if kept is None else (kept,)))  # the one host sync of a cycle
-            drafted = drafted_arr.tolist()
-        picks = picks_arr.tolist()
-        t2 = time.perf_counter()
-        if tree is not None:
-            path = ddtree.walk(tree, picks)
-        else:
-            drafted = drafted or []
-            block = [anchor] + drafted
-            if kept is not None:
-                kept = kept.tolist()
-                n_acc = kept.index(False) if False in kept else len(kept)
-            else:
-                n_acc = acceptance(drafted, picks)
-            path = list(range(n_acc + 1))
-        n_keep = len(path)  # the anchor and the accepted drafts stay in the cache
-        if record:
-            # Left lazy: the next cycle's forward evaluates it.
-            cache.rollback(n_keep, path=path if tree is not None else None)
-            if profile:
-                mx.eval(cache.state())
-        if vfeats is not None:
-            # Features of the committed rows become draft context. A draft
-            # skipped this cycle (B == 1) keeps its pending rows.
-            new = vfeats[mx.array(path)] if tree is not None else vfeats[:n_keep]
-            feats = new if feats is None else mx.concatenate([feats, new], axis=0)
-        t3 = time.perf_counter()
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
-        stats.rollback_time += t3 - t2
-        anchor = picks[path[-1]]
-        pos += n_keep
-        out = emit([block[i] for i in path[1:]] + [anchor])
-        history = history + out
-        if draft is not None and not profile and stats.finish_reason is None:
-            # Start the next draft now, so it runs while the caller handles
-            # these tokens (detokenizing, printing).
-            nB = block_len(pos)
-            if nB > 1:
-                pending = launch_draft(feats, anchor, pos, nB)
-                feats = None
-                mx.async_eval([x for x in (pending if isinstance(pending, tuple) else (pending,))
-                               if x is not None])
-        stats.add_cycle(n_keep, len(block), tic)
-        try:
+            out = d.cycle(plan)
+            policy.observe(plan, d.committed)
+            timed = (plan, d.committed, t0)
+            nxt = policy.plan(d.room()) if not d.finished else plan
+            d.prefetch(nxt)
+            stats.add_cycle(d.committed, d.verified, d.tic)
             yield out
-        except GeneratorExit:  # closed early: snapshot what is committed
-            if prefix_run is not None:
-                prefix_run.finish(history, feats)
-            raise
-    stats.decode_time = time.perf_counter() - tic
+            plan = nxt
+            continue
+        plan = policy.plan(d.room())
+    stats.decode_time = time.perf_counter() - d.tic
     stats.peak_memory = mx.get_peak_memory() / 1e9
-    if prefix_run is not None:
-        prefix_run.finish(history, feats)

@@ -8,6 +8,15 @@ from mlx_dflash import tiny
 from mlx_dflash.models.qwen35 import Target
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cost_cache_in_tmp(tmp_path_factory):
+    """Keep the policy's measured-cost cache out of the user's home during tests."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
     return tiny.build_tokenizer(tmp_path_factory.mktemp("tok"), vocab_size=400)

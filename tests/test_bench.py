@@ -111,3 +111,16 @@ def test_bench_cli_bad_prompts(tmp_path, capsys):
         main(["bench", "--prompts", str(tmp_path / "none"), "--blas", "bundled"])
     assert e.value.code == 2
     assert "prompt folder does not exist" in capsys.readouterr().err
+
+
+def test_bench_context_length_axis(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
+    eng = mlx_dflash.load()
+    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=1, contexts=[40, 120],
+                    log=lambda _: None)
+    ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
+    assert [r["prompt_tokens"] for r in ctx] == [40, 120]
+    assert all(r["modes"]["dflash"]["peak_memory"] > 0 for r in ctx)
+    md = write_results(res, tmp_path / "out", "t")[1].read_text()
+    assert "| 120 | 8 |" in md and "Speedup at the longest context" in md

@@ -197,6 +197,32 @@ def test_generation_stops_at_context_limit(dense):
     assert stats.finish_reason == "length"
 
 
+def test_long_prompt_hands_the_draft_only_its_window(dense, random_drafts):
+    """Prefill captures features only for the rows a windowed draft keeps, and
+    rows the window would drop are never computed; tokens are unchanged."""
+    cfg, model = dense
+    target = Target(model)
+    prompt = [(5 * i + 2) % 400 for i in range(70)]
+    ref = reference_greedy(model, prompt, N)
+    draft = random_drafts["dense"].bind(target)
+    seen = []
+
+    class Spy:
+        block_size, target_layer_ids = draft.block_size, draft.target_layer_ids
+
+        def make_cache(self, window=None):
+            self.cache = draft.make_cache(window)
+            return self.cache
+
+        def __call__(self, features, anchor, pos, B, cache):
+            seen.append((0 if features is None else features.shape[0], cache.length, pos))
+            return draft(features, anchor, pos, B, cache)
+
+    out, _ = run(target, prompt, N, draft=Spy(), block_size=4, draft_window=(0, 8))
+    assert out == ref
+    rows, skipped, pos = seen[0]
+    assert rows == 8 and skipped + rows == pos == len(prompt)
+    assert all(r <= 8 for r, _, _ in seen)
 MODES = {
     "plain": dict(),
     "plain-profiled": dict(profile=True),  # the unpipelined plain loop

@@ -109,6 +109,9 @@ def _rank_main(args):
             temp, seed = case.pop("temperature", 0.0), case.pop("seed", 0)
             prompt = case.pop("prompt", PROMPT)
             eos_at = case.pop("eos_at", None)
+            # The draft's full block every cycle: the adaptive width depends on
+            # timings, and single and pipeline runs must verify the same blocks.
+            case.setdefault("adaptive", False)
             outs, feats, stats = {}, {}, {}
             script = None
             for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, stage.engine.draft)):

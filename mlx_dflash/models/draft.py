@@ -292,6 +292,15 @@ class DraftCache:
     length: int = 0  # context positions consumed so far (0..length-1)
     window: Optional[Tuple[int, int]] = None  # (sink, recent) or None = keep all
 
+    def skip(self, rows: int) -> int:
+        """Of ``rows`` context rows about to arrive, consume (uncomputed) the
+        leading ones the window would drop on arrival; returns how many."""
+        if self.window is None or len(self.positions) < self.window[0]:
+            return 0
+        n = max(rows - self.window[1], 0)
+        self.length += n
+        return n
+
     def trim(self) -> None:
         if self.window is None:
             return

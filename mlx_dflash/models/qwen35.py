@@ -54,8 +54,13 @@ class Target:
     def max_context(self) -> int:
         return int(self.args.max_position_embeddings)
 
-    def make_cache(self) -> TargetCache:
-        return TargetCache(self.is_linear)
+    def make_cache(self, kv_bits: Optional[int] = None) -> TargetCache:
+        """``kv_bits`` 8 or 4: attention K/V stored quantized (cache.QuantizedKVBuffer)."""
+        if kv_bits is not None:
+            from ..cache import check_kv_bits
+
+            check_kv_bits(kv_bits, self.args.head_dim)
+        return TargetCache(self.is_linear, kv_bits=kv_bits)
 
     # --- pieces shared with the draft --------------------------------------
     def embed(self, tokens: mx.array) -> mx.array:
@@ -89,8 +94,10 @@ class Target:
             q = attn.rope(q.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
             k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
             mask = mx.concatenate([mx.ones((T, offset), dtype=mx.bool_), anc], axis=1)
-        keys, values = kv.append(k, v) if kv is not None else (k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+        if kv is not None:
+            out = kv.attend(q, k, v, attn.scale, mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
         return attn.o_proj(out * mx.sigmoid(gate))
 
@@ -201,8 +208,10 @@ class Target:
         *,
         capture: Sequence[int] = (),
         chunk_size: int = 512,
+        capture_from: int = 0,
     ) -> Tuple[mx.array, Optional[mx.array]]:
-        """Chunked prefill. Returns last-row logits [1, V] and features of all rows."""
+        """Chunked prefill. Returns last-row logits [1, V] and features of rows
+        ``capture_from``.. (the rows a windowed draft will read)."""
         feats = []
         logits = None
         n = len(tokens)
@@ -211,11 +220,11 @@ class Target:
             logits, f = self.forward(
                 tokens[s : s + chunk_size],
                 cache,
-                capture=capture,
+                capture=capture if s + chunk_size > capture_from else (),
                 logits="last" if last else "none",
             )
             if f is not None:
-                feats.append(f)
+                feats.append(f[max(capture_from - s, 0):])
             # Bound the lazy graph: materialise each chunk's cache.
             mx.eval(cache.state(), *feats[-1:])
         features = mx.concatenate(feats, axis=0) if feats else None

@@ -1,0 +1,435 @@
+"""Per-cycle choice of the verify width from measured costs and online acceptance.
+
+A cycle that verifies B tokens (the anchor and B-1 drafts) costs
+``T_draft(B) + T_verify(B) + T_rollback`` and commits ``E(B) = 1 + sum_k
+prod_{d<=k} p_d`` tokens on average, where ``p_d`` is the probability that
+the draft at depth d is accepted given depth d-1 was. A plain step (B = 1)
+costs ``T_plain`` and commits one token. The policy picks the width with the
+most expected tokens per second; when that is 1 it decodes plainly (no draft
+forward at all) and re-probes with one drafted cycle at the widest block
+after a run of plain steps that doubles each time the probe does not pay.
+
+The costs are measured once per (model, machine, mlx version, KV format) in
+a few forwards and cached as JSON in the user's cache folder; see
+docs/policy.md.
+"""
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+CACHE_FILE = "costs.json"
+FORMAT = 1  # bump when what is measured changes
+
+
+# --- where the curve is cached, and for what ------------------------------------
+
+def default_cache_dir() -> Path:
+    """The per-user cache folder (XDG on Linux, ~/Library/Caches on macOS)."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "mlx-dflash"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mlx-dflash"
+
+
+def machine_id() -> str:
+    """What makes timings differ between machines: host, CPU, device, BLAS."""
+    from . import blas
+
+    mid = ""
+    for p in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            mid = Path(p).read_text().strip()
+            break
+        except OSError:
+            pass
+    parts = [mid or platform.node(), platform.machine(), platform.processor(), str(os.cpu_count()),
+             str(mx.default_device()), blas.describe()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _param_digest(module, h) -> None:
+    """Names, shapes, dtypes and a sample of the values of every parameter."""
+    for name, p in tree_flatten(module.parameters()):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        flat = p.reshape(-1)
+        h.update(memoryview(mx.array(flat[:16]).astype(mx.float32) if p.dtype == mx.bfloat16
+                            else flat[:16]).tobytes())
+
+
+def fingerprint(target, draft, kv_bits: Optional[int] = None) -> str:
+    """Identifies the pair (config, parameter shapes and samples) and the KV format."""
+    h = hashlib.sha256()
+    h.update(json.dumps(getattr(target, "config", {}), sort_keys=True, default=str).encode())
+    _param_digest(target.model, h)
+    if hasattr(draft, "parameters"):
+        _param_digest(draft, h)
+    h.update(f"{type(draft).__name__}:{draft.block_size}:{list(draft.target_layer_ids)}:kv{kv_bits}".encode())
+    return h.hexdigest()[:24]
+
+
+# --- the cost model ----------------------------------------------------------------
+
+def _interp(table: Dict[int, float], x: int) -> float:
+    """Piecewise-linear in x through the measured points (flat beyond them)."""
+    xs = sorted(table)
+    if x <= xs[0]:
+        return table[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
+    return table[xs[-1]]
+
+
+@dataclass
+class CostModel:
+    """Seconds per plain step, and per cycle part at each measured width."""
+
+    plain: float
+    verify: Dict[int, float]  # chain width B (anchor + B-1 drafts) -> recorded target forward
+    draft: Dict[int, float]  # B -> draft forward
+    rollback: float
+    tree: Dict[int, float] = field(default_factory=dict)  # tree nodes (with root) -> verify
+
+    def cycle(self, width: int) -> float:
+        """Seconds for one cycle of ``width`` tokens (1: a plain step)."""
+        if width <= 1:
+            return self.plain
+        return _interp(self.draft, width) + _interp(self.verify, width) + self.rollback
+
+    def tree_cycle(self, nodes: int) -> float:
+        return _interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
+
+    def to_dict(self) -> dict:
+        return {"plain": self.plain, "verify": self.verify, "draft": self.draft,
+                "rollback": self.rollback, "tree": self.tree}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        ints = lambda t: {int(k): float(v) for k, v in t.items()}
+        return cls(float(d["plain"]), ints(d["verify"]), ints(d["draft"]), float(d["rollback"]),
+                   ints(d.get("tree", {})))
+
+    @classmethod
+    def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
+                context: int = 64, reps: int = 5) -> "CostModel":
+        """Time each part on a scratch cache after ``context`` tokens. The parts
+        take turns within each repeat and each keeps its fastest run, so a
+        machine busy with other work skews them alike rather than one alone."""
+        V = target.vocab_size
+        Bmax = draft.block_size
+        widths = sorted({w for w in (2, 4, 8, 16, Bmax) if 2 <= w <= Bmax})
+        capture = draft.target_layer_ids
+        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+        prompt = [(7 * i + 3) % V for i in range(context)]  # a scratch cache, dropped after
+        _, feats = target.prefill(prompt, cache, capture=capture)
+        mx.eval(feats)
+        rollback: List[float] = []
+
+        def plain_run(n=8):
+            # Pipelined as the plain loop runs: step i+1 queued before step i is read.
+            # (The scratch cache just grows: no snapshot to restore, which a
+            # pipeline-split target could not undo.)
+            tok = mx.array([5], dtype=mx.int32)
+            queued = None
+            for _ in range(n):
+                lg, f = target.forward(tok, cache, capture=capture)
+                tok = mx.argmax(lg, axis=-1).astype(mx.int32)
+                mx.async_eval(tok, f)
+                if queued is not None:
+                    queued.item()
+                queued = tok
+            queued.item()
+
+        def verify_at(n, parents=None):
+            tokens = [(11 * j + 1) % V for j in range(n)]
+
+            def run():
+                lg, f = target.forward(tokens, cache, capture=capture, record=True, parents=parents)
+                mx.eval(mx.argmax(lg, axis=-1), f)
+                t = time.perf_counter()
+                cache.rollback(1, path=[0] if parents is not None else None)
+                mx.eval(cache.state())
+                rollback.append(time.perf_counter() - t)
+            return run
+
+        def draft_at(B):
+            dcache = draft.make_cache()
+            draft(feats, 9, context, B, dcache)
+            pos = [context]
+
+            def run():
+                lg = draft(feats[-1:], 9, pos[0] + 1, B, dcache)
+                pos[0] += 1
+                mx.eval(mx.argmax(lg, axis=-1))
+            return run
+
+        parts = {("plain", 0): plain_run}
+        parts.update({("verify", B): verify_at(B) for B in widths})
+        parts.update({("draft", B): draft_at(B) for B in widths})
+        for n in tree_sizes:
+            parts[("tree", n)] = verify_at(n, [-1] + [(i - 1) // 2 for i in range(1, n)])
+        best = {k: float("inf") for k in parts}
+        for r in range(reps + 1):  # the first round warms up (graph caches, allocator)
+            for k, fn in parts.items():
+                t = time.perf_counter()
+                fn()
+                if r:
+                    best[k] = min(best[k], time.perf_counter() - t)
+        table = lambda kind: _monotone({n: best[(k, n)] for k, n in best if k == kind})
+        return cls(best[("plain", 0)] / 8, table("verify"), table("draft"), min(rollback), table("tree"))
+
+
+def _monotone(t: Dict[int, float]) -> Dict[int, float]:
+    """A wider forward never costs less: running max over the sizes."""
+    out, hi = {}, 0.0
+    for n in sorted(t):
+        hi = max(hi, t[n])
+        out[n] = hi
+    return out
+
+
+_MEMO: Dict[Tuple, CostModel] = {}
+
+
+def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
+               cache_dir: Optional[Path] = None) -> Tuple[CostModel, bool]:
+    """The pair's cost model, from the on-disk cache when it holds one for this
+    model, machine and mlx version, else measured and stored. Returns (costs,
+    measured_now)."""
+    folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = folder / CACHE_FILE
+
+    def memo_key():
+        try:
+            stamp = path.stat().st_mtime_ns
+        except OSError:
+            stamp = None
+        return (id(target), id(draft), kv_bits, tuple(sorted(tree_sizes)), str(path), stamp)
+
+    if memo_key() in _MEMO:  # this process read it already (and the file is unchanged)
+        return _MEMO[memo_key()], False
+    fp = fingerprint(target, draft, kv_bits)
+    mid = machine_id()
+    entries: List[dict] = []
+    try:
+        entries = json.loads(path.read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        entries = []
+    want_tree = {int(n) for n in tree_sizes}
+    for e in entries:
+        if (e.get("model") == fp and e.get("machine") == mid and e.get("mlx") == mx.__version__
+                and e.get("format") == FORMAT):
+            costs = CostModel.from_dict(e["costs"])
+            if want_tree <= set(costs.tree):
+                _MEMO[memo_key()] = costs
+                return costs, False
+    costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
+    entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
+    entries.append({"model": fp, "machine": mid, "mlx": mx.__version__, "format": FORMAT,
+                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "costs": costs.to_dict()})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"entries": entries[-32:]}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: measure again next time
+    _MEMO[memo_key()] = costs
+    return costs, True
+
+
+# --- the policy ---------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """What the next cycle does: ``width`` tokens verified (1 = plain steps,
+    ``steps`` of them), as a chain or a tree of ``width`` nodes."""
+
+    width: int
+    steps: int = 1
+    tree: bool = False
+    block: int = 0  # tree: the draft block its candidates come from
+
+
+class Acceptance:
+    """Per-depth conditional acceptance p_d from counts decayed by ``decay``
+    per drafted cycle, shrunk by ``weight`` pseudo-observations toward the
+    estimate one depth up (``prior`` at depth 1): a depth never tried is
+    expected to do as the deepest one seen, so an oracle draft is widened
+    step by step and a useless one is not."""
+
+    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.95):
+        self.hits = [0.0] * (depths + 1)
+        self.trials = [0.0] * (depths + 1)
+        self.prior, self.weight, self.decay = prior, weight, decay
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        for d in range(1, len(self.hits)):
+            self.hits[d] *= self.decay
+            self.trials[d] *= self.decay
+        for d in range(1, min(accepted + 1, drafted) + 1):
+            self.trials[d] += 1
+            self.hits[d] += d <= accepted
+
+    def forget(self, keep: float) -> None:
+        self.hits = [h * keep for h in self.hits]
+        self.trials = [t * keep for t in self.trials]
+
+    def probs(self, depths: int) -> List[float]:
+        out, prior = [], self.prior
+        for d in range(1, depths + 1):
+            prior = (self.hits[d] + self.weight * prior) / (self.trials[d] + self.weight)
+            out.append(prior)
+        return out
+
+    def p(self, d: int) -> float:
+        return self.probs(d)[-1]
+
+    def expected(self, width: int) -> float:
+        """Expected committed tokens of a chain of ``width`` (anchor + width-1 drafts)."""
+        e, reach = 1.0, 1.0
+        for p in self.probs(width - 1):
+            reach *= p
+            e += reach
+        return e
+
+
+class Policy:
+    """Chooses each cycle's width. ``fixed`` (a width, or with ``tree_budget``
+    a tree) pins it, as ``--block-size`` / ``--tree-budget`` do."""
+
+    first_plain_run = 16
+    longest_plain_run = 256
+    calibration_steps = 4
+
+    def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
+                 tree_budget: int = 0):
+        self.max_width = max_width
+        self.costs = costs
+        self.fixed = fixed
+        self.tree_budget = tree_budget
+        self.acc = Acceptance(max_width)
+        # A few plain steps first: they time this machine's plain step now
+        # (busy or idle) at the cost of nothing but a few undrafted tokens.
+        self.plain_left = self.calibration_steps
+        self.plain_run = self.first_plain_run
+        self.probing = False
+        self.warmup = 2  # first cycles at the widest block: every depth gets seen
+        self.plain_votes = 0
+        # Costs measured at load are the prior; each width's real cycle time
+        # (and the plain step's) replaces it as it is observed, and widths not
+        # yet seen are scaled by how far the observed ones were off, so a
+        # machine busier or idler than at measurement time still compares right.
+        self.seen: Dict[int, List[float]] = {}  # width -> its last few cycle times
+        self.scale = {"plain": 1.0, "draft": 1.0}
+
+    @property
+    def adaptive(self) -> bool:
+        return self.costs is not None
+
+    def cost(self, width: int) -> float:
+        """Seconds per cycle of ``width``: the median of its last 5 observed
+        times (a stall of the machine moves it little), else the measured
+        cost scaled as the observed ones were off."""
+        ts = self.seen.get(width)
+        if ts:
+            t = sorted(ts)[len(ts) // 2]
+            # A plain step never counts as dearer than measured at load: the
+            # first steps after a prefill pay warm-up, and erring toward plain
+            # decoding is the safe side.
+            return min(t, self.costs.cycle(1)) if width == 1 else t
+        return self.costs.cycle(width) * self.scale["plain" if width == 1 else "draft"]
+
+    def best_width(self, room: int, drafted: bool = False) -> int:
+        """argmax over B in 1..min(max_width, room) of E(B) / cost(B) (B >= 2 if ``drafted``)."""
+        best, rate = 1, (0.0 if drafted else 1.0 / self.cost(1))
+        e, reach = 1.0, 1.0
+        for B, p in enumerate(self.acc.probs(min(self.max_width, room) - 1), start=2):
+            reach *= p
+            e += reach
+            r = e / self.cost(B)
+            if r > rate:
+                best, rate = B, r
+        return best
+
+    def plan(self, room: int) -> Plan:
+        """The next cycle, given ``room`` tokens left (before max_tokens or the context end)."""
+        if room <= 1 or self.max_width <= 1:
+            return Plan(1, steps=max(room, 1))
+        if not self.adaptive:
+            if self.tree_budget > 0:
+                return Plan(self.tree_budget + 1, tree=True, block=min(self.fixed or self.max_width, room))
+            return Plan(min(self.fixed or self.max_width, room))
+        if self.plain_left > 0:
+            return Plan(1, steps=min(self.plain_left, room))
+        if self.warmup > 0:
+            return Plan(min(self.max_width, room))
+        if self.probing:
+            # A fresh look at the draft at every depth, once per plain run
+            # (which doubles while probes fail); old evidence is dropped so
+            # the probe alone decides.
+            self.acc.forget(0.0)
+            return Plan(min(self.max_width, room))
+        B = self.best_width(room)
+        if B == 1:
+            # Two such verdicts in a row before a plain run: one slow cycle
+            # on a busy machine does not switch the draft off.
+            self.plain_votes += 1
+            if self.plain_votes >= 2 or room < self.max_width:
+                self.plain_votes = 0
+                self.plain_left = self.plain_run
+                return Plan(1, steps=min(self.plain_left, room))
+            return Plan(self.best_width(room, drafted=True))
+        self.plain_votes = 0
+        return Plan(B)
+
+    def timed(self, plan: Plan, committed: int, seconds: float) -> None:
+        """Recalibrate from the wall time of a cycle (or a run of plain steps,
+        ``committed`` tokens) up to the start of the next."""
+        if not self.adaptive or plan.tree or seconds <= 0:
+            return
+        w = plan.width
+        t = seconds / (committed if w == 1 else 1)
+        old = self.cost(w)
+        t = min(max(t, old / 3), old * 3)
+        self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
+        kind = "plain" if w == 1 else "draft"
+        self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w)
+
+    def observe(self, plan: Plan, committed: int) -> None:
+        """Book a cycle: ``committed`` tokens (plain steps: one each)."""
+        if not self.adaptive:
+            return
+        if plan.width == 1:
+            self.plain_left = max(self.plain_left - committed, 0)
+            if self.plain_left == 0 and self.warmup <= 0:
+                self.probing = True
+            return
+        self.acc.observe(plan.width - 1, committed - 1)
+        self.warmup -= 1
+        if self.probing:
+            # Drafting resumes if, on this probe's evidence, it pays; if not,
+            # plain decoding resumes for twice as long before the next probe.
+            self.probing = False
+            if self.best_width(self.max_width) > 1:
+                self.plain_run = self.first_plain_run
+            else:
+                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
+                self.plain_left = self.plain_run
+
+    def describe(self) -> str:
+        if not self.adaptive:
+            return f"pinned ({'tree of ' + str(self.tree_budget) if self.tree_budget else 'block ' + str(self.fixed or self.max_width)})"
+        c = self.costs
+        ratios = " ".join(f"B{B}:{c.cycle(B) / c.plain:.2f}" for B in sorted(c.verify))
+        return f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms)"

@@ -1,0 +1,196 @@
+"""The width policy: plain steps when the draft is useless, the widest block
+for an oracle, and a cost curve measured once per model and machine."""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_dflash import tiny
+from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.models.qwen35 import Target
+from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
+
+from conftest import reference_greedy
+from test_decode import ScriptedDraft
+
+PROMPT = [1, 10, 20, 30, 40]
+
+
+def synthetic_costs():
+    """Costs shaped like the embedded pair's (ms): a 16-token cycle ~2.5 plain steps."""
+    return CostModel(plain=0.010, verify={2: 0.012, 4: 0.013, 8: 0.015, 16: 0.019},
+                     draft={2: 0.004, 4: 0.004, 8: 0.0045, 16: 0.005}, rollback=0.001)
+
+
+def drive(policy, accept, cycles, room=10_000, tokens=None):
+    """Run the policy against a draft whose first ``accept(width)`` drafts are
+    right, for ``cycles`` plans (or until ``tokens`` are committed); returns the plans."""
+    plans = []
+    done = 0
+    while (len(plans) < cycles) if tokens is None else (done < tokens):
+        plan = policy.plan(room)
+        plans.append(plan)
+        if plan.width == 1:
+            policy.observe(plan, plan.steps)
+            done += plan.steps
+        else:
+            n = 1 + min(accept(plan.width), plan.width - 1)
+            policy.observe(plan, n)
+            done += n
+    return plans
+
+
+def test_useless_draft_goes_plain_and_probes_ever_more_rarely():
+    policy = Policy(16, synthetic_costs())
+    plans = drive(policy, lambda B: 0, 0, tokens=3000)
+    assert plans[0] == Plan(1, steps=Policy.calibration_steps)
+    drafted = [i for i, p in enumerate(plans) if p.width > 1]
+    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
+    assert first_plain <= 6  # a few cycles to learn the draft is wrong
+    # After that, only probes: one drafted cycle after each run of plain steps,
+    # the runs doubling (16, 32, 64, ...) up to the cap.
+    probes = [i for i in drafted if i > first_plain]
+    runs = [plans[i + 1].steps for i in probes if i + 1 < len(plans)]
+    assert runs == sorted(runs) and runs[-1] == Policy.longest_plain_run
+    plain_tokens = sum(p.steps for p in plans if p.width == 1)
+    assert plain_tokens > 2900
+    assert len(probes) <= 5 + 3000 // Policy.longest_plain_run  # 16..256 doubling, then every 256
+
+
+def test_oracle_draft_gets_the_widest_block():
+    policy = Policy(16, synthetic_costs())
+    plans = drive(policy, lambda B: B - 1, 12)
+    assert plans[-1].width == 16 and all(p.width == 16 for p in plans[4:])
+    assert all(p.width > 1 for p in plans[1:])  # after the calibration steps
+
+
+def test_good_draft_again_after_plain_run_returns_to_drafting():
+    policy = Policy(16, synthetic_costs())
+    drive(policy, lambda B: 0, 20)  # learns the draft is useless
+    plans = drive(policy, lambda B: B - 1, 12)  # text the draft now predicts
+    assert plans[-1].width == 16
+
+
+def test_pinned_width_and_tree_ignore_the_costs():
+    assert Policy(16, None, fixed=4).plan(100) == Plan(4)
+    assert Policy(16, None, fixed=4).plan(3) == Plan(3)
+    assert Policy(16, None, tree_budget=12).plan(100) == Plan(13, tree=True, block=16)
+    assert Policy(16, None).plan(1) == Plan(1, steps=1)
+
+
+def test_expected_tokens_follow_per_depth_acceptance():
+    acc = Acceptance(8, weight=1e-9)  # no prior: the counts alone
+    for _ in range(10):
+        acc.observe(7, 2)  # always 2 accepted of 7
+    assert acc.p(1) == pytest.approx(1.0) and acc.p(2) == pytest.approx(1.0) and acc.p(3) < 1e-6
+    assert acc.expected(8) == pytest.approx(3.0)
+
+
+@pytest.fixture(scope="module")
+def pair(dense):
+    cfg, model = dense
+    target = Target(model)
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=16,
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    return model, target, tiny.build_draft(dcfg, seed=11).bind(target)
+
+
+def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
+    model, target, draft = pair
+    costs, measured = load_costs(target, draft, cache_dir=tmp_path)
+    assert measured and costs.plain > 0 and set(costs.verify) == {2, 4, 8, 16}
+    assert all(costs.verify[a] <= costs.verify[b] for a, b in [(2, 4), (4, 8), (8, 16)])
+    again, measured = load_costs(target, draft, cache_dir=tmp_path)
+    assert not measured and again == costs  # the second load reads the file
+    # Another model (same shapes, other weights) is measured anew.
+    other = Target(tiny.build_target(tiny.target_config(), seed=99))
+    odraft = tiny.build_draft(tiny.draft_config(tiny.target_config(), num_hidden_layers=2, block_size=16,
+                                                layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=8), seed=11).bind(other)
+    _, measured = load_costs(other, odraft, cache_dir=tmp_path)
+    assert measured
+    # A file written on another machine (or another mlx) does not count.
+    path = tmp_path / "costs.json"
+    data = json.loads(path.read_text())
+    for e in data["entries"]:
+        e["machine"] = "another-machine"
+    path.write_text(json.dumps(data))
+    _, measured = load_costs(target, draft, cache_dir=tmp_path)
+    assert measured
+    data = json.loads(path.read_text())
+    for e in data["entries"]:
+        e["mlx"] = "0.0.1"
+    path.write_text(json.dumps(data))
+    _, measured = load_costs(target, draft, cache_dir=tmp_path)
+    assert measured
+    _, measured = load_costs(target, draft, cache_dir=tmp_path)
+    assert not measured
+
+
+def run(target, n, **kw):
+    stats = GenerationStats()
+    out = []
+    for toks in generate_tokens(target, PROMPT, max_tokens=n, stats=stats, **kw):
+        out.extend(toks)
+    return out, stats
+
+
+class CostlyScriptedDraft(ScriptedDraft):
+    """A scripted draft that also runs a real draft's forward, so a cycle
+    costs what a real one does (the policy times them)."""
+
+    def __init__(self, real, *a, **kw):
+        super().__init__(*a, **kw)
+        self.real = real
+        self.target_layer_ids = real.target_layer_ids
+
+    def make_cache(self, window=None):
+        return self.real.make_cache(window)
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        mx.eval(self.real(features, anchor, anchor_pos, B, cache))
+        return super().__call__(features, anchor, anchor_pos, B, cache)
+
+
+def test_always_wrong_draft_decodes_plainly_with_identical_tokens(pair, tmp_path):
+    model, target, real = pair
+    costs, _ = load_costs(target, real, cache_dir=tmp_path)
+    N = 80
+    ref = reference_greedy(model, PROMPT, N)
+    wrong = CostlyScriptedDraft(real, PROMPT, ref, target.vocab_size, accept=0)
+    out, stats = run(target, N, draft=wrong, policy=Policy(16, costs))
+    assert out == ref
+    widths = stats.tree_sizes
+    calib = Policy.calibration_steps
+    assert widths[:calib] == [1] * calib  # plain steps time the machine first
+    first_plain = widths.index(1, calib)
+    assert first_plain <= calib + 8  # B = 1 after a bounded number of cycles
+    # Then rare probes only (a loaded machine's timing noise may add one or two).
+    assert sum(w > 1 for w in widths[first_plain:]) <= 6, widths
+    assert stats.widths[1] >= N - 25
+
+
+def test_oracle_draft_decodes_at_the_widest_block(pair, tmp_path):
+    model, target, real = pair
+    costs, _ = load_costs(target, real, cache_dir=tmp_path)
+    N = 80
+    ref = reference_greedy(model, PROMPT, N)
+    oracle = ScriptedDraft(PROMPT, ref, target.vocab_size)
+    out, stats = run(target, N, draft=oracle, policy=Policy(16, costs))
+    assert out == ref
+    # 79 tokens after the prefill's: about five blocks (a loaded machine's
+    # timing noise may swap a block for a slightly narrower one, and the last
+    # tokens may go plain when a block no longer fits).
+    assert max(stats.tree_sizes) == 16 and stats.cycles <= 9 + Policy.calibration_steps
+    assert stats.widths.get(1, 0) <= 3 + Policy.calibration_steps
+
+
+def test_default_generation_is_adaptive_and_reports_widths(pair):
+    model, target, draft = pair
+    ref = reference_greedy(model, PROMPT, 40)
+    out, stats = run(target, 40, draft=draft)
+    assert out == ref
+    assert stats.policy.startswith("adaptive") and sum(stats.widths.values()) == stats.cycles
+    out, stats = run(target, 40, draft=draft, block_size=4)
+    assert out == ref and stats.policy.startswith("pinned") and set(stats.widths) <= {1, 2, 3, 4}
