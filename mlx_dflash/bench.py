@@ -136,7 +136,11 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     length (prompts of that many tokens, see :func:`context_prompt`),
     generating ``max_tokens[0]`` tokens. ``adaptive``: the dflash modes' width policy."""
     modes = BASE_MODES[1:] if pipeline else BASE_MODES
-    modes = modes + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
+    # With the width policy on, the pinned full-width chain runs beside it, so the
+    # policy's gain or loss is a ratio measured in the same run.
+    pinned = ("dflash-pinned",) if adaptive and not block_size else ()
+    modes = (modes + pinned + (("dflash-tree",) if tree_budget > 0 else ())
+             + (("dflash2",) if draft2 is not None else ()))
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
@@ -153,6 +157,8 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                 "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
                 "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
                                                 adaptive=adaptive),
+                "dflash-pinned": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
+                                                       adaptive=False),
                 "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
                                                      tree_topk, profile=p),
                 "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
@@ -179,9 +185,11 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
             d2 = row["modes"].get("dflash2")
+            pn = row["modes"].get("dflash-pinned")
             log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
+                + (f" | pinned {pn['decode_tps']:7.1f} ({pn['speedup']:.2f}x)" if pn else "")
                 + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else "")
                 + (f" | dflash2 {d2['decode_tps']:7.1f} ({d2['speedup']:.2f}x, tau {d2['tau']:.2f})" if d2 else ""))
             results.append(row)

@@ -21,7 +21,8 @@ def test_bench_writes_json_markdown_plot(tmp_path):
                     log=lambda _: None)
     assert res["identical_tokens"] and res["agrees_with_mlx_lm"] and len(res["results"]) == 2
     for r in res["results"]:
-        assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash", "dflash-tree"}
+        # the width policy is on by default, so the pinned full-width chain runs beside it
+        assert set(r["modes"]) == {"mlx-lm", "baseline", "dflash", "dflash-pinned", "dflash-tree"}
         assert r["modes"]["dflash"]["generated"] == r["modes"]["mlx-lm"]["generated"]
         assert r["modes"]["mlx-lm"]["speedup"] == pytest.approx(1.0)
         # The split comes from a profiled run (the timed runs are not synchronised per phase).
