@@ -593,6 +593,12 @@ def serve(
     no_prompt_cache: bool = typer.Option(
         False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
+    pipeline: bool = typer.Option(
+        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run; "
+                                  "rank 0 serves HTTP, the other ranks run their stages (no prefix cache)."),
+    pipeline_timeout: float = typer.Option(
+        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
+                                         "a generation before ending every rank with an error."),
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic (/v1/messages) APIs."""
     import json
@@ -624,18 +630,48 @@ def serve(
         api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
         timeout=timeout, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
         block_size=block_size, tree_budget=tree_budget, prefill_chunk=prefill_chunk,
-        chat_template_args=template_args, prompt_cache=not no_prompt_cache,
+        chat_template_args=template_args, prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
     )
     dt = _dtype(dtype)
+    stage, generate_fn = None, None
+    if pipeline:
+        import os
+
+        from .distributed import load as load_stage, stream_generate as pipe_generate
+
+        stage = load_stage(model, draft, dtype=dt, draft_quantize=draft_quantize, timeout=pipeline_timeout)
+        if stage.rank != 0:
+            stage.serve()  # this rank's layers, until rank 0 shuts down
+            return
+        if not no_prompt_cache:
+            typer.echo("mlx-dflash: --pipeline: prefix cache off (each rank holds only its own layers' state)",
+                       err=True)
+
+        def generate_fn(engine, prompt, **kwargs):
+            # A lost rank leaves the ring unusable: end the server (like the watchdog) rather than fail requests.
+            try:
+                yield from pipe_generate(engine, prompt, **kwargs)
+            except DFlashError as e:
+                if engine.target.link.broken:
+                    sys.stderr.write(f"error: {e}; stopping the server\n")
+                    sys.stderr.flush()
+                    os._exit(2)
+                raise
+
+        import signal
+
+        # uvicorn re-raises SIGTERM after its graceful shutdown: exit normally then, so that
+        # rank 0's exit handler (Stage.close) stops the other ranks' loops.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     def load_engine():
-        engine = load(model, draft, dtype=dt, draft_quantize=draft_quantize)
+        engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize)
         if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
             raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
         return engine
 
-    run_server(settings, load_engine, host=host, port=port, log_level=log_level)
+    run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -350,6 +350,17 @@ def test_pipeline_without_a_launch_is_a_clear_error(capsys):
     assert "error: --pipeline needs 2 or more processes" in capsys.readouterr().err
 
 
+def test_pipeline_serve_without_a_launch_is_a_clear_error(capsys):
+    from mlx_dflash.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--pipeline"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
+        ["error: --pipeline needs 2 or more processes: run under `mlx.launch --backend ring -n N` or with a hostfile"]
+
+
 def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
     """Plain and DFlash chain decoding over 2 stages equal one process's, token
     for token; the draft sees the same features; each stage's cache equals a
@@ -397,6 +408,45 @@ def _wait_for_output(proc, timeout):
             return
         assert proc.poll() is None, proc.stderr.read()
     raise AssertionError("rank 0 printed nothing")
+
+
+def test_two_stage_serve_equals_generate(tmp_path, pair_dirs):
+    """`serve --pipeline` on 2 ranks: rank 0 answers an OpenAI chat completion
+    with what one process's generate() gives; on SIGTERM every rank exits 0."""
+    import httpx
+
+    import mlx_dflash
+
+    model, draft = pair_dirs["dense"]
+    port = _free_ports(1)[0]
+    procs = launch(tmp_path, 2, ["-m", "mlx_dflash", "serve", "--pipeline", "-m", str(model), "-d", str(draft),
+                                 "--port", str(port), "--log-level", "warning"], script=False)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.3)
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": str(model), "messages": [{"role": "user", "content": "def fibonacci(n):"}],
+            "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["message"]["content"]
+    finally:
+        procs[0].send_signal(signal.SIGTERM)
+        outs = wait_all(procs, 60)
+    for rc, _, err in outs:
+        assert rc == 0, err[-2000:]
+    assert "prefix cache off" in outs[0][2]
+    engine = mlx_dflash.load(str(model), str(draft))
+    want = mlx_dflash.generate(engine, engine.encode("def fibonacci(n):", chat_template=True), max_tokens=24)
+    assert len(want.tokens) > 0 and got == want.text
 
 
 @pytest.mark.slow

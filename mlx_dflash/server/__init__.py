@@ -29,10 +29,11 @@ def model_names(model: Optional[Path]):
     return str(model), tuple(sorted(names - {str(model)}))
 
 
-def build(settings: Settings, load_engine: Callable[[], object]):
-    """Load the engine on its generation thread and return (app, worker)."""
+def build(settings: Settings, load_engine: Callable[[], object], generate_fn: Optional[Callable] = None):
+    """Load the engine on its generation thread and return (app, worker);
+    ``generate_fn`` replaces api.stream_generate (the pipeline's)."""
     metrics = Metrics()
-    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics,
+    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics, generate_fn=generate_fn,
                     prompt_cache=settings.prompt_cache, prompt_cache_bytes=settings.prompt_cache_bytes)
     worker.start()
     metrics.queue_length = lambda: worker.queue_length
@@ -50,11 +51,11 @@ def _loopback(host: str) -> bool:
 
 
 def serve(settings: Settings, load_engine: Callable[[], object], *, host: str = "127.0.0.1",
-          port: int = 8080, log_level: str = "info") -> None:
+          port: int = 8080, log_level: str = "info", generate_fn: Optional[Callable] = None) -> None:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
-    app, worker = build(settings, load_engine)
+    app, worker = build(settings, load_engine, generate_fn)
     if not _loopback(host) and settings.api_key is None:
         print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
               file=sys.stderr)
