@@ -221,11 +221,14 @@ class Decoder:
     def launch(self, plan: Plan) -> Proposal:
         """The draft's proposal for ``plan``, left lazy (chain: token ids; tree:
         built from the draft's logits, which reads them)."""
-        B = plan.block if plan.tree else plan.width
+        B = plan.block if plan.tree else max(plan.block, plan.width)
         if plan.tree:
             return Proposal(plan, logits=self.draft(self.draft_context(), self.anchor, self.pos, B, self.dcache))
         drafted, q = draft_propose(self.draft, self.draft_context(), self.anchor, self.pos, B, self.dcache,
                                    self.sampler, sample=self.spec)
+        if B > plan.width:  # drafted from the full block, verified up to the width
+            drafted = drafted[: plan.width - 1]
+            q = q[: plan.width - 1] if q is not None else None
         return Proposal(plan, drafted=drafted, q=q)
 
     def propose(self, plan: Plan) -> Proposal:

@@ -104,7 +104,9 @@ class CostModel:
         """Seconds for one cycle of ``width`` tokens (1: a plain step)."""
         if width <= 1:
             return self.plain
-        return _interp(self.draft, width) + _interp(self.verify, width) + self.rollback
+        # The draft always runs at its full block (see Policy.plan), so its cost
+        # does not shrink with the width; only the verify does.
+        return _interp(self.draft, max(self.draft)) + _interp(self.verify, width) + self.rollback
 
     def tree_cycle(self, nodes: int) -> float:
         return _interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
@@ -258,7 +260,7 @@ class Plan:
     width: int
     steps: int = 1
     tree: bool = False
-    block: int = 0  # tree: the draft block its candidates come from
+    block: int = 0  # the draft block the proposals come from (0: the width; trees: their candidates)
 
 
 class Acceptance:
@@ -373,13 +375,13 @@ class Policy:
         if self.plain_left > 0:
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
-            return Plan(min(self.max_width, room))
+            return self._chain(min(self.max_width, room))
         if self.probing:
             # A fresh look at the draft at every depth, once per plain run
             # (which doubles while probes fail); old evidence is dropped so
             # the probe alone decides.
             self.acc.forget(0.0)
-            return Plan(min(self.max_width, room))
+            return self._chain(min(self.max_width, room))
         B = self.best_width(room)
         if B == 1:
             # Two such verdicts in a row before a plain run: one slow cycle
@@ -389,9 +391,16 @@ class Policy:
                 self.plain_votes = 0
                 self.plain_left = self.plain_run
                 return Plan(1, steps=min(self.plain_left, room))
-            return Plan(self.best_width(room, drafted=True))
+            return self._chain(self.best_width(room, drafted=True))
         self.plain_votes = 0
-        return Plan(B)
+        return self._chain(B)
+
+    def _chain(self, width: int) -> Plan:
+        """A chain of ``width`` drafted from the full block: a DFlash draft's
+        block rows attend to each other, so a shorter block proposes other
+        (worse) tokens than the block it was trained on, and per-depth
+        acceptance measured at one width would not hold at another."""
+        return Plan(width, block=self.max_width)
 
     def timed(self, plan: Plan, committed: int, seconds: float) -> None:
         """Recalibrate from the wall time of a cycle (or a run of plain steps,

@@ -503,7 +503,7 @@ def test_bench_and_generate_take_a_dflash2_draft(dense, tok_dir, tmp_path, capsy
                     "-n", "8", "--repeats", "1", "--blas", "bundled", "--out", str(tmp_path / "r"), "--name", "b")
     assert code in (0, None), out
     res = json.loads((tmp_path / "r" / "b.json").read_text())
-    assert res["modes"] == ["mlx-lm", "baseline", "dflash", "dflash2"] and res["draft2_kind"] == "DFlash 2"
+    assert res["modes"] == ["mlx-lm", "baseline", "dflash", "dflash-pinned", "dflash2"] and res["draft2_kind"] == "DFlash 2"
     assert res["results"][0]["modes"]["dflash2"]["generated"] == 8
     md = (tmp_path / "r" / "b.md").read_text()
     assert "dflash2 tau" in md and "Acceptance histograms, dflash2 chain" in md
