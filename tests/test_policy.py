@@ -194,3 +194,17 @@ def test_default_generation_is_adaptive_and_reports_widths(pair):
     assert stats.policy.startswith("adaptive") and sum(stats.widths.values()) == stats.cycles
     out, stats = run(target, 40, draft=draft, block_size=4)
     assert out == ref and stats.policy.startswith("pinned") and set(stats.widths) <= {1, 2, 3, 4}
+
+
+def test_narrow_widths_are_drafted_from_the_full_block(pair):
+    """A DFlash block's rows attend to each other, so a shorter block would
+    propose other tokens than the one whose acceptance the policy learned:
+    every adaptive cycle drafts the full block and verifies a prefix of it."""
+    model, target, _ = pair
+    N = 60
+    ref = reference_greedy(model, PROMPT, N)
+    three_right = ScriptedDraft(PROMPT, ref, target.vocab_size, accept=3)
+    out, stats = run(target, N, draft=three_right, policy=Policy(16, synthetic_costs()))
+    assert out == ref
+    assert any(1 < w < 16 for w in stats.tree_sizes), stats.tree_sizes  # the policy narrowed
+    assert three_right.calls and set(three_right.calls) == {16}, three_right.calls
