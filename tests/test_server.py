@@ -267,7 +267,9 @@ def test_dropped_stream_frees_engine(server):
     assert after["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + 1
     assert after["mlx_dflash_running_requests"] == 0
     generated = after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"]
-    assert 3 <= generated < 200  # stopped long before its 2000 tokens
+    # It had started (the first content event may be the role's empty delta, so
+    # 3 events can be 2 tokens) and stopped long before its 2000 tokens.
+    assert 1 <= generated < 200
     # and the engine takes the next request at once
     r = server.openai().completions.create(model="mlx-dflash", prompt="x = 1\n", max_tokens=2)
     assert r.usage.completion_tokens == 2
