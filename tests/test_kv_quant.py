@@ -112,3 +112,12 @@ def test_bad_kv_bits(target64, dense, capsys):
         main(["generate", "def f():", "-n", "4", "--kv-bits", "6"])
     assert e.value.code == 2
     assert "error: --kv-bits must be 4 or 8" in capsys.readouterr().err
+
+
+def test_prefix_cache_with_quantized_kv_is_a_clear_error():
+    import mlx_dflash
+    from mlx_dflash.errors import DFlashError
+
+    eng = mlx_dflash.load()
+    with pytest.raises(DFlashError, match="prefix cache does not work with a quantized KV cache"):
+        mlx_dflash.generate(eng, "def f(x):", max_tokens=4, kv_bits=8, prefix_cache=mlx_dflash.PrefixCache())
