@@ -190,8 +190,13 @@ def generate(engine: Engine, prompt: Union[str, Sequence[int]], **kwargs) -> Gen
 
     Takes the keyword arguments of :func:`stream_generate`.
     """
+    return collect(stream_generate(engine, prompt, **kwargs))
+
+
+def collect(pieces) -> GenerationResult:
+    """Join streamed pieces (``stream_generate``'s, or a pipeline's) into one result."""
     text, tokens, stats = [], [], None
-    for r in stream_generate(engine, prompt, **kwargs):
+    for r in pieces:
         text.append(r.text)
         tokens.extend(r.tokens)
         stats = r.stats

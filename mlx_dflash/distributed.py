@@ -550,14 +550,9 @@ def stream_generate(engine, prompt, **kwargs):
 
 def generate(engine, prompt, **kwargs):
     """:func:`api.generate` through the pipeline (rank 0, ``Stage.engine``)."""
-    from .api import GenerationResult
+    from .api import collect
 
-    text, tokens, stats = [], [], None
-    for r in stream_generate(engine, prompt, **kwargs):
-        text.append(r.text)
-        tokens.extend(r.tokens)
-        stats = r.stats
-    return GenerationResult("".join(text), tokens, stats)
+    return collect(stream_generate(engine, prompt, **kwargs))
 
 
 @dataclass
