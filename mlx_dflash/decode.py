@@ -448,12 +448,17 @@ def generate_tokens(
         raise DFlashError("the prefix cache does not work with a quantized KV cache (--kv-bits) yet")
     if tree_budget < 0 or tree_topk < 1:
         raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
+    sampler = sampler or Sampler(0.0, seed=0)
+    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     if draft is not None:
         limit = draft.block_size
         if block_size is not None and not 2 <= block_size <= limit:
             raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
         if policy is None:
-            pinned = block_size is not None or tree_budget > 0 or not adaptive
+            # The speculative rule's text depends on what was drafted, so widths
+            # chosen from timings would make a seed's text vary run to run: it
+            # keeps the full block (greedy and the equality rule do not depend on it).
+            pinned = block_size is not None or tree_budget > 0 or not adaptive or spec
             # Measured (once per machine and model) before this generation's
             # cache exists: a pipeline-split target has one live cache at a time.
             bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
@@ -465,7 +470,6 @@ def generate_tokens(
         policy = Policy(1)
     if cache is None:
         cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
-    sampler = sampler or Sampler(0.0, seed=0)
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
     stats.policy = policy.describe() if draft is not None else "plain"
@@ -473,7 +477,6 @@ def generate_tokens(
     mx.reset_peak_memory()
 
     dcache = draft.make_cache(draft_window) if draft is not None else None
-    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     d = Decoder(target, cache, draft, dcache, sampler, stats, set(eos_token_ids), max_tokens, max_context,
                 profile, acceptance, tree_topk, spec, spec_rule)
     d.history = list(prompt)

@@ -208,3 +208,17 @@ def test_narrow_widths_are_drafted_from_the_full_block(pair):
     assert out == ref
     assert any(1 < w < 16 for w in stats.tree_sizes), stats.tree_sizes  # the policy narrowed
     assert three_right.calls and set(three_right.calls) == {16}, three_right.calls
+
+
+def test_speculative_sampling_keeps_the_full_block(pair):
+    """The speculative rule's text depends on what was drafted: timing-chosen
+    widths would make a seed's text vary between runs, so it stays pinned;
+    the equality rule's text does not depend on widths and stays adaptive."""
+    from mlx_dflash.sampling import Sampler
+
+    _, target, draft = pair
+    out1, st = run(target, 30, draft=draft, sampler=Sampler(0.9, seed=1), accept_rule="speculative")
+    out2, _ = run(target, 30, draft=draft, sampler=Sampler(0.9, seed=1), accept_rule="speculative")
+    assert st.policy.startswith("pinned") and out1 == out2
+    _, st = run(target, 30, draft=draft, sampler=Sampler(0.9, seed=1), accept_rule="equality")
+    assert st.policy.startswith("adaptive")
