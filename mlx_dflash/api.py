@@ -53,12 +53,15 @@ def load(
     dtype: Optional[mx.Dtype] = None,
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
+    compile: bool = True,
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
     ``draft_quantize`` = 4 or 8 quantizes the draft at load.
+    ``compile`` (default): decode-time forwards run as ``mx.compile``'d
+    pieces (same results, fewer dispatches); False runs plain MLX ops.
     """
     if model is None:
         model = DEFAULT_MODEL
@@ -77,7 +80,15 @@ def load(
     d = None
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
+    set_compiled(target, d, compile)
     return Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None)
+
+
+def set_compiled(target, draft, on: bool) -> None:
+    """Compiled (default) or plain-ops decode-time forwards for a pair."""
+    target.compiled = on
+    if draft is not None:
+        draft.compiled = on
 
 
 @dataclass

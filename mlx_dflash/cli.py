@@ -149,6 +149,10 @@ def generate(
     draft_sink: int = typer.Option(16, "--draft-sink", help="First context positions always kept with --draft-window."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    compile_: bool = typer.Option(
+        True, "--compile/--no-compile",
+        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
+             "--no-compile runs plain MLX ops (for troubleshooting)."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
     adaptive: bool = typer.Option(
         True, "--adaptive/--no-adaptive",
@@ -187,7 +191,7 @@ def generate(
         from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
 
         stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
-                           timeout=pipeline_timeout)
+                           timeout=pipeline_timeout, compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
             return
@@ -206,7 +210,8 @@ def generate(
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
     template_kwargs = _template_config(chat_template_config)
-    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize)
+    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype),
+                                                         draft_quantize=draft_quantize, compile=compile_)
     for tok in extra_eos_token or ():
         try:
             engine.tokenizer.add_eos_token(tok)
@@ -269,6 +274,10 @@ def chat(
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    compile_: bool = typer.Option(
+        True, "--compile/--no-compile",
+        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
+             "--no-compile runs plain MLX ops (for troubleshooting)."),
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
@@ -286,7 +295,7 @@ def chat(
 
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
-    engine = load(model, draft, dtype=_dtype(dtype))
+    engine = load(model, draft, dtype=_dtype(dtype), compile=compile_)
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
@@ -428,6 +437,10 @@ def bench(
     blas_mode: str = typer.Option("auto", "--blas", help="Linux: 'auto' preloads OpenBLAS when installed, "
                                                          "'openblas' requires it, 'bundled' keeps mlx's reference BLAS."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    compile_: bool = typer.Option(
+        True, "--compile/--no-compile",
+        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
+             "--no-compile runs plain MLX ops (for troubleshooting)."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
     context: Optional[List[int]] = typer.Option(
@@ -463,12 +476,12 @@ def bench(
     if pipeline:
         from .distributed import load as load_stage
 
-        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout)
+        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout, compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
             return
     typer.echo(f"BLAS: {blas.describe()}", err=True)
-    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype))
+    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype), compile=compile_)
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     second = None
@@ -479,6 +492,7 @@ def bench(
 
         # as load() does for the first: the embedded pair runs in float32
         second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        second.compiled = compile_
         if block_size is not None and not 2 <= block_size <= second.block_size:
             raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
     res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
@@ -579,6 +593,10 @@ def serve(
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    compile_: bool = typer.Option(
+        True, "--compile/--no-compile",
+        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
+             "--no-compile runs plain MLX ops (for troubleshooting)."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
     timeout: float = typer.Option(
@@ -640,7 +658,8 @@ def serve(
 
         from .distributed import load as load_stage, stream_generate as pipe_generate
 
-        stage = load_stage(model, draft, dtype=dt, draft_quantize=draft_quantize, timeout=pipeline_timeout)
+        stage = load_stage(model, draft, dtype=dt, draft_quantize=draft_quantize, timeout=pipeline_timeout,
+                           compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 shuts down
             return
@@ -666,7 +685,8 @@ def serve(
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     def load_engine():
-        engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize)
+        engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize,
+                                                             compile=compile_)
         if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
             raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
         return engine

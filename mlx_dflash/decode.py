@@ -516,7 +516,7 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
     cycle (propose, verify, accept, commit), book it, yield its tokens."""
     stats = d.stats
 
-    plan = policy.plan(d.room())
+    plan = policy.plan(d.room(), d.pos)
     timed = None  # (plan, tokens, start) of the last cycle or plain run, timed up to the next
     while not d.finished:
         t0 = time.perf_counter()
@@ -536,12 +536,12 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
             out = d.cycle(plan)
             policy.observe(plan, d.committed)
             timed = (plan, d.committed, t0)
-            nxt = policy.plan(d.room()) if not d.finished else plan
+            nxt = policy.plan(d.room(), d.pos) if not d.finished else plan
             d.prefetch(nxt)
             stats.add_cycle(d.committed, d.verified, d.tic)
             yield out
             plan = nxt
             continue
-        plan = policy.plan(d.room())
+        plan = policy.plan(d.room(), d.pos)
     stats.decode_time = time.perf_counter() - d.tic
     stats.peak_memory = mx.get_peak_memory() / 1e9

@@ -628,7 +628,7 @@ def init_group(backend: str = "ring"):
 
 
 def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = None,
-         group=None, timeout: float = 60.0) -> Stage:
+         group=None, timeout: float = 60.0, compile: bool = True) -> Stage:
     """Load this rank's stage of a pipeline-parallel target (call on every rank).
 
     The layers are split by :func:`plan_stages` on parameter bytes; each
@@ -678,6 +678,7 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     mx.eval([m.parameters() for m in mods])
     peak = mx.get_peak_memory() / 1e9
     link.barrier()
+    t.compiled = compile
     st = Stage(rank, n, bounds, costs, t, link, load_peak_memory=peak, share_bytes=share)
     if rank != 0:
         st.worker = StageWorker(t, link)
@@ -689,6 +690,8 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     eos = t.config.get("eos_token_id", t.config.get("text_config", {}).get("eos_token_id"))
     tok = load_tokenizer(tokenizer_dir_for(model) if gguf else model, eos_token_ids=eos)
     d = load_draft(draft, t, quantize_bits=draft_quantize, dtype=dtype) if draft is not None else None
+    if d is not None:
+        d.compiled = compile
     st.engine = Engine(t, tok, d, Path(model), Path(draft) if draft else None)
     st.load_peak_memory = mx.get_peak_memory() / 1e9
     return st

@@ -6,8 +6,11 @@ prod_{d<=k} p_d`` tokens on average, where ``p_d`` is the probability that
 the draft at depth d is accepted given depth d-1 was. A plain step (B = 1)
 costs ``T_plain`` and commits one token. The policy picks the width with the
 most expected tokens per second; when that is 1 it decodes plainly (no draft
-forward at all) and re-probes with one drafted cycle at the widest block
-after a run of plain steps that doubles each time the probe does not pay.
+forward at all) and re-probes with one drafted cycle (as wide as pays
+under the prior acceptance) after a run of plain steps that doubles each
+time the probe does not pay. Verify costs grow with the context (each row
+attends over it), so the same acceptance gives narrower blocks deep in a
+long context.
 
 The costs are measured once per (model, machine, mlx version, KV format) in
 a few forwards and cached as JSON in the user's cache folder; see
@@ -28,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 1  # bump when what is measured changes
+FORMAT = 2  # bump when what is measured changes (2: the context slopes)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -67,13 +70,16 @@ def _param_digest(module, h) -> None:
 
 
 def fingerprint(target, draft, kv_bits: Optional[int] = None) -> str:
-    """Identifies the pair (config, parameter shapes and samples) and the KV format."""
+    """Identifies the pair (config, parameter shapes and samples), the KV format
+    and whether the forwards are compiled."""
     h = hashlib.sha256()
     h.update(json.dumps(getattr(target, "config", {}), sort_keys=True, default=str).encode())
     _param_digest(target.model, h)
     if hasattr(draft, "parameters"):
         _param_digest(draft, h)
     h.update(f"{type(draft).__name__}:{draft.block_size}:{list(draft.target_layer_ids)}:kv{kv_bits}".encode())
+    # Compiled and plain-ops forwards cost differently.
+    h.update(f"compiled:{getattr(target, 'compiled', False)}:{getattr(draft, 'compiled', False)}".encode())
     return h.hexdigest()[:24]
 
 
@@ -92,52 +98,73 @@ def _interp(table: Dict[int, float], x: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per plain step, and per cycle part at each measured width."""
+    """Seconds per plain step, and per cycle part at each measured width,
+    after ``context`` tokens; beyond that each verified row pays
+    ``per_key_verify`` per extra context token (its attention over the
+    cache) and a plain step ``per_key_plain``: a verify of B rows at context
+    L reads B x L keys, so wide blocks get dearer deep in a long context."""
 
     plain: float
     verify: Dict[int, float]  # chain width B (anchor + B-1 drafts) -> recorded target forward
     draft: Dict[int, float]  # B -> draft forward
     rollback: float
     tree: Dict[int, float] = field(default_factory=dict)  # tree nodes (with root) -> verify
+    context: int = 64
+    per_key_verify: float = 0.0  # seconds per verified row per context token beyond ``context``
+    per_key_plain: float = 0.0  # seconds per plain step per context token beyond ``context``
 
-    def cycle(self, width: int) -> float:
-        """Seconds for one cycle of ``width`` tokens (1: a plain step)."""
+    def plain_at(self, context: int = 0) -> float:
+        return self.plain + self.per_key_plain * max(context - self.context, 0)
+
+    def cycle(self, width: int, context: int = 0) -> float:
+        """Seconds for one cycle of ``width`` tokens (1: a plain step) at ``context`` tokens."""
         if width <= 1:
-            return self.plain
+            return self.plain_at(context)
         # The draft always runs at its full block (see Policy.plan), so its cost
         # does not shrink with the width; only the verify does.
-        return _interp(self.draft, max(self.draft)) + _interp(self.verify, width) + self.rollback
+        return (_interp(self.draft, max(self.draft)) + _interp(self.verify, width) + self.rollback
+                + self.per_key_verify * width * max(context - self.context, 0))
 
-    def tree_cycle(self, nodes: int) -> float:
-        return _interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
+    def tree_cycle(self, nodes: int, context: int = 0) -> float:
+        return (_interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
+                + self.per_key_verify * nodes * max(context - self.context, 0))
 
     def to_dict(self) -> dict:
         return {"plain": self.plain, "verify": self.verify, "draft": self.draft,
-                "rollback": self.rollback, "tree": self.tree}
+                "rollback": self.rollback, "tree": self.tree, "context": self.context,
+                "per_key_verify": self.per_key_verify, "per_key_plain": self.per_key_plain}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         ints = lambda t: {int(k): float(v) for k, v in t.items()}
         return cls(float(d["plain"]), ints(d["verify"]), ints(d["draft"]), float(d["rollback"]),
-                   ints(d.get("tree", {})))
+                   ints(d.get("tree", {})), int(d.get("context", 64)), float(d.get("per_key_verify", 0.0)),
+                   float(d.get("per_key_plain", 0.0)))
 
     @classmethod
     def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
-                context: int = 64, reps: int = 5) -> "CostModel":
-        """Time each part on a scratch cache after ``context`` tokens. The parts
+                context: int = 64, long_context: int = 1024, reps: int = 5) -> "CostModel":
+        """Time each part on a scratch cache after ``context`` tokens, and the
+        widest verify and a plain step again after ``long_context`` tokens
+        (the per-key slopes; capped at half the model's context). The parts
         take turns within each repeat and each keeps its fastest run, so a
         machine busy with other work skews them alike rather than one alone."""
         V = target.vocab_size
         Bmax = draft.block_size
         widths = sorted({w for w in (2, 4, 8, 16, Bmax) if 2 <= w <= Bmax})
         capture = draft.target_layer_ids
-        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
-        prompt = [(7 * i + 3) % V for i in range(context)]  # a scratch cache, dropped after
-        _, feats = target.prefill(prompt, cache, capture=capture)
-        mx.eval(feats)
+        long_context = min(long_context, target.max_context // 2)
+
+        def scratch(n):  # a scratch cache holding n tokens, dropped after
+            c = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+            _, f = target.prefill([(7 * i + 3) % V for i in range(n)], c, capture=capture)
+            mx.eval(f)
+            return c, f
+
+        cache, feats = scratch(context)
         rollback: List[float] = []
 
-        def plain_run(n=8):
+        def plain_run(n=8, cache=cache):
             # Pipelined as the plain loop runs: step i+1 queued before step i is read.
             # (The scratch cache just grows: no snapshot to restore, which a
             # pipeline-split target could not undo.)
@@ -152,7 +179,7 @@ class CostModel:
                 queued = tok
             queued.item()
 
-        def verify_at(n, parents=None):
+        def verify_at(n, parents=None, cache=cache):
             tokens = [(11 * j + 1) % V for j in range(n)]
 
             def run():
@@ -180,6 +207,11 @@ class CostModel:
         parts.update({("draft", B): draft_at(B) for B in widths})
         for n in tree_sizes:
             parts[("tree", n)] = verify_at(n, [-1] + [(i - 1) // 2 for i in range(1, n)])
+        deep = long_context > context
+        if deep:
+            long_cache, _ = scratch(long_context)
+            parts[("long-plain", 0)] = lambda: plain_run(cache=long_cache)
+            parts[("long-verify", Bmax)] = verify_at(Bmax, cache=long_cache)
         best = {k: float("inf") for k in parts}
         for r in range(reps + 1):  # the first round warms up (graph caches, allocator)
             for k, fn in parts.items():
@@ -188,7 +220,14 @@ class CostModel:
                 if r:
                     best[k] = min(best[k], time.perf_counter() - t)
         table = lambda kind: _monotone({n: best[(k, n)] for k, n in best if k == kind})
-        return cls(best[("plain", 0)] / 8, table("verify"), table("draft"), min(rollback), table("tree"))
+        verify = table("verify")
+        per_key_verify = per_key_plain = 0.0
+        if deep:
+            extra = long_context - context
+            per_key_verify = max(best[("long-verify", Bmax)] - verify[Bmax], 0.0) / (Bmax * extra)
+            per_key_plain = max(best[("long-plain", 0)] - best[("plain", 0)], 0.0) / (8 * extra)
+        return cls(best[("plain", 0)] / 8, verify, table("draft"), min(rollback), table("tree"),
+                   context, per_key_verify, per_key_plain)
 
 
 def _monotone(t: Dict[int, float]) -> Dict[int, float]:
@@ -334,6 +373,7 @@ class Policy:
         # machine busier or idler than at measurement time still compares right.
         self.seen: Dict[int, List[float]] = {}  # width -> its last few cycle times
         self.scale = {"plain": 1.0, "draft": 1.0}
+        self.context = 0  # tokens in the target cache now (set by plan)
 
     @property
     def adaptive(self) -> bool:
@@ -349,8 +389,8 @@ class Policy:
             # A plain step never counts as dearer than measured at load: the
             # first steps after a prefill pay warm-up, and erring toward plain
             # decoding is the safe side.
-            return min(t, self.costs.cycle(1)) if width == 1 else t
-        return self.costs.cycle(width) * self.scale["plain" if width == 1 else "draft"]
+            return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
+        return self.costs.cycle(width, self.context) * self.scale["plain" if width == 1 else "draft"]
 
     def best_width(self, room: int, drafted: bool = False) -> int:
         """argmax over B in 1..min(max_width, room) of E(B) / cost(B) (B >= 2 if ``drafted``)."""
@@ -364,8 +404,10 @@ class Policy:
                 best, rate = B, r
         return best
 
-    def plan(self, room: int) -> Plan:
-        """The next cycle, given ``room`` tokens left (before max_tokens or the context end)."""
+    def plan(self, room: int, context: int = 0) -> Plan:
+        """The next cycle, given ``room`` tokens left (before max_tokens or the
+        context end) and ``context`` tokens already in the target's cache."""
+        self.context = context
         if room <= 1 or self.max_width <= 1:
             return Plan(1, steps=max(room, 1))
         if not self.adaptive:
@@ -377,11 +419,14 @@ class Policy:
         if self.warmup > 0:
             return self._chain(min(self.max_width, room))
         if self.probing:
-            # A fresh look at the draft at every depth, once per plain run
-            # (which doubles while probes fail); old evidence is dropped so
-            # the probe alone decides.
+            # A fresh look at the draft, once per plain run (which doubles
+            # while probes fail); old evidence is dropped so the probe alone
+            # decides. Its width is the best under the prior alone: where
+            # wide verifies are dear (deep in a long context) a failed probe
+            # then costs little more than a plain step, and a probe that is
+            # all accepted widens the next cycles step by step.
             self.acc.forget(0.0)
-            return self._chain(min(self.max_width, room))
+            return self._chain(self.best_width(room, drafted=True))
         B = self.best_width(room)
         if B == 1:
             # Two such verdicts in a row before a plain run: one slow cycle
@@ -413,7 +458,7 @@ class Policy:
         t = min(max(t, old / 3), old * 3)
         self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
         kind = "plain" if w == 1 else "draft"
-        self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w)
+        self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w, self.context)
 
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""

@@ -26,7 +26,7 @@ def test_help_lists_every_flag(capsys, monkeypatch):
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
                  "--system", "--baseline", "--verbose", "--profile", "--seed", "--temp", "--draft-window",
                  "--dtype", "--draft-model", "--num-draft-tokens", "--system-prompt", "--ignore-chat-template",
-                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep"):
+                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep", "--no-compile"):
         assert flag in out, flag
 
 
@@ -41,6 +41,14 @@ def test_dflash_and_baseline_print_the_same_text(capsys):
     code, a, _ = cli(capsys, "generate", "print(", "-n", "20")
     assert code in (0, None)
     code, b, _ = cli(capsys, "generate", "print(", "-n", "20", "--baseline")
+    assert code in (0, None)
+    assert a == b and a.strip()
+
+
+def test_no_compile_prints_the_same_text(capsys):
+    code, a, _ = cli(capsys, "generate", "def g(", "-n", "24")
+    assert code in (0, None)
+    code, b, _ = cli(capsys, "generate", "def g(", "-n", "24", "--no-compile")
     assert code in (0, None)
     assert a == b and a.strip()
 

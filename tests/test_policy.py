@@ -2,6 +2,7 @@
 for an oracle, and a cost curve measured once per model and machine."""
 
 import json
+import random
 
 import mlx.core as mx
 import pytest
@@ -23,13 +24,14 @@ def synthetic_costs():
                      draft={2: 0.004, 4: 0.004, 8: 0.0045, 16: 0.005}, rollback=0.001)
 
 
-def drive(policy, accept, cycles, room=10_000, tokens=None):
+def drive(policy, accept, cycles, room=10_000, tokens=None, context=0):
     """Run the policy against a draft whose first ``accept(width)`` drafts are
-    right, for ``cycles`` plans (or until ``tokens`` are committed); returns the plans."""
+    right, for ``cycles`` plans (or until ``tokens`` are committed) at about
+    ``context`` tokens of cache; returns the plans."""
     plans = []
     done = 0
     while (len(plans) < cycles) if tokens is None else (done < tokens):
-        plan = policy.plan(room)
+        plan = policy.plan(room, context)
         plans.append(plan)
         if plan.width == 1:
             policy.observe(plan, plan.steps)
@@ -72,6 +74,50 @@ def test_good_draft_again_after_plain_run_returns_to_drafting():
     assert plans[-1].width == 16
 
 
+def long_context_costs():
+    """As synthetic_costs, but each verified row pays 1 us per context token
+    beyond 64 (a plain step 0.5 us): at 4k tokens a 16-row verify costs 6 plain steps."""
+    c = synthetic_costs()
+    c.context, c.per_key_verify, c.per_key_plain = 64, 1e-6, 0.5e-6
+    return c
+
+
+def test_costs_grow_with_the_context_and_wide_blocks_most():
+    c = long_context_costs()
+    assert c.cycle(16, 64) == synthetic_costs().cycle(16)
+    assert c.cycle(1, 4064) == pytest.approx(0.010 + 0.5e-6 * 4000)
+    assert c.cycle(16, 4064) - c.cycle(16, 64) == pytest.approx(16 * 1e-6 * 4000)
+    assert c.cycle(16, 4064) / c.cycle(2, 4064) > c.cycle(16, 64) / c.cycle(2, 64)
+
+
+def test_a_good_draft_drafts_narrower_deep_in_a_long_context():
+    def accept_each_with(p, seed=0):  # every draft right with probability p, independently
+        rng = random.Random(seed)
+
+        def accept(B):
+            n = 0
+            while n < B - 1 and rng.random() < p:
+                n += 1
+            return n
+        return accept
+
+    mean_width = {}
+    for ctx in (100, 4000):
+        plans = drive(Policy(16, long_context_costs()), accept_each_with(0.85), 200, context=ctx)[-100:]
+        mean_width[ctx] = sum(p.width for p in plans) / len(plans)
+    assert mean_width[100] > 11  # cheap verifies: wide blocks for the chance of more
+    assert mean_width[4000] < 0.6 * mean_width[100]  # dear verifies: narrower
+
+
+def test_probes_are_cheap_where_wide_verifies_are_dear():
+    policy = Policy(16, long_context_costs())
+    plans = drive(policy, lambda B: 0, 0, tokens=1500, context=4000)
+    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
+    probes = [p.width for p in plans[first_plain:] if p.width > 1]
+    assert probes and max(probes) <= 4, probes
+    assert sum(p.steps for p in plans if p.width == 1) > 1400
+
+
 def test_pinned_width_and_tree_ignore_the_costs():
     assert Policy(16, None, fixed=4).plan(100) == Plan(4)
     assert Policy(16, None, fixed=4).plan(3) == Plan(3)
@@ -100,6 +146,7 @@ def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     model, target, draft = pair
     costs, measured = load_costs(target, draft, cache_dir=tmp_path)
     assert measured and costs.plain > 0 and set(costs.verify) == {2, 4, 8, 16}
+    assert costs.context == 64 and costs.per_key_verify >= 0 and costs.per_key_plain >= 0
     assert all(costs.verify[a] <= costs.verify[b] for a, b in [(2, 4), (4, 8), (8, 16)])
     again, measured = load_costs(target, draft, cache_dir=tmp_path)
     assert not measured and again == costs  # the second load reads the file

@@ -319,6 +319,7 @@ class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
+        self.compiled = True  # decode-time block forwards as compiled pieces (see _fn); False: plain ops
         n_feat = len(cfg.target_layer_ids or [0] * cfg.num_hidden_layers)
         self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -439,9 +440,22 @@ class DFlashDraft(nn.Module):
         self._extend_context(features, anchor_pos, cache)
         ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
         h = self.embed(ids)[None]
+        compiled = self.compiled and not cfg.is_v2
+        pos = mx.array(anchor_pos, dtype=mx.int32) if compiled else None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             mask = self._mask(i, cache, anchor_pos, B)
+            if compiled:
+                # Everything but the attention over the context cache (whose
+                # length changes every cycle) runs as two compiled pieces.
+                q, kb, vb = self._fn(i, B, "pre")(h, pos)
+                keys, values = kb, vb
+                if cache.keys[i] is not None:
+                    keys = mx.concatenate([cache.keys[i], kb], axis=2)
+                    values = mx.concatenate([cache.values[i], vb], axis=2)
+                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+                h = self._fn(i, B, "post")(h, out)
+                continue
 
             def attend(x, i=i, attn=attn, mask=mask):
                 q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
@@ -457,6 +471,28 @@ class DFlashDraft(nn.Module):
 
             h = layer(h, attend)
         return self.norm(h[0])
+
+    def _fn(self, i: int, B: int, kind: str):
+        """Layer i's compiled piece before ("pre": normed q, k, v of the block
+        rows, RoPE at an array position) or after ("post": output projection,
+        residual, MLP) the attention, for blocks of B rows; parameters read
+        as inputs, so a draft being trained is seen as it is now."""
+        fns = self.__dict__.setdefault("_compiled_fns", {})
+        key = (i, B, kind)
+        if key not in fns:
+            layer = self.layers[i]
+            attn = layer.self_attn
+            if kind == "pre":
+                def run(h, pos):
+                    x = layer.input_layernorm(h)
+                    q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+                    return (attn.rope(q, offset=pos),) + attn.kv(x, pos)
+            else:
+                def run(h, out):
+                    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
+                    return h + layer.mlp(layer.post_attention_layernorm(h))
+            fns[key] = mx.compile(run, inputs=[layer.state])
+        return fns[key]
 
     def __call__(
         self,

@@ -36,6 +36,12 @@ class Target:
         self.embed_tokens = lm.model.embed_tokens
         self.norm = lm.model.norm
         self.is_linear = [layer.is_linear for layer in self.layers]
+        # Decode-time forwards run each layer as mx.compile'd pieces (fused
+        # elementwise ops, one graph per layer and width): on a small or
+        # dispatch-bound model that is most of a step. False: plain MLX ops.
+        self.compiled = True
+        self.compile_widths = 64  # wider forwards (prefill chunks) are compute-bound: plain ops
+        self._fns = {}
 
     # --- shape facts -----------------------------------------------------
     @property
@@ -72,7 +78,9 @@ class Target:
         return self.lm.lm_head(h)
 
     # --- forward -------------------------------------------------------------
-    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None) -> mx.array:
+    def _attention_inputs(self, attn, x: mx.array, offset=None):
+        """q, k, v [B, H, T, D] and the output gate [B, T, H*D]; RoPE at
+        ``offset`` (an int or a scalar array; None: left for a tree)."""
         B, T, _ = x.shape
         nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
         q, gate = mx.split(attn.q_proj(x).reshape(B, T, nh, -1), 2, axis=-1)
@@ -81,10 +89,16 @@ class Target:
         v = attn.v_proj(x).reshape(B, T, nkv, -1).transpose(0, 2, 1, 3)
         q = attn.q_norm(q).transpose(0, 2, 1, 3)
         k = attn.k_norm(k).transpose(0, 2, 1, 3)
-        offset = kv.offset if kv is not None else 0
-        if tree is None:
+        if offset is not None:
             q = attn.rope(q, offset=offset)
             k = attn.rope(k, offset=offset)
+        return q, k, v, gate
+
+    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None) -> mx.array:
+        B, T, _ = x.shape
+        offset = kv.offset if kv is not None else 0
+        q, k, v, gate = self._attention_inputs(attn, x, offset if tree is None else None)
+        if tree is None:
             mask = "causal" if T > 1 else None  # aligns the T queries with the last T keys
         else:
             # Node t sits at position offset + depth[t] and sees the committed
@@ -142,6 +156,9 @@ class Target:
         the ``capture`` layers' outputs concatenated [B, T, N*H] (or None).
         Callers advance ``cache.offset``."""
         feats = {}
+        if (self.compiled and tree is None and h.shape[0] == 1 and h.shape[1] <= self.compile_widths
+                and all(c is not None for c in caches)):
+            return self._compiled_layers(h, caches, capture, record)
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
             x = layer.input_layernorm(h)
             if layer.is_linear:
@@ -153,6 +170,62 @@ class Target:
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
+
+    # --- the same layers, compiled ----------------------------------------------
+    def _compiled_layers(self, h: mx.array, caches, capture: Sequence[int], record: bool):
+        """``layers_forward`` for a chain with caches: each layer's work around
+        the cache (everything but the attention over the KV buffer) is one
+        compiled function per (layer, width, record), its parameters read as
+        inputs so later weight updates are seen. Same ops, same results."""
+        T = h.shape[1]
+        feats = {}
+        for i, (layer, c) in enumerate(zip(self.layers, caches)):
+            if layer.is_linear:
+                la = layer.linear_attn
+                if c.conv is None:
+                    c.conv = mx.zeros((1, la.conv_kernel_size - 1, la.conv_dim), dtype=h.dtype)
+                if c.ssm is None:
+                    c.ssm = mx.zeros((1, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
+                ssm0 = c.ssm
+                out = self._fn(i, T, record)(h, c.conv, c.ssm)
+                h, c.conv, c.ssm = out[:3]
+                c.tape = (ssm0, *out[3:], la.conv_kernel_size) if record else None
+            else:
+                q, k, v, gate = self._fn(i, T, "pre")(h, mx.array(c.offset, dtype=mx.int32))
+                o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None)
+                h = self._fn(i, T, "post")(h, o, gate)
+            if i in capture:
+                feats[i] = h
+        return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
+
+    def _fn(self, i: int, T: int, kind):
+        key = (i, T, kind)
+        fn = self._fns.get(key)
+        if fn is not None:
+            return fn
+        layer = self.layers[i]
+        if layer.is_linear:
+            record = bool(kind)
+
+            def run(h, conv, ssm):
+                st = DeltaNetState()
+                st.conv, st.ssm = conv, ssm
+                h = h + self._deltanet(layer.linear_attn, layer.input_layernorm(h), st, record)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if not record:
+                    return h, st.conv, st.ssm
+                _, k, g, delta, conv_in, _ = st.tape
+                return h, st.conv, st.ssm, k, g, delta, conv_in
+        elif kind == "pre":
+            def run(h, offset):
+                return self._attention_inputs(layer.self_attn, layer.input_layernorm(h), offset)
+        else:
+            def run(h, o, gate):
+                attn = layer.self_attn
+                h = h + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, T, -1) * mx.sigmoid(gate))
+                return h + layer.mlp(layer.post_attention_layernorm(h))
+        fn = self._fns[key] = mx.compile(run, inputs=[layer.state])
+        return fn
 
     def forward(
         self,
