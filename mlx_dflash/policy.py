@@ -381,15 +381,17 @@ class Policy:
 
     def cost(self, width: int) -> float:
         """Seconds per cycle of ``width``: the median of its last 5 observed
-        times (a stall of the machine moves it little), else the measured
-        cost scaled as the observed ones were off."""
+        times (a stall of the machine moves it little; plain steps: the
+        fastest), else the measured cost scaled as the observed ones were off."""
         ts = self.seen.get(width)
         if ts:
-            t = sorted(ts)[len(ts) // 2]
-            # A plain step never counts as dearer than measured at load: the
-            # first steps after a prefill pay warm-up, and erring toward plain
-            # decoding is the safe side.
-            return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
+            if width == 1:
+                # A plain step's cost hardly varies, and what does (a stall, the
+                # warm-up after a prefill, a short run's unfilled pipeline) only
+                # adds: its fastest recent run, and never dearer than measured
+                # at load. Erring toward plain decoding is the safe side.
+                return min(min(ts), self.costs.cycle(1, self.context))
+            return sorted(ts)[len(ts) // 2]
         return self.costs.cycle(width, self.context) * self.scale["plain" if width == 1 else "draft"]
 
     def best_width(self, room: int, drafted: bool = False) -> int:
