@@ -269,3 +269,15 @@ def test_speculative_sampling_keeps_the_full_block(pair):
     assert st.policy.startswith("pinned") and out1 == out2
     _, st = run(target, 30, draft=draft, sampler=Sampler(0.9, seed=1), accept_rule="equality")
     assert st.policy.startswith("adaptive")
+
+
+def test_plain_step_costs_its_fastest_recent_run_and_drafted_widths_their_median():
+    policy = Policy(16, synthetic_costs())  # plain 10 ms, a 16-wide cycle 25 ms
+    for seconds in (0.0095, 0.0085, 0.0120):  # 16-step plain runs with a stall in the last
+        policy.timed(Plan(1, steps=16), 16, seconds * 16)
+    assert policy.cost(1) == pytest.approx(0.0085)
+    policy.timed(Plan(1, steps=16), 16, 0.020 * 16)  # never dearer than measured at load
+    assert policy.cost(1) == pytest.approx(0.0085)
+    for seconds in (0.024, 0.022, 0.040):
+        policy.timed(Plan(16, block=16), 5, seconds)
+    assert policy.cost(16) == pytest.approx(0.024)
