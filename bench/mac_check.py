@@ -5,7 +5,9 @@ and keep pace with mlx-lm's own kernels.
     python bench/mac_check.py [--reps 10] [--skip-tests] [--out bench/results/mac-check.json]
 
 Steps: (1) the kernel test files (tests/test_metal_kernels.py,
-tests/test_msl_strict.py; their real-Metal tests run here) under pytest;
+tests/test_msl_strict.py; their real-Metal tests run here) and
+tests/test_compiled.py (mx.compile'd forwards, custom kernels inside, equal
+to plain ops on the GPU) under pytest;
 (2) kernel vs twin at Dk = Dv = 128, Hk = 16, Hv = 48, bf16 inputs, T = 1,
 16, 512, packed and SIMD layouts, with and without the tape; (3) the tree
 kernel at budgets 22, 64 and 256 against its twin, and the rollback kernel
@@ -87,7 +89,8 @@ def main():
 
 
 def _pytest():
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_metal_kernels.py", "tests/test_msl_strict.py"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_metal_kernels.py", "tests/test_msl_strict.py",
+                        "tests/test_compiled.py"],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     tail = "\n".join(r.stdout.strip().splitlines()[-15:])
     if r.returncode != 0:

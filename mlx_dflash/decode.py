@@ -346,7 +346,7 @@ class Decoder:
             snap = cache.snapshot()
             logits, f = target.forward(tok, cache, capture=self.capture)
             nxt = sampler(logits, [p + 1]).astype(mx.int32)
-            mx.async_eval(nxt)
+            mx.async_eval(nxt, *(() if f is None else (f,)))
             return snap, nxt, f
 
         left = min(n, self.room())
@@ -526,12 +526,17 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
             stats.finish_reason = "length"  # context full
             break
         if plan.width == 1:
-            n = 0
+            n, t1 = 0, t0
             for out in d.plain_steps(plan.steps):
                 n += 1
                 yield out
+                if n == 1:
+                    t1 = time.perf_counter()
             policy.observe(plan, n)
-            timed = (plan, n, t0)
+            # Timed from the first step's return: the first step fills the
+            # pipeline (and after a prefill pays warm-up), the rest are what a
+            # plain step costs here.
+            timed = (plan, n - 1, t1) if n > 1 else None
         else:
             out = d.cycle(plan)
             policy.observe(plan, d.committed)

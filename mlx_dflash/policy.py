@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 2  # bump when what is measured changes (2: the context slopes)
+FORMAT = 3  # bump when what is measured changes (2: the context slopes; 3: at 2048 tokens)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -143,7 +143,7 @@ class CostModel:
 
     @classmethod
     def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
-                context: int = 64, long_context: int = 1024, reps: int = 5) -> "CostModel":
+                context: int = 64, long_context: int = 2048, reps: int = 5) -> "CostModel":
         """Time each part on a scratch cache after ``context`` tokens, and the
         widest verify and a plain step again after ``long_context`` tokens
         (the per-key slopes; capped at half the model's context). The parts
@@ -327,10 +327,13 @@ class Acceptance:
         self.trials = [t * keep for t in self.trials]
 
     def probs(self, depths: int) -> List[float]:
-        out, prior = [], self.prior
+        out, p = [], self.prior
         for d in range(1, depths + 1):
-            prior = (self.hits[d] + self.weight * prior) / (self.trials[d] + self.weight)
-            out.append(prior)
+            # Shrunk toward the depth above, but never toward more than the
+            # prior: one lucky cycle that reached depth d says little about
+            # depth d + 8, and a wide verify on that hope is dear.
+            p = (self.hits[d] + self.weight * min(p, self.prior)) / (self.trials[d] + self.weight)
+            out.append(p)
         return out
 
     def p(self, d: int) -> float:
@@ -373,6 +376,7 @@ class Policy:
         # machine busier or idler than at measurement time still compares right.
         self.seen: Dict[int, List[float]] = {}  # width -> its last few cycle times
         self.scale = {"plain": 1.0, "draft": 1.0}
+        self.ratios: Dict[str, List[float]] = {"plain": [], "draft": []}  # observed / modelled, recent
         self.context = 0  # tokens in the target cache now (set by plan)
 
     @property
@@ -394,16 +398,34 @@ class Policy:
             return sorted(ts)[len(ts) // 2]
         return self.costs.cycle(width, self.context) * self.scale["plain" if width == 1 else "draft"]
 
+    def ladder(self, room: int) -> List[int]:
+        """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
+        the block, and the room left. Each width a forward has not run yet
+        costs a trace of every layer's compiled pieces (milliseconds per layer),
+        so a ladder with neighbours at most 1.5x apart keeps that to a few
+        traces per process at little loss of fit."""
+        top = min(self.max_width, room)
+        out, w = {top}, 2
+        while w < top:
+            out.add(w)
+            w = w + 1 if w < 4 else (w * 3 // 2 if w % 4 == 0 else w * 4 // 3)
+        return sorted(x for x in out if x >= 2)
+
     def best_width(self, room: int, drafted: bool = False) -> int:
-        """argmax over B in 1..min(max_width, room) of E(B) / cost(B) (B >= 2 if ``drafted``)."""
+        """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B)."""
         best, rate = 1, (0.0 if drafted else 1.0 / self.cost(1))
+        top = min(self.max_width, room)
+        if top < 2:
+            return best
+        ladder = set(self.ladder(room))
         e, reach = 1.0, 1.0
-        for B, p in enumerate(self.acc.probs(min(self.max_width, room) - 1), start=2):
+        for B, p in enumerate(self.acc.probs(top - 1), start=2):
             reach *= p
             e += reach
-            r = e / self.cost(B)
-            if r > rate:
-                best, rate = B, r
+            if B in ladder:
+                r = e / self.cost(B)
+                if r > rate:
+                    best, rate = B, r
         return best
 
     def plan(self, room: int, context: int = 0) -> Plan:
@@ -460,7 +482,8 @@ class Policy:
         t = min(max(t, old / 3), old * 3)
         self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
         kind = "plain" if w == 1 else "draft"
-        self.scale[kind] = 0.8 * self.scale[kind] + 0.2 * t / self.costs.cycle(w, self.context)
+        r = self.ratios[kind] = (self.ratios[kind] + [t / self.costs.cycle(w, self.context)])[-5:]
+        self.scale[kind] = sorted(r)[len(r) // 2]
 
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""
@@ -477,6 +500,10 @@ class Policy:
             # Drafting resumes if, on this probe's evidence, it pays; if not,
             # plain decoding resumes for twice as long before the next probe.
             self.probing = False
+            if committed == plan.width:
+                # Every drafted token kept: look at every depth once (the
+                # probe saw only the first few), as at the start.
+                self.warmup = 1
             if self.best_width(self.max_width) > 1:
                 self.plain_run = self.first_plain_run
             else:

@@ -105,7 +105,7 @@ def test_a_good_draft_drafts_narrower_deep_in_a_long_context():
     for ctx in (100, 4000):
         plans = drive(Policy(16, long_context_costs()), accept_each_with(0.85), 200, context=ctx)[-100:]
         mean_width[ctx] = sum(p.width for p in plans) / len(plans)
-    assert mean_width[100] > 11  # cheap verifies: wide blocks for the chance of more
+    assert mean_width[100] > 9  # cheap verifies: wide blocks for the chance of more
     assert mean_width[4000] < 0.6 * mean_width[100]  # dear verifies: narrower
 
 
@@ -229,7 +229,7 @@ def test_oracle_draft_decodes_at_the_widest_block(pair, tmp_path):
     # 79 tokens after the prefill's: about five blocks (a loaded machine's
     # timing noise may swap a block for a slightly narrower one, and the last
     # tokens may go plain when a block no longer fits).
-    assert max(stats.tree_sizes) == 16 and stats.cycles <= 9 + Policy.calibration_steps
+    assert max(stats.tree_sizes) == 16 and stats.cycles <= 9 + Policy.calibration_steps, stats.tree_sizes
     assert stats.widths.get(1, 0) <= 3 + Policy.calibration_steps
 
 
@@ -281,3 +281,18 @@ def test_plain_step_costs_its_fastest_recent_run_and_drafted_widths_their_median
     for seconds in (0.024, 0.022, 0.040):
         policy.timed(Plan(16, block=16), 5, seconds)
     assert policy.cost(16) == pytest.approx(0.024)
+
+
+def test_widths_come_from_a_ladder_so_few_widths_are_ever_traced():
+    policy = Policy(16, synthetic_costs())
+    assert policy.ladder(100) == [2, 3, 4, 6, 8, 12, 16]
+    assert policy.ladder(7) == [2, 3, 4, 6, 7]  # the room left is a width too
+    rng = random.Random(3)
+
+    def accept(B):
+        n = 0
+        while n < B - 1 and rng.random() < 0.8:
+            n += 1
+        return n
+    widths = {p.width for p in drive(policy, accept, 300)}
+    assert widths <= {1, 2, 3, 4, 6, 8, 12, 16} and len(widths) > 2
