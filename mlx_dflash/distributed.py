@@ -420,6 +420,8 @@ class PipelineCache:
 class PipelineTarget(StageTarget):
     """Rank 0: the last stage, and the whole target as the decode loop sees it."""
 
+    independent_caches = False  # the other stages hold one cache: a new one resets theirs
+
     def __init__(self, model, config, start: int, end: int, link: Link, *, embed: bool):
         super().__init__(model, config, start, end, embed=embed, head=True)
         self.link = link

@@ -31,7 +31,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 3  # bump when what is measured changes (2: the context slopes; 3: at 2048 tokens)
+FORMAT = 4  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -99,10 +99,12 @@ def _interp(table: Dict[int, float], x: int) -> float:
 @dataclass
 class CostModel:
     """Seconds per plain step, and per cycle part at each measured width,
-    after ``context`` tokens; beyond that each verified row pays
-    ``per_key_verify`` per extra context token (its attention over the
-    cache) and a plain step ``per_key_plain``: a verify of B rows at context
-    L reads B x L keys, so wide blocks get dearer deep in a long context."""
+    after ``context`` tokens. Beyond that, per extra context token, a verify
+    of B rows pays ``per_key_base + per_key_verify * B`` (reading the keys
+    once, and each row's scores over them) and a plain step
+    ``per_key_plain``: wide blocks get dearer deep in a long context, as
+    much as the attention is compute-bound (a CPU) rather than bound by
+    reading the cache (a GPU)."""
 
     plain: float
     verify: Dict[int, float]  # chain width B (anchor + B-1 drafts) -> recorded target forward
@@ -111,6 +113,7 @@ class CostModel:
     tree: Dict[int, float] = field(default_factory=dict)  # tree nodes (with root) -> verify
     context: int = 64
     per_key_verify: float = 0.0  # seconds per verified row per context token beyond ``context``
+    per_key_base: float = 0.0  # seconds per verify per context token beyond ``context``, whatever its rows
     per_key_plain: float = 0.0  # seconds per plain step per context token beyond ``context``
 
     def plain_at(self, context: int = 0) -> float:
@@ -123,23 +126,28 @@ class CostModel:
         # The draft always runs at its full block (see Policy.plan), so its cost
         # does not shrink with the width; only the verify does.
         return (_interp(self.draft, max(self.draft)) + _interp(self.verify, width) + self.rollback
-                + self.per_key_verify * width * max(context - self.context, 0))
+                + self._deeper(width, context))
 
     def tree_cycle(self, nodes: int, context: int = 0) -> float:
         return (_interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
-                + self.per_key_verify * nodes * max(context - self.context, 0))
+                + self._deeper(nodes, context))
+
+    def _deeper(self, rows: int, context: int) -> float:
+        return (self.per_key_base + self.per_key_verify * rows) * max(context - self.context, 0)
 
     def to_dict(self) -> dict:
         return {"plain": self.plain, "verify": self.verify, "draft": self.draft,
                 "rollback": self.rollback, "tree": self.tree, "context": self.context,
-                "per_key_verify": self.per_key_verify, "per_key_plain": self.per_key_plain}
+                "per_key_verify": self.per_key_verify, "per_key_plain": self.per_key_plain,
+                "per_key_base": self.per_key_base}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         ints = lambda t: {int(k): float(v) for k, v in t.items()}
         return cls(float(d["plain"]), ints(d["verify"]), ints(d["draft"]), float(d["rollback"]),
-                   ints(d.get("tree", {})), int(d.get("context", 64)), float(d.get("per_key_verify", 0.0)),
-                   float(d.get("per_key_plain", 0.0)))
+                   ints(d.get("tree", {})), context=int(d.get("context", 64)),
+                   per_key_verify=float(d.get("per_key_verify", 0.0)),
+                   per_key_plain=float(d.get("per_key_plain", 0.0)), per_key_base=float(d.get("per_key_base", 0.0)))
 
     @classmethod
     def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
@@ -207,11 +215,14 @@ class CostModel:
         parts.update({("draft", B): draft_at(B) for B in widths})
         for n in tree_sizes:
             parts[("tree", n)] = verify_at(n, [-1] + [(i - 1) // 2 for i in range(1, n)])
-        deep = long_context > context
+        # A pipeline-split target holds one cache at a time (a second resets
+        # the other stages'): no second context there, the slopes stay 0.
+        deep = long_context > context and getattr(target, "independent_caches", True)
         if deep:
             long_cache, _ = scratch(long_context)
             parts[("long-plain", 0)] = lambda: plain_run(cache=long_cache)
-            parts[("long-verify", Bmax)] = verify_at(Bmax, cache=long_cache)
+            for B in (2, Bmax):
+                parts[("long-verify", B)] = verify_at(B, cache=long_cache)
         best = {k: float("inf") for k in parts}
         for r in range(reps + 1):  # the first round warms up (graph caches, allocator)
             for k, fn in parts.items():
@@ -221,13 +232,18 @@ class CostModel:
                     best[k] = min(best[k], time.perf_counter() - t)
         table = lambda kind: _monotone({n: best[(k, n)] for k, n in best if k == kind})
         verify = table("verify")
-        per_key_verify = per_key_plain = 0.0
+        per_key_verify = per_key_plain = per_key_base = 0.0
         if deep:
             extra = long_context - context
-            per_key_verify = max(best[("long-verify", Bmax)] - verify[Bmax], 0.0) / (Bmax * extra)
+            # A line through the extra cost at 2 rows and at Bmax rows.
+            wide = max(best[("long-verify", Bmax)] - verify[Bmax], 0.0) / extra
+            narrow = max(best[("long-verify", 2)] - verify[2], 0.0) / extra
+            per_key_verify = max(wide - narrow, 0.0) / max(Bmax - 2, 1)
+            per_key_base = max(narrow - 2 * per_key_verify, 0.0)
             per_key_plain = max(best[("long-plain", 0)] - best[("plain", 0)], 0.0) / (8 * extra)
         return cls(best[("plain", 0)] / 8, verify, table("draft"), min(rollback), table("tree"),
-                   context, per_key_verify, per_key_plain)
+                   context=context, per_key_verify=per_key_verify, per_key_plain=per_key_plain,
+                   per_key_base=per_key_base)
 
 
 def _monotone(t: Dict[int, float]) -> Dict[int, float]:
@@ -255,7 +271,8 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
             stamp = path.stat().st_mtime_ns
         except OSError:
             stamp = None
-        return (id(target), id(draft), kv_bits, tuple(sorted(tree_sizes)), str(path), stamp)
+        return (id(target), id(draft), getattr(target, "compiled", False), getattr(draft, "compiled", False),
+                kv_bits, tuple(sorted(tree_sizes)), str(path), stamp)
 
     if memo_key() in _MEMO:  # this process read it already (and the file is unchanged)
         return _MEMO[memo_key()], False
@@ -329,10 +346,7 @@ class Acceptance:
     def probs(self, depths: int) -> List[float]:
         out, p = [], self.prior
         for d in range(1, depths + 1):
-            # Shrunk toward the depth above, but never toward more than the
-            # prior: one lucky cycle that reached depth d says little about
-            # depth d + 8, and a wide verify on that hope is dear.
-            p = (self.hits[d] + self.weight * min(p, self.prior)) / (self.trials[d] + self.weight)
+            p = (self.hits[d] + self.weight * p) / (self.trials[d] + self.weight)
             out.append(p)
         return out
 
@@ -385,30 +399,30 @@ class Policy:
 
     def cost(self, width: int) -> float:
         """Seconds per cycle of ``width``: the median of its last 5 observed
-        times (a stall of the machine moves it little; plain steps: the
-        fastest), else the measured cost scaled as the observed ones were off."""
+        times (a stall of the machine moves it little), else the measured
+        cost scaled as the observed ones were off."""
         ts = self.seen.get(width)
         if ts:
-            if width == 1:
-                # A plain step's cost hardly varies, and what does (a stall, the
-                # warm-up after a prefill, a short run's unfilled pipeline) only
-                # adds: its fastest recent run, and never dearer than measured
-                # at load. Erring toward plain decoding is the safe side.
-                return min(min(ts), self.costs.cycle(1, self.context))
-            return sorted(ts)[len(ts) // 2]
+            t = sorted(ts)[len(ts) // 2]
+            # A plain step never counts as dearer than measured at load:
+            # erring toward plain decoding is the safe side.
+            return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
         return self.costs.cycle(width, self.context) * self.scale["plain" if width == 1 else "draft"]
 
     def ladder(self, room: int) -> List[int]:
-        """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, ... up to
-        the block, and the room left. Each width a forward has not run yet
-        costs a trace of every layer's compiled pieces (milliseconds per layer),
-        so a ladder with neighbours at most 1.5x apart keeps that to a few
-        traces per process at little loss of fit."""
+        """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
+        (powers of two and three times them) up to the block, and the room
+        left. Each width a forward has not run yet costs a trace of every
+        layer's compiled pieces (milliseconds per layer), so a ladder with
+        neighbours at most 1.5x apart keeps that to a few traces per process
+        at little loss of fit."""
         top = min(self.max_width, room)
         out, w = {top}, 2
         while w < top:
             out.add(w)
-            w = w + 1 if w < 4 else (w * 3 // 2 if w % 4 == 0 else w * 4 // 3)
+            if 3 * w // 2 < top:
+                out.add(3 * w // 2)
+            w *= 2
         return sorted(x for x in out if x >= 2)
 
     def best_width(self, room: int, drafted: bool = False) -> int:
@@ -500,10 +514,6 @@ class Policy:
             # Drafting resumes if, on this probe's evidence, it pays; if not,
             # plain decoding resumes for twice as long before the next probe.
             self.probing = False
-            if committed == plan.width:
-                # Every drafted token kept: look at every depth once (the
-                # probe saw only the first few), as at the start.
-                self.warmup = 1
             if self.best_width(self.max_width) > 1:
                 self.plain_run = self.first_plain_run
             else:

@@ -113,3 +113,37 @@ def test_compiled_target_with_quantized_kv_matches_plain_ops(kv_bits):
         outs.append((lg, t.forward([23], c)[0]))
     _close(outs[0][0], outs[1][0])
     _close(outs[0][1], outs[1][1])
+
+
+def test_only_decode_forwards_are_compiled(dense):
+    """Prefills (any length) run as plain ops; a plain step and a recorded
+    verify are compiled, one trace per layer and width."""
+    _, model = dense
+    target = Target(model)
+    cache = target.make_cache()
+    target.prefill(PROMPT, cache)  # 7 tokens, not recorded
+    target.forward([3, 4, 5], cache)  # a short unrecorded block (a prefix-cache suffix, say)
+    assert target._fns == {}
+    target.forward([6], cache)
+    target.forward([7, 8, 9, 10], cache, record=True)
+    cache.rollback(2)
+    n = target.num_layers
+    widths = {key[1] for key in target._fns}
+    assert widths == {1, 4} and len(target._fns) <= 2 * 2 * n
+
+
+def test_a_dynamic_rope_draft_runs_as_plain_ops_and_matches(dense):
+    """mlx-lm's dynamic-NTK RoPE compares its offset in Python, so it cannot
+    take the array offset of a compiled forward: that draft runs as plain ops."""
+    cfg, model = dense
+    target = Target(model)
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=6, target_layer_ids=[0, 2])
+    dcfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    _, feats = target.prefill(PROMPT, target.make_cache(), capture=draft.target_layer_ids)
+    out = {}
+    for flag in (True, False):
+        draft.compiled = flag
+        out[flag] = draft(feats, 4, len(PROMPT), 6, draft.make_cache())
+    _close(out[True], out[False])
+    assert "_compiled_fns" not in draft.__dict__ or not draft.__dict__["_compiled_fns"]

@@ -18,6 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .qwen35 import array_offset_rope
+
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """z-lab's spread of capture layers: round(1 + i*(n-4)/(N-1))."""
@@ -440,7 +442,8 @@ class DFlashDraft(nn.Module):
         self._extend_context(features, anchor_pos, cache)
         ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
         h = self.embed(ids)[None]
-        compiled = self.compiled and not cfg.is_v2
+        compiled = (self.compiled and not cfg.is_v2
+                    and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers))
         pos = mx.array(anchor_pos, dtype=mx.int32) if compiled else None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn

@@ -17,6 +17,14 @@ from ..cache import DeltaNetState, KVBuffer, TargetCache
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
+def array_offset_rope(rope) -> bool:
+    """Whether a RoPE module takes its offset as an mx.array (what a compiled
+    forward passes); mlx-lm's dynamic-NTK RoPE needs a Python int."""
+    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
+
+    return not isinstance(rope, DynamicNTKScalingRoPE)
+
+
 def tree_inputs(parents: Sequence[int]):
     """(depth [T], ancestor matrix [T, T]) of a verify tree, for the attention layers."""
     anc = kernels.ancestor_matrix(parents)
@@ -40,7 +48,11 @@ class Target:
         # elementwise ops, one graph per layer and width): on a small or
         # dispatch-bound model that is most of a step. False: plain MLX ops.
         self.compiled = True
-        self.compile_widths = 64  # wider forwards (prefill chunks) are compute-bound: plain ops
+        self.compile_widths = 64  # wider verifies are compute-bound: plain ops
+        # The compiled attention takes its RoPE offset as an array, which
+        # mlx-lm's dynamic-NTK RoPE cannot (it compares the offset in Python).
+        self._compilable = all(array_offset_rope(layer.self_attn.rope)
+                               for layer in self.layers if not layer.is_linear)
         self._fns = {}
 
     # --- shape facts -----------------------------------------------------
@@ -156,8 +168,11 @@ class Target:
         the ``capture`` layers' outputs concatenated [B, T, N*H] (or None).
         Callers advance ``cache.offset``."""
         feats = {}
-        if (self.compiled and tree is None and h.shape[0] == 1 and h.shape[1] <= self.compile_widths
-                and all(c is not None for c in caches)):
+        # Decode-time forwards only (a plain step, a recorded verify): prefill
+        # chunks and suffixes come in every length, each a new trace.
+        T = h.shape[1]
+        if (self.compiled and self._compilable and tree is None and h.shape[0] == 1
+                and (T == 1 or (record and T <= self.compile_widths)) and all(c is not None for c in caches)):
             return self._compiled_layers(h, caches, capture, record)
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
             x = layer.input_layernorm(h)
