@@ -6,7 +6,8 @@ and what a cycle of the real loop spends beyond its draft and verify forwards.
 speedup ~= tau * T_ar / (T_draft + T_verify(B) + T_rollback). Each term is a
 median over --reps after a warm-up, measured side by side in this one run,
 plus real generations (baseline, dflash pinned at B=16, dflash adaptive) for
-tau and end-to-end tok/s. The loop's overhead is its time per cycle at B=16
+tau and end-to-end tok/s, and the forwards as plain ops (--no-compile) next to
+the compiled ones. The loop's overhead is its time per cycle at B=16
 minus the isolated T_draft(16) + T_verify(16) (rollback, host work, small
 arrays); its share of a cycle is reported. Writes bench/results/cycle-<model>.md.
 """
@@ -107,6 +108,23 @@ def measure(name, target, draft, reps, ctx_len=128, gen_tokens=64):
 
     rows["T_draft(16)"] = med(drafting, reps)
 
+    # The same forwards as plain MLX ops (--no-compile), side by side.
+    target.compiled = draft.compiled = False
+    try:
+        rows["T_ar, plain ops"] = med(ar, reps)
+        block = [(11 * j + 1) % target.vocab_size for j in range(16)]
+
+        def verify16():
+            lg, f = target.forward(block, cache, capture=capture, record=True)
+            mx.eval(mx.argmax(lg, -1), f, cache.state())
+            cache.rollback(8)
+            mx.eval(cache.state())
+
+        rows["T_verify(16) + T_rollback(16), plain ops"] = med(verify16, reps)
+        rows["T_draft(16), plain ops"] = med(drafting, reps)
+    finally:
+        target.compiled = draft.compiled = True
+
     res = {}
     modes = (("baseline", None, None), ("dflash", draft, 16), ("adaptive", draft, None))
     for r in range(3):  # the modes take turns; each keeps its fastest run
@@ -143,7 +161,8 @@ def write(name, rows, res, same, params, reps):
     lines += [
         "",
         "T_verify(B): one recorded target forward of B tokens with capture; "
-        "T_rollback(B): restoring the caches to B/2 accepted tokens (tape replay).",
+        "T_rollback(B): restoring the caches to B/2 accepted tokens (tape replay). "
+        "Rows marked 'plain ops' run the same forwards uncompiled (--no-compile).",
         "",
         "| generation (64 tokens, best of 3) | decode tok/s | tau | cycles | ms per cycle | widths |",
         "|---|---:|---:|---:|---:|---|",
