@@ -131,6 +131,7 @@ def stream_generate(
     seed: Optional[int] = None,
     tree_budget: int = 0,
     tree_topk: int = 4,
+    auto_tree: int = 0,
     draft_window: Optional[Tuple[int, int]] = None,
     prefill_chunk: int = 512,
     profile: bool = False,
@@ -146,7 +147,8 @@ def stream_generate(
     At temperature > 0 the output distribution is exactly the target's
     (see ``accept_rule``).
     ``tree_budget`` > 0 verifies a DDTree of that many draft nodes
-    (``tree_topk`` candidates per depth) instead of a chain.
+    (``tree_topk`` candidates per depth) instead of a chain; ``auto_tree`` > 0
+    lets the adaptive policy choose per cycle between a chain and such a tree.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
     ``accept_rule`` (temperature > 0, chain): "speculative" (the default;
@@ -183,7 +185,7 @@ def stream_generate(
         engine.target, ids, draft=draft, max_tokens=max_tokens,
         block_size=None if draft is None else block_size,
         eos_token_ids=tok.eos_token_ids, sampler=sampler,
-        tree_budget=tree_budget, tree_topk=tree_topk, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
+        tree_budget=tree_budget, tree_topk=tree_topk, auto_tree=auto_tree, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
         profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule, prefix_cache=prefix_cache,
         prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
                          if prefix_cache is not None else None),

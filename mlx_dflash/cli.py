@@ -142,6 +142,9 @@ def generate(
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
+    auto_tree: int = typer.Option(
+        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
+                               "many draft nodes (from their measured costs and the tokens each commits); 0 = chains."),
     draft_window: int = typer.Option(
         0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
                                   "(plus --draft-sink first ones); 0 = the draft's own: its "
@@ -229,7 +232,7 @@ def generate(
         baseline=baseline, chat_template=chat_template, system=system,
         temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
         chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
-        tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk,
+        tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk, auto_tree=auto_tree if use_draft else 0,
         draft_window=(draft_sink, draft_window) if draft_window else None,
         prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule,
         prefix_cache=pc,
@@ -591,6 +594,9 @@ def serve(
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
+    auto_tree: int = typer.Option(
+        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
+                               "many draft nodes; 0 = chains."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = typer.Option(
@@ -631,6 +637,10 @@ def serve(
         raise DFlashError("--max-tokens, --max-queue, --timeout, --max-body-mb and --prefill-chunk must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
+    if tree_budget < 0 or auto_tree < 0:
+        raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
+    if tree_budget and auto_tree:
+        raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     try:
@@ -647,7 +657,7 @@ def serve(
         model_id=model_name or mid, aliases=aliases if model_name is None else (mid, *aliases),
         api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
         timeout=timeout, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-        block_size=block_size, tree_budget=tree_budget, prefill_chunk=prefill_chunk,
+        block_size=block_size, tree_budget=tree_budget, auto_tree=auto_tree, prefill_chunk=prefill_chunk,
         chat_template_args=template_args, prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
     )

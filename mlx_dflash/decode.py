@@ -379,6 +379,7 @@ def generate_tokens(
     sampler: Optional[Sampler] = None,
     tree_budget: int = 0,
     tree_topk: int = 4,
+    auto_tree: int = 0,
     draft_window=None,
     prefill_chunk: int = 512,
     max_context: Optional[int] = None,
@@ -408,6 +409,8 @@ def generate_tokens(
     from the pair's measured costs (cached per machine) and the acceptance
     seen so far, down to plain steps when drafting does not pay; ``policy``
     passes one explicitly. ``block_size`` / ``tree_budget`` pin the width.
+    ``auto_tree`` > 0 lets the adaptive policy also choose, cycle by cycle,
+    a DDTree of that many draft nodes over a chain (see ``Policy``).
     ``kv_bits`` 8 or 4: quantized attention KV (when no ``cache`` is given).
     ``cache``: an empty ``target.make_cache()`` to use (and inspect afterwards);
     it ends holding the prompt and every emitted token but the last.
@@ -446,8 +449,11 @@ def generate_tokens(
     if prefix_cache is not None and (kv_bits or getattr(cache, "kv_bits", None)):
         # Snapshots copy float KV rows; quantized rows are not snapshotted yet.
         raise DFlashError("the prefix cache does not work with a quantized KV cache (--kv-bits) yet")
-    if tree_budget < 0 or tree_topk < 1:
-        raise DFlashError(f"tree budget must be >= 0 and tree top-k >= 1, got {tree_budget}, {tree_topk}")
+    if tree_budget < 0 or tree_topk < 1 or auto_tree < 0:
+        raise DFlashError(f"tree budget and auto tree must be >= 0 and tree top-k >= 1, got {tree_budget}, "
+                          f"{auto_tree}, {tree_topk}")
+    if auto_tree and tree_budget:
+        raise DFlashError("give a tree budget (a tree every cycle) or an auto tree (the policy's choice), not both")
     sampler = sampler or Sampler(0.0, seed=0)
     spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     if draft is not None:
@@ -462,8 +468,9 @@ def generate_tokens(
             # Measured (once per machine and model) before this generation's
             # cache exists: a pipeline-split target has one live cache at a time.
             bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
-            costs = None if pinned else load_costs(target, draft, kv_bits=bits)[0]
-            policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget)
+            trees = (auto_tree + 1,) if auto_tree else ()
+            costs = None if pinned else load_costs(target, draft, kv_bits=bits, tree_sizes=trees)[0]
+            policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget, auto_tree=auto_tree)
         block_size = block_size or limit
     else:
         block_size = 1
@@ -473,7 +480,7 @@ def generate_tokens(
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
     stats.policy = policy.describe() if draft is not None else "plain"
-    stats.accept_hist = [0] * (max(block_size, tree_budget + 1) + 1)
+    stats.accept_hist = [0] * (max(block_size, tree_budget + 1, auto_tree + 1) + 1)
     mx.reset_peak_memory()
 
     dcache = draft.make_cache(draft_window) if draft is not None else None

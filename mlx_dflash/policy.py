@@ -364,18 +364,27 @@ class Acceptance:
 
 class Policy:
     """Chooses each cycle's width. ``fixed`` (a width, or with ``tree_budget``
-    a tree) pins it, as ``--block-size`` / ``--tree-budget`` do."""
+    a tree) pins it, as ``--block-size`` / ``--tree-budget`` do.
+    ``auto_tree`` (adaptive only): also consider, each drafted cycle, a DDTree
+    of that many draft nodes, priced by its measured cost (``costs.tree``
+    must hold ``auto_tree + 1`` nodes) and judged by the tokens tree cycles
+    have committed (a moving average; tried once after the warm-up and again
+    every ``tree_every`` drafted cycles while chains win)."""
 
     first_plain_run = 16
     longest_plain_run = 256
     calibration_steps = 4
+    tree_every = 32  # drafted cycles between two looks at the tree while chains win
 
     def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
-                 tree_budget: int = 0):
+                 tree_budget: int = 0, auto_tree: int = 0):
         self.max_width = max_width
         self.costs = costs
         self.fixed = fixed
         self.tree_budget = tree_budget
+        self.auto_tree = auto_tree if costs is not None else 0
+        self.tree_kept: Optional[float] = None  # moving average of tokens a tree cycle committed
+        self.since_tree = 0  # drafted cycles since the last tree
         self.acc = Acceptance(max_width)
         # A few plain steps first: they time this machine's plain step now
         # (busy or idle) at the cost of nothing but a few undrafted tokens.
@@ -388,7 +397,7 @@ class Policy:
         # (and the plain step's) replaces it as it is observed, and widths not
         # yet seen are scaled by how far the observed ones were off, so a
         # machine busier or idler than at measurement time still compares right.
-        self.seen: Dict[int, List[float]] = {}  # width -> its last few cycle times
+        self.seen: Dict[object, List[float]] = {}  # width (or "tree") -> its last few cycle times
         self.scale = {"plain": 1.0, "draft": 1.0}
         self.ratios: Dict[str, List[float]] = {"plain": [], "draft": []}  # observed / modelled, recent
         self.context = 0  # tokens in the target cache now (set by plan)
@@ -476,7 +485,24 @@ class Policy:
                 return Plan(1, steps=min(self.plain_left, room))
             return self._chain(self.best_width(room, drafted=True))
         self.plain_votes = 0
+        if self.auto_tree and room >= self.max_width:
+            self.since_tree += 1
+            chain = self.acc.expected(B) / self.cost(B)
+            if self.tree_kept is None or self.since_tree >= self.tree_every or self.tree_rate() > chain:
+                self.since_tree = 0
+                return Plan(self.auto_tree + 1, tree=True, block=self.max_width)
         return self._chain(B)
+
+    def tree_rate(self) -> float:
+        """Expected tokens per second of a tree cycle: its committed tokens so
+        far (before any: as the widest chain) over its observed cost (before
+        any: the measured one, scaled as drafted cycles were off)."""
+        ts = self.seen.get("tree")
+        n = self.auto_tree + 1
+        cost = (sorted(ts)[len(ts) // 2] if ts
+                else self.costs.tree_cycle(n, self.context) * self.scale["draft"])
+        kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
+        return kept / cost
 
     def _chain(self, width: int) -> Plan:
         """A chain of ``width`` drafted from the full block: a DFlash draft's
@@ -488,7 +514,10 @@ class Policy:
     def timed(self, plan: Plan, committed: int, seconds: float) -> None:
         """Recalibrate from the wall time of a cycle (or a run of plain steps,
         ``committed`` tokens) up to the start of the next."""
-        if not self.adaptive or plan.tree or seconds <= 0:
+        if not self.adaptive or seconds <= 0:
+            return
+        if plan.tree:
+            self.seen["tree"] = (self.seen.get("tree", []) + [seconds])[-5:]
             return
         w = plan.width
         t = seconds / (committed if w == 1 else 1)
@@ -502,6 +531,9 @@ class Policy:
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""
         if not self.adaptive:
+            return
+        if plan.tree:
+            self.tree_kept = committed if self.tree_kept is None else 0.8 * self.tree_kept + 0.2 * committed
             return
         if plan.width == 1:
             self.plain_left = max(self.plain_left - committed, 0)
@@ -525,4 +557,5 @@ class Policy:
             return f"pinned ({'tree of ' + str(self.tree_budget) if self.tree_budget else 'block ' + str(self.fixed or self.max_width)})"
         c = self.costs
         ratios = " ".join(f"B{B}:{c.cycle(B) / c.plain:.2f}" for B in sorted(c.verify))
-        return f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms)"
+        tree = f"; chains or a tree of {self.auto_tree}" if self.auto_tree else ""
+        return f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms{tree})"

@@ -26,7 +26,7 @@ def test_help_lists_every_flag(capsys, monkeypatch):
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
                  "--system", "--baseline", "--verbose", "--profile", "--seed", "--temp", "--draft-window",
                  "--dtype", "--draft-model", "--num-draft-tokens", "--system-prompt", "--ignore-chat-template",
-                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep", "--no-compile"):
+                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep", "--no-compile", "--auto-tree"):
         assert flag in out, flag
 
 
@@ -51,6 +51,14 @@ def test_no_compile_prints_the_same_text(capsys):
     code, b, _ = cli(capsys, "generate", "def g(", "-n", "24", "--no-compile")
     assert code in (0, None)
     assert a == b and a.strip()
+
+
+def test_auto_tree_prints_the_same_text(capsys):
+    code, a, _ = cli(capsys, "generate", "class A:", "-n", "24", "--baseline")
+    assert code in (0, None)
+    code, b, err = cli(capsys, "generate", "class A:", "-n", "24", "--auto-tree", "6", "--verbose")
+    assert code in (0, None)
+    assert a == b and a.strip() and "tree of 6" in err
 
 
 def test_profile_adds_the_time_split(capsys):
@@ -98,6 +106,9 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--temp", "-1"], "temperature"),
         (["generate", "hi", "--dtype", "int8"], "--dtype"),
         (["generate", "hi", "--draft-quantize", "3"], "4 or 8 bits"),
+        (["generate", "hi", "--auto-tree", "-1"], "auto tree must be >= 0"),
+        (["generate", "hi", "--auto-tree", "4", "--tree-budget", "4"], "not both"),
+        (["serve", "--auto-tree", "4", "--tree-budget", "4"], "not both"),
         (["info", str(tmp_path / "missing")], "does not exist"),
     ]
 

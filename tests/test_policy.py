@@ -9,6 +9,7 @@ import pytest
 
 from mlx_dflash import tiny
 from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
 
@@ -318,3 +319,50 @@ def test_the_in_process_memo_tells_compiled_from_plain_ops(pair, tmp_path):
         assert measured  # its own curve, not the compiled one
     finally:
         target.compiled = draft.compiled = True
+
+
+def tree_costs():
+    c = synthetic_costs()
+    c.tree = {13: 0.021}  # a 12-node tree: a little dearer than the 16-wide chain's verify
+    return c
+
+
+def drive_trees(policy, chain_kept, tree_kept, cycles):
+    """Plans against a draft whose chain cycles keep ``chain_kept(width)``
+    tokens and tree cycles ``tree_kept``; returns the drafted plans."""
+    plans = []
+    while len(plans) < cycles:
+        plan = policy.plan(10_000)
+        if plan.width == 1:
+            policy.observe(plan, plan.steps)
+            continue
+        plans.append(plan)
+        kept = tree_kept if plan.tree else chain_kept(plan.width)
+        policy.observe(plan, kept)
+        policy.timed(plan, kept, policy.costs.tree_cycle(plan.width) if plan.tree else policy.costs.cycle(plan.width))
+    return plans
+
+
+def test_auto_tree_is_chosen_when_trees_keep_more_and_only_looked_at_when_not():
+    chain = lambda B: min(B, 3)  # noqa: E731  (a chain keeps 3 tokens)
+    plans = drive_trees(Policy(16, tree_costs(), auto_tree=12), chain, 8, 60)
+    assert sum(p.tree for p in plans[10:]) >= 45  # trees keep 8: the policy takes them
+    plans = drive_trees(Policy(16, tree_costs(), auto_tree=12), chain, 1, 200)
+    trees = [i for i, p in enumerate(plans) if p.tree]
+    assert 2 <= len(trees) <= 2 + 200 // Policy.tree_every  # a look now and then, no more
+    assert all(p.width == 13 and p.block == 16 for p in plans if p.tree)
+
+
+def test_auto_tree_decodes_plain_greedy_tokens(pair, tmp_path):
+    model, target, draft = pair
+    ref = reference_greedy(model, PROMPT, 60)
+    stats = GenerationStats()
+    out = sum(generate_tokens(target, PROMPT, draft=draft, max_tokens=60, auto_tree=6, stats=stats), [])
+    assert out == ref and "tree of 6" in stats.policy
+    # A draft that is right (every chain, every tree path): the policy looks at the tree.
+    costs, _ = load_costs(target, draft, tree_sizes=(7,), cache_dir=tmp_path)
+    oracle = ScriptedDraft(PROMPT, ref, target.vocab_size)
+    out, stats = run(target, 60, draft=oracle, policy=Policy(16, costs, auto_tree=6))
+    assert out == ref and 7 in stats.widths, stats.widths
+    with pytest.raises(DFlashError, match="not both"):
+        next(generate_tokens(target, PROMPT, draft=draft, max_tokens=4, auto_tree=6, tree_budget=6))

@@ -39,6 +39,7 @@ class Settings:
     min_p: float = 0.0
     block_size: Optional[int] = None
     tree_budget: int = 0
+    auto_tree: int = 0
     prefill_chunk: int = 512
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prompt_cache: bool = True
@@ -172,7 +173,7 @@ class Server:
         s = self.settings
         gen = dict(max_tokens=max_tokens, prefill_chunk=s.prefill_chunk, **sampling)
         if self.engine.draft is not None:
-            gen.update(block_size=s.block_size, tree_budget=s.tree_budget)
+            gen.update(block_size=s.block_size, tree_budget=s.tree_budget, auto_tree=s.auto_tree)
         if not self.worker.alive:
             raise APIError(503, "the generation thread has stopped; restart the server")
         job = Job(ids, gen, list(stops), s.timeout, asyncio.get_running_loop())
