@@ -97,6 +97,23 @@ def test_draft_matches_spec_reference_over_cycles(setup, window):
         assert len(cache.positions) == sum(window)
 
 
+def test_unwindowed_context_grows_in_place_not_by_concatenation(setup):
+    """Context rows and each cycle's block rows are written into buffers that
+    grow in steps, so a cycle does not copy the whole context: over 40 cycles
+    the buffers are allocated once; what they hold is exactly the context."""
+    target, draft, _, feats = setup
+    cache = draft.make_cache()
+    draft(feats[:10], 40, 10, 8, cache)
+    caps = set()
+    for pos in range(11, 51):
+        got = draft(feats[pos - 1:pos], 40, pos, 8, cache)
+        caps.update(b.shape[2] for b in cache._k)
+    assert caps == {cache.step}
+    assert all(k.shape[2] == len(cache.positions) == 50 for k in cache.keys)
+    want = draft_ref(draft, target, feats, 40, 50, 8, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+
+
 def test_all_sliding_draft_keeps_only_its_window_and_matches_training_forward(dense):
     """A draft trained with a context window (every layer sliding, block
     bidirectional) keeps W-1 context rows by default; each cycle's logits

@@ -11,7 +11,7 @@ positions so long generations stay cheap; RoPE is applied before caching, so
 dropping rows never changes the positions of the rows kept.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -284,15 +284,62 @@ class CandidateSelector(nn.Module):
         return mx.take_along_axis(cand, picks, axis=-1)[:, 0].astype(mx.int32), cand, mx.stack(rows)
 
 
-@dataclass
 class DraftCache:
-    """Context K/V per layer ([1, Hkv, L, D]) and the absolute positions held."""
+    """Context K/V per layer ([1, Hkv, L, D]) and the absolute positions held.
 
-    keys: List[Optional[mx.array]]
-    values: List[Optional[mx.array]]
-    positions: List[int] = field(default_factory=list)
-    length: int = 0  # context positions consumed so far (0..length-1)
-    window: Optional[Tuple[int, int]] = None  # (sink, recent) or None = keep all
+    ``keys`` / ``values`` are the rows held, one array per layer. They live in
+    buffers grown in steps of ``step`` rows: new context rows and each
+    cycle's block rows are written in place after the held ones, so a cycle
+    copies O(new rows), not the whole context (a windowed cache is trimmed
+    to its window by a gather instead).
+    """
+
+    step = 256
+
+    def __init__(self, keys, values, positions=None, length: int = 0,
+                 window: Optional[Tuple[int, int]] = None):
+        self._k: List[Optional[mx.array]] = list(keys)  # buffers: rows [0, len(positions)) are held
+        self._v: List[Optional[mx.array]] = list(values)
+        self.positions: List[int] = list(positions or [])
+        self.length = length  # context positions consumed so far (0..length-1)
+        self.window = window  # (sink, recent) or None = keep all
+
+    @property
+    def rows(self) -> int:
+        return len(self.positions)
+
+    @property
+    def keys(self) -> List[Optional[mx.array]]:
+        return [None if b is None else b[:, :, : self.rows] for b in self._k]
+
+    @keys.setter
+    def keys(self, arrays) -> None:
+        self._k = list(arrays)
+
+    @property
+    def values(self) -> List[Optional[mx.array]]:
+        return [None if b is None else b[:, :, : self.rows] for b in self._v]
+
+    @values.setter
+    def values(self, arrays) -> None:
+        self._v = list(arrays)
+
+    def write(self, i: int, start: int, k: mx.array, v: mx.array) -> Tuple[mx.array, mx.array]:
+        """Write rows k, v [1, Hkv, S, D] of layer i at ``start`` (growing the
+        buffers in steps); returns the layer's rows [0, start + S)."""
+        end = start + k.shape[2]
+        buf = self._k[i]
+        if buf is None or end > buf.shape[2]:
+            cap = ((end + self.step - 1) // self.step) * self.step
+            nk = mx.zeros(k.shape[:2] + (cap,) + k.shape[3:], k.dtype)
+            nv = mx.zeros(v.shape[:2] + (cap,) + v.shape[3:], v.dtype)
+            if buf is not None and start > 0:
+                nk[:, :, :start] = buf[:, :, :start]
+                nv[:, :, :start] = self._v[i][:, :, :start]
+            self._k[i], self._v[i] = nk, nv
+        self._k[i][:, :, start:end] = k
+        self._v[i][:, :, start:end] = v
+        return self._k[i][:, :, :end], self._v[i][:, :, :end]
 
     def skip(self, rows: int) -> int:
         """Of ``rows`` context rows about to arrive, consume (uncomputed) the
@@ -384,13 +431,10 @@ class DFlashDraft(nn.Module):
         cache.length .. cache.length + S - 1 (new arrays: earlier ones are kept intact)."""
         S = features.shape[0]
         ctx = self.hidden_norm(self.fc(features[None]))
+        start = cache.rows
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cache.length)
-            if cache.keys[i] is None:
-                cache.keys[i], cache.values[i] = k, v
-            else:
-                cache.keys[i] = mx.concatenate([cache.keys[i], k], axis=2)
-                cache.values[i] = mx.concatenate([cache.values[i], v], axis=2)
+            cache.write(i, start, k, v)
         cache.positions.extend(range(cache.length, cache.length + S))
         cache.length += S
         cache.trim()
@@ -452,10 +496,8 @@ class DFlashDraft(nn.Module):
                 # Everything but the attention over the context cache (whose
                 # length changes every cycle) runs as two compiled pieces.
                 q, kb, vb = self._fn(i, B, "pre")(h, pos)
-                keys, values = kb, vb
-                if cache.keys[i] is not None:
-                    keys = mx.concatenate([cache.keys[i], kb], axis=2)
-                    values = mx.concatenate([cache.values[i], vb], axis=2)
+                # The block's rows go after the context's, as scratch (not held).
+                keys, values = cache.write(i, cache.rows, kb, vb)
                 out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
                 h = self._fn(i, B, "post")(h, out)
                 continue
@@ -464,11 +506,7 @@ class DFlashDraft(nn.Module):
                 q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
                 q = attn.rope(q, offset=anchor_pos)
                 kb, vb = attn.kv(x, anchor_pos)
-                if cache.keys[i] is not None:
-                    keys = mx.concatenate([cache.keys[i], kb], axis=2)
-                    values = mx.concatenate([cache.values[i], vb], axis=2)
-                else:
-                    keys, values = kb, vb
+                keys, values = cache.write(i, cache.rows, kb, vb)
                 out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
                 return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
