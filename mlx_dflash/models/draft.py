@@ -359,8 +359,10 @@ class DraftCache:
             return
         keep = list(range(sink)) + list(range(n - recent, n))
         idx = mx.array(keep)
-        self.keys = [k[:, :, idx] for k in self.keys]
-        self.values = [v[:, :, idx] for v in self.values]
+        for bufs in (self._k, self._v):  # gathered to the front of the same buffers
+            for b in bufs:
+                if b is not None:
+                    b[:, :, : len(keep)] = b[:, :, idx]
         self.positions = [self.positions[i] for i in keep]
 
 
