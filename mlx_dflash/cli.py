@@ -57,12 +57,13 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
     return cfg
 
 
-def _stats_table(s, mode: str, profile: bool = False) -> str:
+def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> str:
     from . import blas
 
     rows = [
         ("mode", mode),
         ("BLAS", blas.describe()),
+        ("forwards", "compiled (mx.compile)" if compiled else "plain ops (--no-compile)"),
         ("width policy", s.policy),
         ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
         ("prompt tokens", f"{s.prompt_tokens}"),
@@ -246,7 +247,7 @@ def generate(
         pc.save(prompt_cache_file)
     if verbose and stats is not None:
         mode = "dflash" if use_draft else "baseline (plain decoding)"
-        typer.echo(_stats_table(stats, mode, profile), err=True)
+        typer.echo(_stats_table(stats, mode, profile, compiled=engine.target.compiled), err=True)
 
 
 def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):

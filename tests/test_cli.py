@@ -48,9 +48,9 @@ def test_dflash_and_baseline_print_the_same_text(capsys):
 def test_no_compile_prints_the_same_text(capsys):
     code, a, _ = cli(capsys, "generate", "def g(", "-n", "24")
     assert code in (0, None)
-    code, b, _ = cli(capsys, "generate", "def g(", "-n", "24", "--no-compile")
+    code, b, err = cli(capsys, "generate", "def g(", "-n", "24", "--no-compile", "--verbose")
     assert code in (0, None)
-    assert a == b and a.strip()
+    assert a == b and a.strip() and "plain ops (--no-compile)" in err
 
 
 def test_auto_tree_prints_the_same_text(capsys):
