@@ -57,6 +57,13 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
     return cfg
 
 
+def _check_trees(tree_budget: int, auto_tree: int) -> None:
+    if tree_budget < 0 or auto_tree < 0:
+        raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
+    if tree_budget and auto_tree:
+        raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
+
+
 def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> str:
     from . import blas
 
@@ -201,6 +208,7 @@ def generate(
             return
     text = _read_prompt(prompt, prompt_opt)
     check_kv_bits(kv_bits)
+    _check_trees(tree_budget, auto_tree)
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     if draft_window < 0 or draft_sink < 0:
@@ -277,6 +285,9 @@ def chat(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
+    auto_tree: int = typer.Option(
+        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
+                               "many draft nodes; 0 = chains."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = typer.Option(
         True, "--compile/--no-compile",
@@ -299,6 +310,7 @@ def chat(
 
     if max_tokens < 1:
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
+    _check_trees(tree_budget, auto_tree)
     engine = load(model, draft, dtype=_dtype(dtype), compile=compile_)
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
@@ -308,7 +320,7 @@ def chat(
                           chat_template_config=_template_config(chat_template_config))
     kw = dict(max_tokens=max_tokens, block_size=block_size if use_draft else None, baseline=baseline,
               temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-              tree_budget=tree_budget if use_draft else 0)
+              tree_budget=tree_budget if use_draft else 0, auto_tree=auto_tree if use_draft else 0)
     typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
     while True:
         try:
@@ -638,10 +650,7 @@ def serve(
         raise DFlashError("--max-tokens, --max-queue, --timeout, --max-body-mb and --prefill-chunk must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
-    if tree_budget < 0 or auto_tree < 0:
-        raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
-    if tree_budget and auto_tree:
-        raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
+    _check_trees(tree_budget, auto_tree)
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     try:

@@ -106,9 +106,10 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--temp", "-1"], "temperature"),
         (["generate", "hi", "--dtype", "int8"], "--dtype"),
         (["generate", "hi", "--draft-quantize", "3"], "4 or 8 bits"),
-        (["generate", "hi", "--auto-tree", "-1"], "auto tree must be >= 0"),
+        (["generate", "hi", "--auto-tree", "-1"], "--auto-tree must be >= 0"),
         (["generate", "hi", "--auto-tree", "4", "--tree-budget", "4"], "not both"),
         (["serve", "--auto-tree", "4", "--tree-budget", "4"], "not both"),
+        (["chat", "--auto-tree", "-2"], "must be >= 0"),
         (["info", str(tmp_path / "missing")], "does not exist"),
     ]
 
