@@ -57,6 +57,16 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
     return cfg
 
 
+# Options several commands share (one definition, one help text).
+COMPILE_OPTION = typer.Option(
+    True, "--compile/--no-compile",
+    help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
+         "--no-compile runs plain MLX ops (for troubleshooting).")
+AUTO_TREE_OPTION = typer.Option(
+    0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
+                           "many draft nodes (from their measured costs and the tokens each commits); 0 = chains.")
+
+
 def _check_trees(tree_budget: int, auto_tree: int) -> None:
     if tree_budget < 0 or auto_tree < 0:
         raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
@@ -150,9 +160,7 @@ def generate(
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
-    auto_tree: int = typer.Option(
-        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
-                               "many draft nodes (from their measured costs and the tokens each commits); 0 = chains."),
+    auto_tree: int = AUTO_TREE_OPTION,
     draft_window: int = typer.Option(
         0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
                                   "(plus --draft-sink first ones); 0 = the draft's own: its "
@@ -160,10 +168,7 @@ def generate(
     draft_sink: int = typer.Option(16, "--draft-sink", help="First context positions always kept with --draft-window."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
-    compile_: bool = typer.Option(
-        True, "--compile/--no-compile",
-        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
-             "--no-compile runs plain MLX ops (for troubleshooting)."),
+    compile_: bool = COMPILE_OPTION,
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
     adaptive: bool = typer.Option(
         True, "--adaptive/--no-adaptive",
@@ -285,14 +290,9 @@ def chat(
     min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
-    auto_tree: int = typer.Option(
-        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
-                               "many draft nodes; 0 = chains."),
+    auto_tree: int = AUTO_TREE_OPTION,
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
-    compile_: bool = typer.Option(
-        True, "--compile/--no-compile",
-        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
-             "--no-compile runs plain MLX ops (for troubleshooting)."),
+    compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
         None, "--chat-template-config",
         help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
@@ -453,10 +453,7 @@ def bench(
     blas_mode: str = typer.Option("auto", "--blas", help="Linux: 'auto' preloads OpenBLAS when installed, "
                                                          "'openblas' requires it, 'bundled' keeps mlx's reference BLAS."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
-    compile_: bool = typer.Option(
-        True, "--compile/--no-compile",
-        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
-             "--no-compile runs plain MLX ops (for troubleshooting)."),
+    compile_: bool = COMPILE_OPTION,
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
     context: Optional[List[int]] = typer.Option(
@@ -607,15 +604,10 @@ def serve(
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
     tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
-    auto_tree: int = typer.Option(
-        0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
-                               "many draft nodes; 0 = chains."),
+    auto_tree: int = AUTO_TREE_OPTION,
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
-    compile_: bool = typer.Option(
-        True, "--compile/--no-compile",
-        help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
-             "--no-compile runs plain MLX ops (for troubleshooting)."),
+    compile_: bool = COMPILE_OPTION,
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
     timeout: float = typer.Option(

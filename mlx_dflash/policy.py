@@ -398,7 +398,6 @@ class Policy:
         # yet seen are scaled by how far the observed ones were off, so a
         # machine busier or idler than at measurement time still compares right.
         self.seen: Dict[object, List[float]] = {}  # width (or "tree") -> its last few cycle times
-        self.scale = {"plain": 1.0, "draft": 1.0}
         self.ratios: Dict[str, List[float]] = {"plain": [], "draft": []}  # observed / modelled, recent
         self.context = 0  # tokens in the target cache now (set by plan)
 
@@ -416,7 +415,12 @@ class Policy:
             # A plain step never counts as dearer than measured at load:
             # erring toward plain decoding is the safe side.
             return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
-        return self.costs.cycle(width, self.context) * self.scale["plain" if width == 1 else "draft"]
+        return self.costs.cycle(width, self.context) * self.scale("plain" if width == 1 else "draft")
+
+    def scale(self, kind: str) -> float:
+        """How far observed cycle times ran from the model's (median of the last 5; 1 before any)."""
+        r = self.ratios[kind]
+        return sorted(r)[len(r) // 2] if r else 1.0
 
     def ladder(self, room: int) -> List[int]:
         """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
@@ -500,7 +504,7 @@ class Policy:
         ts = self.seen.get("tree")
         n = self.auto_tree + 1
         cost = (sorted(ts)[len(ts) // 2] if ts
-                else self.costs.tree_cycle(n, self.context) * self.scale["draft"])
+                else self.costs.tree_cycle(n, self.context) * self.scale("draft"))
         kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
         return kept / cost
 
@@ -525,8 +529,7 @@ class Policy:
         t = min(max(t, old / 3), old * 3)
         self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
         kind = "plain" if w == 1 else "draft"
-        r = self.ratios[kind] = (self.ratios[kind] + [t / self.costs.cycle(w, self.context)])[-5:]
-        self.scale[kind] = sorted(r)[len(r) // 2]
+        self.ratios[kind] = (self.ratios[kind] + [t / self.costs.cycle(w, self.context)])[-5:]
 
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""

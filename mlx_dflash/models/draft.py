@@ -308,21 +308,11 @@ class DraftCache:
     def rows(self) -> int:
         return len(self.positions)
 
-    @property
-    def keys(self) -> List[Optional[mx.array]]:
-        return [None if b is None else b[:, :, : self.rows] for b in self._k]
+    def _held(self, bufs) -> List[Optional[mx.array]]:
+        return [None if b is None else b[:, :, : self.rows] for b in bufs]
 
-    @keys.setter
-    def keys(self, arrays) -> None:
-        self._k = list(arrays)
-
-    @property
-    def values(self) -> List[Optional[mx.array]]:
-        return [None if b is None else b[:, :, : self.rows] for b in self._v]
-
-    @values.setter
-    def values(self, arrays) -> None:
-        self._v = list(arrays)
+    keys = property(lambda self: self._held(self._k), lambda self, arrays: setattr(self, "_k", list(arrays)))
+    values = property(lambda self: self._held(self._v), lambda self, arrays: setattr(self, "_v", list(arrays)))
 
     def write(self, i: int, start: int, k: mx.array, v: mx.array) -> Tuple[mx.array, mx.array]:
         """Write rows k, v [1, Hkv, S, D] of layer i at ``start`` (growing the
