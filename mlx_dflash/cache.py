@@ -66,10 +66,11 @@ class KVBuffer:
             return []
         return [self.keys[:, :, : self.offset], self.values[:, :, : self.offset]]
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
-        """Append the block's k, v and attend q [1, H, T, D] over everything held."""
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
+        """Append the block's k, v and attend q [1, H, T, D] over everything
+        held (``verify``: a verify block's rows, kernels.attention)."""
         keys, values = self.append(k, v)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+        return kernels.attention(q, keys, values, scale, mask, decode_block=verify)
 
     def nbytes(self) -> int:
         """Bytes of the rows held (not the spare capacity)."""
@@ -147,7 +148,7 @@ class QuantizedKVBuffer:
         self.offset = end
         return [a[:, :, :end] for a in self.keys], [a[:, :, :end] for a in self.values]
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask) -> mx.array:
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
         from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
         keys, values = self.append(k, v)

@@ -169,3 +169,50 @@ def test_bf16_plain_greedy_equals_mlx_lm_generate(bf16_converted):
             ref = [int(t) for t, _ in generate_step(mx.array(prompt), ref_model, max_tokens=200)]
             ours = [t for ts in generate_tokens(target, prompt, max_tokens=200) for t in ts]
             assert ours == ref, (path.name, prompt, next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b))
+
+
+def _reference_attention(q, k, v, scale, keep):
+    """float64 softmax attention; keep [T, L] bool."""
+    q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    s = np.einsum("bhtd,bhld->bhtl", q * scale, k)
+    s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhtl,bhld->bhtd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("H,Hkv,T,L,mask", [(4, 2, 16, 300, "causal"), (4, 4, 3, 400, None),
+                                            (8, 2, 5, 277, "bool"), (4, 2, 1, 30, None)])
+def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask):
+    """A verify block's attention on a CPU (the fused exp; a single row is mx.fast's)."""
+    keys = mx.random.split(mx.random.key(L), 4)
+    # Scores spread over hundreds: exercises the exp's range clamp (underflow to 0).
+    q = mx.random.normal((1, H, T, 64), key=keys[0]) * 6
+    k = mx.random.normal((1, Hkv, L, 64), key=keys[1]) * 6
+    v = mx.random.normal((1, Hkv, L, 64), key=keys[2])
+    if mask == "bool":
+        mask = mx.random.uniform(shape=(T, L), key=keys[3]) > 0.3
+        keep = np.array(mask)
+    elif mask == "causal":
+        keep = np.arange(L)[None, :] <= np.arange(L - T, L)[:, None]
+    else:
+        keep = np.ones((T, L), dtype=bool)
+    got = kernels.attention(q, k, v, 0.125, mask, decode_block=True)
+    # Scores of a few hundred carry float32 rounding of ~1e-5 into the
+    # weights: both kernels are that far from float64, and as close as that to each other.
+    want = _reference_attention(q, k, v, 0.125, keep)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4)
+    fast = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    np.testing.assert_allclose(np.array(got), np.array(fast), rtol=1e-4, atol=1e-4)
+    assert np.abs(np.array(got) - want).max() <= 1.5 * np.abs(np.array(fast) - want).max() + 1e-6
+    # Outside a decode block (a prefill) it is mx.fast's, bit for bit: mlx-lm's numerics.
+    assert np.array_equal(np.array(kernels.attention(q, k, v, 0.125, mask)), np.array(fast))
+
+
+def test_cpu_attention_exp_is_within_one_ulp_of_exact():
+    x = mx.array(np.linspace(-87.0, 0.0, 200001, dtype=np.float32))
+    p, bits = kernels._softmax_parts(x, mx.array(0.0), mx.ones(x.shape, dtype=mx.bool_))
+    got = np.array(p * bits.view(mx.float32), dtype=np.float64)
+    want = np.exp(np.array(x, dtype=np.float64))
+    assert np.max(np.abs(got - want) / want) < 1.2e-7

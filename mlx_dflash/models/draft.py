@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .. import kernels
 from .qwen35 import array_offset_rope
 
 
@@ -490,7 +491,7 @@ class DFlashDraft(nn.Module):
                 q, kb, vb = self._fn(i, B, "pre")(h, pos)
                 # The block's rows go after the context's, as scratch (not held).
                 keys, values = cache.write(i, cache.rows, kb, vb)
-                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+                out = kernels.attention(q, keys, values, attn.scale, mask, decode_block=True)
                 h = self._fn(i, B, "post")(h, out)
                 continue
 
@@ -499,7 +500,7 @@ class DFlashDraft(nn.Module):
                 q = attn.rope(q, offset=anchor_pos)
                 kb, vb = attn.kv(x, anchor_pos)
                 keys, values = cache.write(i, cache.rows, kb, vb)
-                out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+                out = kernels.attention(q, keys, values, attn.scale, mask, decode_block=True)
                 return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
             h = layer(h, attend)

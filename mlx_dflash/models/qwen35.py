@@ -106,7 +106,7 @@ class Target:
             k = attn.rope(k, offset=offset)
         return q, k, v, gate
 
-    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None) -> mx.array:
+    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None, verify: bool = False) -> mx.array:
         B, T, _ = x.shape
         offset = kv.offset if kv is not None else 0
         q, k, v, gate = self._attention_inputs(attn, x, offset if tree is None else None)
@@ -121,7 +121,7 @@ class Target:
             k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
             mask = mx.concatenate([mx.ones((T, offset), dtype=mx.bool_), anc], axis=1)
         if kv is not None:
-            out = kv.attend(q, k, v, attn.scale, mask)
+            out = kv.attend(q, k, v, attn.scale, mask, verify)
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
@@ -179,7 +179,7 @@ class Target:
             if layer.is_linear:
                 r = self._deltanet(layer.linear_attn, x, c if c is not None else DeltaNetState(), record, parents)
             else:
-                r = self._attention(layer.self_attn, x, c, tree)
+                r = self._attention(layer.self_attn, x, c, tree, verify=record)
             h = h + r
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in capture:
@@ -207,7 +207,7 @@ class Target:
                 c.tape = (ssm0, *out[3:], la.conv_kernel_size) if record else None
             else:
                 q, k, v, gate = self._fn(i, T, "pre")(h, mx.array(c.offset, dtype=mx.int32))
-                o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None)
+                o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None, record)
                 h = self._fn(i, T, "post")(h, o, gate)
             if i in capture:
                 feats[i] = h
