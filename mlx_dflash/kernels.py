@@ -356,14 +356,16 @@ def _conv_windows(parents: Tuple[int, ...], kernel_size: int) -> np.ndarray:
 
 
 def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
-                       parents: Optional[Sequence[int]] = None, *, force_twin: bool = False) -> mx.array:
+                       parents: Optional[Sequence[int]] = None, *, force_twin: bool = False,
+                       fused_exp: bool = False) -> mx.array:
     """Depthwise causal conv1d + SiLU.
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
     followed by the block's T rows; ``weight`` [C, K, 1] (MLX layout).
     ``parents`` (tree mode): each token's window follows its parent chain.
     Returns [B, T, C]. K shifted multiply-adds: about twice as fast on a CPU
-    as MLX's grouped conv1d for depthwise kernels.
+    as MLX's grouped conv1d for depthwise kernels. ``fused_exp``: the SiLU
+    by :func:`silu_fused` (a verify block on a CPU).
     """
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
@@ -383,7 +385,7 @@ def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
         out = out + rows[j] * w[:, j]
     # Round the conv to the input dtype, then SiLU in that dtype, as mlx-lm's
     # nn.silu(conv1d(x)) does (its conv accumulates in fp32 like this loop).
-    return nn.silu(out.astype(dtype))
+    return (silu_fused if fused_exp else nn.silu)(out.astype(dtype))
 
 
 def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array:
@@ -408,24 +410,50 @@ _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
              1.6666665459e-1, 5.0000001201e-1)  # e^r = 1 + r + r^2 * poly(r)
 
 
-def _softmax_parts(s, m, keep):
-    """e^x for x = s - m <= 0 (clamped at -87.3, where it is 2^-126): the
-    factor e^r, zero where ``keep`` is False, and 2^n's float bits
-    (reinterpreted outside: a view cannot be traced without shapes)."""
-    x = mx.maximum(s - m, -87.3)
+def _exp_parts(x):
+    """e^x = 2^n e^r for x in [-87.3, 88.3] (2^n a normal float): the factor
+    e^r and 2^n's float bits, to be reinterpreted (a view cannot be traced
+    shapelessly, so the softmax does that outside its compiled part)."""
     n = mx.floor(x * 1.4426950408889634 + 0.5)
     r = (x - n * _LN2_HI) - n * _LN2_LO
     p = _EXP_POLY[0]
     for c in _EXP_POLY[1:]:
         p = p * r + c
-    p = p * (r * r) + r + 1.0
-    return mx.where(keep, p, 0.0), mx.left_shift(n.astype(mx.int32) + 127, 23)
+    return p * (r * r) + r + 1.0, mx.left_shift(n.astype(mx.int32) + 127, 23)
+
+
+def exp_fused(x: mx.array) -> mx.array:
+    """e^x in float32 by the polynomial above (saturating beyond the float range)."""
+    p, bits = _exp_parts(mx.clip(x.astype(mx.float32), -87.3, 88.3))
+    return p * bits.view(mx.float32)
+
+
+def sigmoid_fused(x: mx.array) -> mx.array:
+    return (1.0 / (1.0 + exp_fused(-x))).astype(x.dtype)
+
+
+def silu_fused(x: mx.array) -> mx.array:
+    return (x.astype(mx.float32) / (1.0 + exp_fused(-x))).astype(x.dtype)
+
+
+def _softmax_parts(s, m, keep):
+    """e^(s - m) for s <= m (clamped at -87.3, where it is 2^-126) as
+    _exp_parts gives it, the factor zero where ``keep`` is False."""
+    p, bits = _exp_parts(mx.maximum(s - m, -87.3))
+    return mx.where(keep, p, 0.0), bits
 
 
 _softmax_parts_fused = mx.compile(_softmax_parts, shapeless=True)
 # Scores per head below which the fused path's extra passes cost more than
 # the exps they save (measured side by side: even at about 1k, e.g. 16 rows x 64 keys).
 FUSED_SOFTMAX_MIN = 1024
+
+
+def fused_exp_for(record: bool) -> bool:
+    """Whether a forward's activations take their exponentials from the fused
+    exp: recorded (verify) blocks on a CPU. Plain steps and prefills keep
+    MLX's ops, which are mlx-lm's; on the GPU the exp is no bottleneck."""
+    return record and mx.default_device() != mx.gpu
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, *,

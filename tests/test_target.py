@@ -216,3 +216,18 @@ def test_cpu_attention_exp_is_within_one_ulp_of_exact():
     got = np.array(p * bits.view(mx.float32), dtype=np.float64)
     want = np.exp(np.array(x, dtype=np.float64))
     assert np.max(np.abs(got - want) / want) < 1.2e-7
+
+
+def test_fused_activations_are_within_two_ulp_of_exact():
+    """The verify block's SiLU / sigmoid on a CPU (kernels.fused_exp_for)."""
+    x = mx.array(np.linspace(-80.0, 80.0, 160001, dtype=np.float32))
+    xd = np.array(x, dtype=np.float64)
+    sig = 1.0 / (1.0 + np.exp(-xd))
+    got = np.array(kernels.sigmoid_fused(x), dtype=np.float64)
+    assert np.max(np.abs(got - sig) / sig) < 2.4e-7
+    got = np.array(kernels.silu_fused(x), dtype=np.float64)
+    assert np.max(np.abs(got - xd * sig) / np.maximum(np.abs(xd * sig), 1e-30)) < 2.4e-7
+    # Beyond the float range it saturates instead of overflowing.
+    big = np.array(kernels.exp_fused(mx.array([-200.0, 200.0])))
+    assert 0 <= big[0] < 1e-37 and np.isfinite(big[1]) and big[1] > 1e38
+    assert kernels.silu_fused(mx.array([1.0], dtype=mx.bfloat16)).dtype == mx.bfloat16

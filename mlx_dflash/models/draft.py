@@ -159,8 +159,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, fused_exp: bool = False):
+        gate = self.gate_proj(x)
+        gate = kernels.silu_fused(gate) if fused_exp else nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DraftLayer(nn.Module):
@@ -512,7 +514,8 @@ class DFlashDraft(nn.Module):
         residual, MLP) the attention, for blocks of B rows; parameters read
         as inputs, so a draft being trained is seen as it is now."""
         fns = self.__dict__.setdefault("_compiled_fns", {})
-        key = (i, B, kind)
+        fused = kernels.fused_exp_for(True)  # a proposal block: the fused SiLU on a CPU
+        key = (i, B, kind, fused)
         if key not in fns:
             layer = self.layers[i]
             attn = layer.self_attn
@@ -524,7 +527,7 @@ class DFlashDraft(nn.Module):
             else:
                 def run(h, out):
                     h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
-                    return h + layer.mlp(layer.post_attention_layernorm(h))
+                    return h + layer.mlp(layer.post_attention_layernorm(h), fused)
             fns[key] = mx.compile(run, inputs=[layer.state])
         return fns[key]
 

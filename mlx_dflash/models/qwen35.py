@@ -106,6 +106,18 @@ class Target:
             k = attn.rope(k, offset=offset)
         return q, k, v, gate
 
+    def _mlp(self, layer, x: mx.array, fused_exp: bool) -> mx.array:
+        """The layer's MLP; ``fused_exp``: a dense SwiGLU's SiLU by
+        kernels.silu_fused (MoE blocks always run mlx-lm's)."""
+        mlp = layer.mlp
+        if fused_exp and hasattr(mlp, "gate_proj"):
+            return mlp.down_proj(kernels.silu_fused(mlp.gate_proj(x)) * mlp.up_proj(x))
+        return mlp(x)
+
+    @staticmethod
+    def _gate(out: mx.array, gate: mx.array, fused_exp: bool) -> mx.array:
+        return out * (kernels.sigmoid_fused(gate) if fused_exp else mx.sigmoid(gate))
+
     def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None, verify: bool = False) -> mx.array:
         B, T, _ = x.shape
         offset = kv.offset if kv is not None else 0
@@ -125,7 +137,7 @@ class Target:
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return attn.o_proj(out * mx.sigmoid(gate))
+        return attn.o_proj(self._gate(out, gate, kernels.fused_exp_for(verify)))
 
     def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool, parents=None) -> mx.array:
         B, T, _ = x.shape
@@ -140,13 +152,14 @@ class Target:
         if conv_state is None:
             conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight, parents)
+        fused = kernels.fused_exp_for(record)
+        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fused)
         qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
         q = qc.reshape(B, T, Hk, Dk)
         k = kc.reshape(B, T, Hk, Dk)
         v = vc.reshape(B, T, Hv, Dv)
         q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-        beta = mx.sigmoid(b)
+        beta = kernels.sigmoid_fused(b) if fused else mx.sigmoid(b)
         g = compute_g(la.A_log, a, la.dt_bias)
         ssm = st.ssm
         if ssm is None:
@@ -158,7 +171,12 @@ class Target:
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
-        out = la.norm(y, z)
+        if fused:  # mlx-lm's gated RMSNorm, its SiLU fused
+            f32 = mx.float32
+            out = (kernels.silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32))
+            out = out.astype(y.dtype)
+        else:
+            out = la.norm(y, z)
         return la.out_proj(out.reshape(B, T, -1))
 
     def layers_forward(self, h: mx.array, caches, *, capture: Sequence[int] = (), record: bool = False,
@@ -181,7 +199,7 @@ class Target:
             else:
                 r = self._attention(layer.self_attn, x, c, tree, verify=record)
             h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h), kernels.fused_exp_for(record))
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
@@ -202,31 +220,32 @@ class Target:
                 if c.ssm is None:
                     c.ssm = mx.zeros((1, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
                 ssm0 = c.ssm
-                out = self._fn(i, T, record)(h, c.conv, c.ssm)
+                out = self._fn(i, T, "linear", record)(h, c.conv, c.ssm)
                 h, c.conv, c.ssm = out[:3]
                 c.tape = (ssm0, *out[3:], la.conv_kernel_size) if record else None
             else:
-                q, k, v, gate = self._fn(i, T, "pre")(h, mx.array(c.offset, dtype=mx.int32))
+                q, k, v, gate = self._fn(i, T, "pre", record)(h, mx.array(c.offset, dtype=mx.int32))
                 o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None, record)
-                h = self._fn(i, T, "post")(h, o, gate)
+                h = self._fn(i, T, "post", record)(h, o, gate)
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
 
-    def _fn(self, i: int, T: int, kind):
-        key = (i, T, kind)
+    def _fn(self, i: int, T: int, kind: str, record: bool):
+        """Layer i's compiled piece for T rows: "linear" (a DeltaNet layer),
+        "pre" / "post" (an attention layer's work before / after the KV attend)."""
+        fused = kernels.fused_exp_for(record)
+        key = (i, T, kind, record, fused)
         fn = self._fns.get(key)
         if fn is not None:
             return fn
         layer = self.layers[i]
-        if layer.is_linear:
-            record = bool(kind)
-
+        if kind == "linear":
             def run(h, conv, ssm):
                 st = DeltaNetState()
                 st.conv, st.ssm = conv, ssm
                 h = h + self._deltanet(layer.linear_attn, layer.input_layernorm(h), st, record)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + self._mlp(layer, layer.post_attention_layernorm(h), fused)
                 if not record:
                     return h, st.conv, st.ssm
                 _, k, g, delta, conv_in, _ = st.tape
@@ -237,8 +256,8 @@ class Target:
         else:
             def run(h, o, gate):
                 attn = layer.self_attn
-                h = h + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(1, T, -1) * mx.sigmoid(gate))
-                return h + layer.mlp(layer.post_attention_layernorm(h))
+                h = h + attn.o_proj(self._gate(o.transpose(0, 2, 1, 3).reshape(1, T, -1), gate, fused))
+                return h + self._mlp(layer, layer.post_attention_layernorm(h), fused)
         fn = self._fns[key] = mx.compile(run, inputs=[layer.state])
         return fn
 
