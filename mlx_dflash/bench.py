@@ -27,16 +27,23 @@ BASE_MODES = ("mlx-lm", "baseline", "dflash")
 PROMPTS_DIR = Path(__file__).parent / "bench_prompts"  # the prompt set shipped with the package
 
 
-def context_prompt(engine, n_tokens: int) -> List[int]:
-    """About ``n_tokens`` prompt ids for the context-length axis: the start of
-    a Python standard-library source (argparse.py), cut at ``n_tokens``."""
+def context_prompt(engine, n_tokens: int, end: Optional[int] = None) -> List[int]:
+    """``n_tokens`` prompt ids for the context-length axis: the ones before
+    token ``end`` (default ``n_tokens``) of a Python standard-library source
+    (argparse.py). The bench ends every context row at the longest row's
+    length, so all continue the same text and differ only in how much of the
+    file precedes it: what is measured is the context's cost, not how
+    predictable three different continuations happen to be."""
     import argparse
 
+    end = n_tokens if end is None else end
+    if not 0 < n_tokens <= end:
+        raise DFlashError(f"context of {n_tokens} tokens must be positive and end by token {end}")
     text = Path(argparse.__file__).read_text()
     ids = engine.encode(text)
-    if len(ids) < n_tokens:
-        raise DFlashError(f"context prompt source has only {len(ids)} tokens, {n_tokens} asked")
-    return ids[:n_tokens]
+    if len(ids) < end:
+        raise DFlashError(f"context prompt source has only {len(ids)} tokens, {end} asked")
+    return ids[end - n_tokens : end]
 
 
 def read_prompts(folder: Optional[Path] = None) -> Dict[str, str]:
@@ -133,7 +140,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
     ``pipeline``: the engine is a pipeline's rank 0 (no whole model for
     mlx-lm): baseline is the reference. ``contexts``: also one row per context
-    length (prompts of that many tokens, see :func:`context_prompt`),
+    length (prompts of that many tokens ending at the same token, see :func:`context_prompt`),
     generating ``max_tokens[0]`` tokens. ``adaptive``: the dflash modes' width policy."""
     modes = BASE_MODES[1:] if pipeline else BASE_MODES
     # With the width policy on, the pinned full-width chain runs beside it, so the
@@ -148,7 +155,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     results = []
     cases = [(name, engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None),
               max_tokens) for name, text in prompts.items()]
-    cases += [(f"context_{L}", context_prompt(engine, L), max_tokens[:1]) for L in contexts]
+    cases += [(f"context_{L}", context_prompt(engine, L, max(contexts)), max_tokens[:1]) for L in contexts]
     for name, ids, lengths in cases:
         for n in lengths:
             row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}

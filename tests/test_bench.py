@@ -125,3 +125,15 @@ def test_bench_context_length_axis(tmp_path):
     assert all(r["modes"]["dflash"]["peak_memory"] > 0 for r in ctx)
     md = write_results(res, tmp_path / "out", "t")[1].read_text()
     assert "| 120 | 8 |" in md and "Speedup at the longest context" in md
+
+
+def test_context_rows_end_at_the_same_token():
+    """Each context row continues the same text; only what precedes it grows."""
+    from mlx_dflash.bench import context_prompt
+
+    eng = mlx_dflash.load()
+    short, long = context_prompt(eng, 40, end=120), context_prompt(eng, 120, end=120)
+    assert len(short) == 40 and len(long) == 120 and long[-40:] == short
+    assert context_prompt(eng, 40) == long[:40]
+    with pytest.raises(DFlashError, match="must be positive and end by token 100"):
+        context_prompt(eng, 120, end=100)
