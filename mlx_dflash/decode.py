@@ -536,13 +536,15 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
             n, t1 = 0, t0
             for out in d.plain_steps(plan.steps):
                 n += 1
-                yield out
                 if n == 1:
                     t1 = time.perf_counter()
+                yield out
             policy.observe(plan, n)
-            # Timed from the first step's return: the first step fills the
-            # pipeline (and after a prefill pays warm-up), the rest are what a
-            # plain step costs here.
+            # Timed from the first step's token being read: the first step
+            # fills the pipeline (and after a prefill pays warm-up), the rest
+            # are what a plain step costs here. (Timed after the caller took
+            # that token instead, the second step would run unseen during the
+            # caller's work: a 4-step run then looked a third cheaper.)
             timed = (plan, n - 1, t1) if n > 1 else None
         else:
             out = d.cycle(plan)

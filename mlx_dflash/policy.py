@@ -398,6 +398,9 @@ class Policy:
         # yet seen are scaled by how far the observed ones were off, so a
         # machine busier or idler than at measurement time still compares right.
         self.seen: Dict[object, List[float]] = {}  # width (or "tree") -> its last few cycle times
+        # The first cycle at a width is not timed: in a fresh process it
+        # includes tracing that width's compiled forwards (tens of ms).
+        self.warm_widths = set()  # widths whose first, untimed cycle has run
         self.ratios: Dict[str, List[float]] = {"plain": [], "draft": []}  # observed / modelled, recent
         self.context = 0  # tokens in the target cache now (set by plan)
 
@@ -520,10 +523,13 @@ class Policy:
         ``committed`` tokens) up to the start of the next."""
         if not self.adaptive or seconds <= 0:
             return
+        w = "tree" if plan.tree else plan.width
+        if w != 1 and w not in self.warm_widths:
+            self.warm_widths.add(w)
+            return
         if plan.tree:
             self.seen["tree"] = (self.seen.get("tree", []) + [seconds])[-5:]
             return
-        w = plan.width
         t = seconds / (committed if w == 1 else 1)
         old = self.cost(w)
         t = min(max(t, old / 3), old * 3)
