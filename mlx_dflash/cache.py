@@ -220,6 +220,22 @@ class DeltaNetState:
         self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n)
         self.conv = kernels.conv_state_rollback(conv_in, n, K)
 
+    @staticmethod
+    def rollback_chain(states: List["DeltaNetState"], n: int) -> None:
+        """:meth:`rollback` of several layers' chain blocks to the same ``n``,
+        their recurrent states in one batched call."""
+        if not states:
+            return
+        tapes = [st.tape for st in states]
+        for st in states:
+            st.tape = None
+        if n == tapes[0][3].shape[1]:
+            return  # everything accepted
+        ssms = kernels.gated_delta_rollback_layers([t[:4] for t in tapes], n)
+        for st, tape, ssm in zip(states, tapes, ssms):
+            st.ssm = ssm
+            st.conv = kernels.conv_state_rollback(tape[4], n, tape[5])
+
     def snapshot(self):
         return (self.conv, self.ssm, self.tape)  # arrays are immutable: references suffice
 
@@ -259,8 +275,10 @@ class TargetCache:
                 if path is not None:
                     c.compact(start, path)
                 c.truncate(new_offset)
-            else:
+            elif path is not None:
                 c.rollback(n_keep, path)
+        if path is None:
+            DeltaNetState.rollback_chain([c for c in self.layers if isinstance(c, DeltaNetState)], n_keep)
         self.offset = new_offset
         self.block = 0
 

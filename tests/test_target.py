@@ -231,3 +231,24 @@ def test_fused_activations_are_within_two_ulp_of_exact():
     big = np.array(kernels.exp_fused(mx.array([-200.0, 200.0])))
     assert 0 <= big[0] < 1e-37 and np.isfinite(big[1]) and big[1] > 1e38
     assert kernels.silu_fused(mx.array([1.0], dtype=mx.bfloat16)).dtype == mx.bfloat16
+
+
+def test_rollback_of_several_layers_at_once_equals_each_layer_alone():
+    """The batched chain rollback (one compiled call for all DeltaNet layers)."""
+    T, Hk, Hv, Dk, Dv = 9, 2, 4, 16, 8
+    tapes = []
+    for i in range(3):
+        keys = mx.random.split(mx.random.key(40 + i), 4)
+        tapes.append((mx.random.normal((1, Hv, Dv, Dk), key=keys[0]),
+                      mx.random.normal((1, T, Hk, Dk), key=keys[1]) * 0.3,
+                      mx.random.uniform(0.3, 1.0, (1, T, Hv), key=keys[2]),
+                      mx.random.normal((1, T, Hv, Dv), key=keys[3])))
+    for n in (0, 1, 4, T):
+        got = kernels.gated_delta_rollback_layers(tapes, n)
+        for tape, g in zip(tapes, got):
+            np.testing.assert_allclose(np.array(g), np.array(kernels.gated_delta_rollback(*tape, n)),
+                                       rtol=1e-6, atol=1e-6)
+    # Layers of different shapes fall back to one call each.
+    odd = (tapes[0][0][:, :2], tapes[0][1], tapes[0][2][..., :2], tapes[0][3][:, :, :2])
+    got = kernels.gated_delta_rollback_layers([tapes[1], odd], 4)
+    np.testing.assert_allclose(np.array(got[1]), np.array(kernels.gated_delta_rollback(*odd, 4)), rtol=1e-6, atol=1e-6)
