@@ -458,7 +458,8 @@ def bench(
     tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
     context: Optional[List[int]] = typer.Option(
         None, "--context", help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
-                                "the start of Python's argparse.py), generating the first --max-tokens."),
+                                "tokens of Python's argparse.py that end where the longest row ends, so every row "
+                                "continues the same text), generating the first --max-tokens."),
     adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
                                   help="DFlash picks each cycle's width from measured costs (see generate --help)."),
     pipeline: bool = typer.Option(

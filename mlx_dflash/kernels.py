@@ -228,7 +228,7 @@ def _rollback_compiled(n: int):
 def gated_delta_rollback_layers(tapes: Sequence[Tuple[mx.array, mx.array, mx.array, mx.array]], n: int,
                                 *, force_twin: bool = False) -> List[mx.array]:
     """:func:`gated_delta_rollback` of several layers' chain tapes
-    ``(state0, k, g, delta)`` to the same ``n``. Off the GPU, layers of one
+    ``(state0, k, g, delta)`` to the same ``n``. Without the Metal kernels, layers of one
     shape are stacked along the batch and rolled back by one compiled
     function: a dozen small kernels for all of them instead of per layer
     (on a CPU most of a rollback's time is those launches)."""
@@ -458,9 +458,11 @@ def silu_fused(x: mx.array) -> mx.array:
 
 
 def _softmax_parts(s, m, keep):
-    """e^(s - m) for s <= m (clamped at -87.3, where it is 2^-126) as
-    _exp_parts gives it, the factor zero where ``keep`` is False."""
-    p, bits = _exp_parts(mx.maximum(s - m, -87.3))
+    """e^(s - m) as _exp_parts gives it, the factor zero where ``keep`` is
+    False. ``m`` is the maximum over the kept scores; a masked score may lie
+    above it, so s - m is clipped to [-87.3, 0] (2^n stays a finite float:
+    its factor 0 must not meet an inf)."""
+    p, bits = _exp_parts(mx.clip(s - m, -87.3, 0.0))
     return mx.where(keep, p, 0.0), bits
 
 
@@ -489,7 +491,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=
     GPU) is that call, op for op what mlx-lm runs: plain decoding stays
     mlx-lm's token stream, in bf16 too."""
     T, L = q.shape[2], keys.shape[2]
-    if not decode_block or T * L < FUSED_SOFTMAX_MIN or mx.default_device() == mx.gpu:
+    if not decode_block or T == 1 or T * L < FUSED_SOFTMAX_MIN or mx.default_device() == mx.gpu:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     B, H, _, D = q.shape
     Hkv = keys.shape[1]

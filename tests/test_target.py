@@ -210,6 +210,21 @@ def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask)
     assert np.array_equal(np.array(kernels.attention(q, k, v, 0.125, mask)), np.array(fast))
 
 
+def test_cpu_attention_is_finite_when_a_masked_score_is_far_above_the_kept_ones():
+    """A masked key (a future block row, a key outside a sliding window) may
+    score ~90 or ~270 above every kept one: its weight is 0, never 0 * inf."""
+    T, L = 4, 400
+    q = mx.ones((1, 2, T, 8))
+    k = mx.zeros((1, 2, L, 8))
+    v = mx.random.normal((1, 2, L, 8), key=mx.random.key(0))
+    for big in (88.7, 266.5):
+        k_big = k.at[:, :, L - 1].add(big / 8 / 0.5)  # the last key: masked for all rows but the last
+        got = kernels.attention(q, k_big, v, 0.5, "causal", decode_block=True)
+        assert np.isfinite(np.array(got)).all()
+        want = mx.fast.scaled_dot_product_attention(q, k_big, v, scale=0.5, mask="causal")
+        np.testing.assert_allclose(np.array(got)[:, :, :-1], np.array(want)[:, :, :-1], rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_attention_exp_is_within_one_ulp_of_exact():
     x = mx.array(np.linspace(-87.0, 0.0, 200001, dtype=np.float32))
     p, bits = kernels._softmax_parts(x, mx.array(0.0), mx.ones(x.shape, dtype=mx.bool_))
