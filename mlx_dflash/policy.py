@@ -31,7 +31,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 4  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term)
+FORMAT = 5  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+#            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them)
 
 
 # --- where the curve is cached, and for what ------------------------------------
