@@ -173,10 +173,11 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, h: mx.array, attend) -> mx.array:
-        """Block rows h [..., B, H]; ``attend`` maps normed rows to attention output."""
+    def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
+        """Block rows h [..., B, H]; ``attend`` maps normed rows to attention
+        output; ``fused_exp``: the MLP's SiLU by kernels.silu_fused (proposals on a CPU)."""
         h = h + attend(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), fused_exp)
 
 
 class BlockConv(nn.Module):
@@ -223,9 +224,10 @@ class Draft2Layer(DraftLayer):
         self.attention_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, h: mx.array, attend) -> mx.array:
+    def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
+        mlp = lambda x: self.mlp(x, fused_exp)  # noqa: E731
         for norm, conv, fn in ((self.input_layernorm, self.attention_conv, attend),
-                               (self.post_attention_layernorm, self.mlp_conv, self.mlp)):
+                               (self.post_attention_layernorm, self.mlp_conv, mlp)):
             x = norm(h)
             c = conv.coefficients(x)
             h = h + conv(fn(conv(x, c, 0)), c, 1)
@@ -505,7 +507,7 @@ class DFlashDraft(nn.Module):
                 out = kernels.attention(q, keys, values, attn.scale, mask, decode_block=True)
                 return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
-            h = layer(h, attend)
+            h = layer(h, attend, kernels.fused_exp_for(True))
         return self.norm(h[0])
 
     def _fn(self, i: int, B: int, kind: str):
