@@ -208,15 +208,14 @@ class DeltaNetState:
     def rollback(self, n: int, path=None) -> None:
         """Keep the first ``n`` tokens of the recorded block, or (tree verify)
         the tokens on ``path`` (block rows, root first; n == len(path))."""
+        if path is None:
+            DeltaNetState.rollback_chain([self], n)
+            return
         ssm0, k, g, delta, conv_in, K = self.tape
         self.tape = None
-        if path is None:
-            if n == delta.shape[1]:
-                return  # everything accepted: the forward's state is already right
-        else:
-            P = mx.array(path)
-            k, g, delta = k[:, P], g[:, P], delta[:, P]
-            conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
+        P = mx.array(path)
+        k, g, delta = k[:, P], g[:, P], delta[:, P]
+        conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
         self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n)
         self.conv = kernels.conv_state_rollback(conv_in, n, K)
 

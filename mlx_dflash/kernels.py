@@ -491,7 +491,7 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=
     GPU) is that call, op for op what mlx-lm runs: plain decoding stays
     mlx-lm's token stream, in bf16 too."""
     T, L = q.shape[2], keys.shape[2]
-    if not decode_block or T == 1 or T * L < FUSED_SOFTMAX_MIN or mx.default_device() == mx.gpu:
+    if not fused_exp_for(decode_block) or T == 1 or T * L < FUSED_SOFTMAX_MIN:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     B, H, _, D = q.shape
     Hkv = keys.shape[1]

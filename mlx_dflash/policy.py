@@ -247,6 +247,11 @@ class CostModel:
                    per_key_base=per_key_base)
 
 
+def _recent_median(xs: List[float]) -> float:
+    """The middle of a few recent samples (the upper one of an even count)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 def _monotone(t: Dict[int, float]) -> Dict[int, float]:
     """A wider forward never costs less: running max over the sizes."""
     out, hi = {}, 0.0
@@ -415,7 +420,7 @@ class Policy:
         cost scaled as the observed ones were off."""
         ts = self.seen.get(width)
         if ts:
-            t = sorted(ts)[len(ts) // 2]
+            t = _recent_median(ts)
             # A plain step never counts as dearer than measured at load:
             # erring toward plain decoding is the safe side.
             return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
@@ -424,7 +429,7 @@ class Policy:
     def scale(self, kind: str) -> float:
         """How far observed cycle times ran from the model's (median of the last 5; 1 before any)."""
         r = self.ratios[kind]
-        return sorted(r)[len(r) // 2] if r else 1.0
+        return _recent_median(r) if r else 1.0
 
     def ladder(self, room: int) -> List[int]:
         """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
@@ -507,7 +512,7 @@ class Policy:
         any: the measured one, scaled as drafted cycles were off)."""
         ts = self.seen.get("tree")
         n = self.auto_tree + 1
-        cost = (sorted(ts)[len(ts) // 2] if ts
+        cost = (_recent_median(ts) if ts
                 else self.costs.tree_cycle(n, self.context) * self.scale("draft"))
         kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
         return kept / cost
