@@ -6,7 +6,8 @@ decoding: a speculative mode (chain or tree) that gives other tokens fails the
 run. Agreement with mlx-lm's output is reported per row but never fails it
 (float rounding outside this engine, e.g. a closed-form prefill in bf16, may
 flip a near-tie). Reports the median of ``repeats`` runs after one warm-up per
-(prompt, length, mode); the modes take turns within each repeat.
+(prompt, length, mode); the modes take turns within each repeat, and a
+speedup is the median of per-repeat ratios (see :func:`paired_speedup`).
 """
 
 import json
@@ -103,8 +104,9 @@ def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree
     }
 
 
-def _interleaved_medians(fns: Dict[str, object], repeats: int):
-    """Per mode: the median run by decode tok/s. Modes take turns within each
+def _interleaved_runs(fns: Dict[tuple, object], repeats: int):
+    """Per key (row, mode): the tokens, the median run by decode tok/s, and
+    every timed run's tok/s in repeat order. The keys take turns within each
     repeat (after one warm-up each), so a machine that speeds up or slows
     down over the minutes of a run shifts every mode alike and the ratios
     stay side by side. Engine modes then get one more run, synchronised per
@@ -112,23 +114,32 @@ def _interleaved_medians(fns: Dict[str, object], repeats: int):
     unsplit timings of the timed runs."""
     for fn in fns.values():
         fn(False)
-    runs = {m: [] for m in fns}
+    runs = {k: [] for k in fns}
     for _ in range(repeats):
-        for m, fn in fns.items():
-            runs[m].append(fn(False))
+        for k, fn in fns.items():
+            runs[k].append(fn(False))
     out = {}
-    for m, rs in runs.items():
+    for k, rs in runs.items():
+        mode = k[1]
         toks = rs[0][0]
         if any(t != toks for t, _ in rs[1:]):
-            raise DFlashError(f"{m} produced different tokens across repeats at temperature 0")
+            raise DFlashError(f"{mode} produced different tokens across repeats at temperature 0")
         best = sorted((r[1] for r in rs), key=lambda s: s["decode_tps"])[repeats // 2]
-        if m != "mlx-lm":
-            t, prof = fns[m](True)
+        if mode != "mlx-lm":
+            t, prof = fns[k](True)
             if t != toks:
-                raise DFlashError(f"a profiled {m} run produced different tokens at temperature 0")
+                raise DFlashError(f"a profiled {mode} run produced different tokens at temperature 0")
             best["ms_per_cycle"] = prof["ms_per_cycle"]
-        out[m] = (toks, best)
+        out[k] = (toks, best, [r[1]["decode_tps"] for r in rs])
     return out
+
+
+def paired_speedup(tps: Sequence[float], base: Sequence[float]) -> float:
+    """The median over repeats of one mode's tok/s over the reference's in the
+    same repeat. The two ran seconds apart, so the machine's drift over a run
+    (up to 30% within minutes on a shared VM) mostly cancels in each ratio,
+    where a ratio of two medians would mix different minutes."""
+    return statistics.median(a / b if b else 0.0 for a, b in zip(tps, base))
 
 
 def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
@@ -152,35 +163,44 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
         raise DFlashError(f"repeats must be positive, got {repeats}")
+    encode = lambda text: engine.encode(
+        text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
+    # Rows measured together take turns within each repeat. Each prompt row is
+    # its own group; the context rows form one group, so the speedup at the
+    # longest context over the shortest is a ratio of rows measured side by side.
+    groups = [[(name, ids, n)] for name, ids in ((k, encode(v)) for k, v in prompts.items()) for n in max_tokens]
+    if contexts:
+        groups.append([(f"context_{L}", context_prompt(engine, L, max(contexts)), max_tokens[0]) for L in contexts])
     results = []
-    cases = [(name, engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None),
-              max_tokens) for name, text in prompts.items()]
-    cases += [(f"context_{L}", context_prompt(engine, L, max(contexts)), max_tokens[:1]) for L in contexts]
-    for name, ids, lengths in cases:
-        for n in lengths:
-            row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
-            fns = {
-                "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
-                "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
-                "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
-                                                adaptive=adaptive),
-                "dflash-pinned": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
-                                                       adaptive=False),
-                "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget,
-                                                     tree_topk, profile=p),
-                "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
+    for group in groups:
+        fns = {}
+        for i, (name, ids, n) in enumerate(group):
+            row_fns = {
+                "mlx-lm": lambda p, ids=ids, n=n: _run_mlx_lm(engine, ids, n),
+                "baseline": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, None, None, profile=p),
+                "dflash": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
+                                                              adaptive=adaptive),
+                "dflash-pinned": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size,
+                                                                     profile=p, adaptive=False),
+                "dflash-tree": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size,
+                                                                   tree_budget, tree_topk, profile=p),
+                "dflash2": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, draft2, block_size, profile=p),
             }
+            fns.update({(i, m): row_fns[m] for m in modes})
+        runs = _interleaved_runs(fns, repeats)
+        for i, (name, ids, n) in enumerate(group):
+            row = {"prompt": name, "prompt_tokens": len(ids), "max_tokens": n, "modes": {}}
             tokens = {}
-            for mode, (toks, best) in _interleaved_medians({m: fns[m] for m in modes}, repeats).items():
-                tokens[mode], row["modes"][mode] = toks, best
-                best["generated"] = len(toks)
+            for m in modes:
+                tokens[m], row["modes"][m], _ = runs[(i, m)]
+                row["modes"][m]["generated"] = len(tokens[m])
             plain = tokens["baseline"]
             for mode in modes[modes.index("baseline") + 1:]:
-                i = first_difference(tokens[mode], plain)
-                if i is not None:
+                j = first_difference(tokens[mode], plain)
+                if j is not None:
                     raise DFlashError(
                         f"LOSSLESSNESS FAILURE: {mode} differs from this engine's plain decoding on "
-                        f"prompt {name!r} (max {n}) at token {i}")
+                        f"prompt {name!r} (max {n}) at token {j}")
             if "mlx-lm" in modes:
                 row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
                 if row["mlx_lm_first_difference"] is not None:
@@ -188,7 +208,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                         f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
             base = row["modes"][modes[0]]["decode_tps"]
             for m in modes:
-                row["modes"][m]["speedup"] = row["modes"][m]["decode_tps"] / base if base else 0.0
+                row["modes"][m]["speedup"] = paired_speedup(runs[(i, m)][2], runs[(i, modes[0])][2])
             d = row["modes"]["dflash"]
             tr = row["modes"].get("dflash-tree")
             d2 = row["modes"].get("dflash2")
@@ -231,7 +251,9 @@ def to_markdown(res: dict) -> str:
         + (f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
            f"dflash on the first ({res.get('draft_kind')})" if two else ""),
         f"- dflash width policy: {res.get('policy', 'pinned')}",
-        f"- median of {res['repeats']} runs after a warm-up, the modes taking turns within each repeat; "
+        f"- tok/s: the median of {res['repeats']} runs after a warm-up, the modes taking turns within each "
+        "repeat (the context rows also take turns with each other); speedup: the median over repeats of the "
+        f"mode's tok/s over {res['modes'][0]}'s in the same repeat; "
         "the time split per cycle is from one more run synchronised after each phase; "
         "speculative modes produced the tokens of plain decoding "
         f"(temperature 0): {res['identical_tokens']}; plain decoding equals mlx-lm's on every row: "

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dflash
-from mlx_dflash import tiny
+from mlx_dflash import bench, tiny
 from mlx_dflash.bench import read_prompts, run_bench, write_results
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
@@ -114,14 +114,20 @@ def test_bench_cli_bad_prompts(tmp_path, capsys):
     assert "prompt folder does not exist" in capsys.readouterr().err
 
 
-def test_bench_context_length_axis(tmp_path):
+def test_bench_context_length_axis(tmp_path, monkeypatch):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
     eng = mlx_dflash.load()
-    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=1, contexts=[40, 120],
+    seen = []  # prompt lengths of mlx-lm's runs, in the order they ran
+    run_mlx_lm = bench._run_mlx_lm
+    monkeypatch.setattr(bench, "_run_mlx_lm", lambda e, ids, n: seen.append(len(ids)) or run_mlx_lm(e, ids, n))
+    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=2, contexts=[40, 120],
                     log=lambda _: None)
     ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
     assert [r["prompt_tokens"] for r in ctx] == [40, 120]
+    # The context rows take turns within each repeat (warm-up, then two repeats),
+    # so their speedups are measured side by side.
+    assert seen[-6:] == [40, 120] * 3
     assert all(r["modes"]["dflash"]["peak_memory"] > 0 for r in ctx)
     md = write_results(res, tmp_path / "out", "t")[1].read_text()
     assert "| 120 | 8 |" in md and "Speedup at the longest context" in md
@@ -137,3 +143,13 @@ def test_context_rows_end_at_the_same_token():
     assert context_prompt(eng, 40) == long[:40]
     with pytest.raises(DFlashError, match="must be positive and end by token 100"):
         context_prompt(eng, 120, end=100)
+
+
+def test_speedup_is_the_median_of_paired_ratios():
+    """Each repeat's ratio is taken before the median: a machine that slowed
+    down in one repeat slows both modes of that repeat alike."""
+    from mlx_dflash.bench import paired_speedup
+
+    tps, base = [10.0, 30.0, 20.0], [5.0, 20.0, 40.0]
+    assert paired_speedup(tps, base) == pytest.approx(1.5)  # ratios 2, 1.5, 0.5
+    assert paired_speedup([3.0], [0.0]) == 0.0
