@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mlx_dflash import tiny
+from mlx_dflash import blas, tiny
 from mlx_dflash.cli import main
 
 
@@ -35,6 +35,22 @@ def test_console_script_runs_embedded_pair():
                         "-n", "12", "--verbose"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tau" in r.stderr and "decode" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(blas.openblas_path() is None,
+                    reason="OpenBLAS is not installed on this machine (apt-get install libopenblas0-pthread)")
+def test_command_line_runs_under_openblas_with_a_core_left_for_python():
+    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "def f(", "-n", "4", "--verbose"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    n = blas.decode_threads()
+    assert "OpenBLAS preloaded" in r.stderr and f", {n} thread{'s' if n != 1 else ''}" in r.stderr, r.stderr
+
+
+def test_decode_threads_leave_one_core(monkeypatch):
+    for cores, want in ((set(range(8)), 7), ({0, 1}, 1), ({3}, 1)):
+        monkeypatch.setattr(blas.os, "sched_getaffinity", lambda pid, c=cores: c, raising=False)
+        assert blas.decode_threads() == want
 
 
 def test_dflash_and_baseline_print_the_same_text(capsys):
