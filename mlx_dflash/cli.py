@@ -444,7 +444,7 @@ def bench(
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up (median reported)."),
+    repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up: tok/s is the median run, a speedup the median of the per-repeat ratios to the reference."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap prompts in the tokenizer's chat template (when it has one)."),
