@@ -9,8 +9,9 @@ libopenblas0-pthread), for every command; ``bench --blas bundled`` opts out.
 OpenBLAS then gets one thread fewer than the cores this process may use:
 while MLX's CPU thread computes a step, the Python thread is already
 queuing the next one, and BLAS workers on every core would take turns with
-it. On a 2-core machine one BLAS thread decoded 10-25% faster than two,
-side by side, for this engine and mlx-lm alike (bench/results/blas-threads.md).
+it. On a 2-core machine one BLAS thread decoded up to 29% faster than two,
+side by side, this engine and mlx-lm alike; a long prefill ran 11% slower
+(bench/results/blas-threads.md).
 """
 
 import ctypes
