@@ -39,7 +39,7 @@ def main():
     e = mlx_dflash.load()
     prompts = {"code_class": e.encode(read_prompts()["code_class"], chat_template=True),
                "context_3072": context_prompt(e, 3072)}
-    all_cores = blas.decode_threads() + 1
+    all_cores = blas.cores()
     counts = sorted({blas.decode_threads(), all_cores})
 
     def mlx_lm(ids):

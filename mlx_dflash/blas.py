@@ -74,14 +74,18 @@ def _openblas():
         return None
 
 
-def decode_threads() -> int:
-    """BLAS threads for decoding: the cores this process may use, less one
-    for the Python thread that queues the next step."""
+def cores() -> int:
+    """The cores this process may run on."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+        return os.cpu_count() or 1
+
+
+def decode_threads() -> int:
+    """BLAS threads for decoding: :func:`cores` less one for the Python
+    thread that queues the next step."""
+    return max(1, cores() - 1)
 
 
 def set_threads(n=None) -> None:
