@@ -397,7 +397,7 @@ class Policy:
         self.plain_left = self.calibration_steps
         self.plain_run = self.first_plain_run
         self.probing = False
-        self.warmup = 2  # first cycles at the widest block: every depth gets seen
+        self.warmup = 2  # first drafted cycles, taken even where one slow cycle would say plain
         self.plain_votes = 0
         # Costs measured at load are the prior; each width's real cycle time
         # (and the plain step's) replaces it as it is observed, and widths not
@@ -477,7 +477,12 @@ class Policy:
         if self.plain_left > 0:
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
-            return self._chain(min(self.max_width, room))
+            # Drafted whatever plain steps would do, to see the draft at work,
+            # but only as wide as pays best under the acceptance known so far
+            # (the prior at first): where verifies are dear (a slow BLAS, a big
+            # target, a long context) a full-width cycle costs many plain steps,
+            # and a draft that keeps all its tokens is widened at once.
+            return self._chain(self.best_width(room, drafted=True))
         if self.probing:
             # A fresh look at the draft, once per plain run (which doubles
             # while probes fail); old evidence is dropped so the probe alone

@@ -68,6 +68,19 @@ def test_oracle_draft_gets_the_widest_block():
     assert all(p.width > 1 for p in plans[1:])  # after the calibration steps
 
 
+def test_first_drafted_cycles_are_narrow_where_verifies_are_dear():
+    """A 16-token cycle at 12 plain steps (a slow BLAS, a big target): the
+    first drafted cycles are as wide as pays under the prior, not the block;
+    a draft that keeps everything still gets the widest block."""
+    dear = CostModel(plain=0.005, verify={2: 0.020, 4: 0.025, 8: 0.030, 16: 0.040},
+                     draft={16: 0.018}, rollback=0.001)
+    plans = drive(Policy(16, dear), lambda B: 0, 0, tokens=64)
+    drafted = [p.width for p in plans if p.width > 1]
+    assert drafted and max(drafted) <= 8, drafted
+    plans = drive(Policy(16, dear), lambda B: B - 1, 8)
+    assert plans[-1].width == 16, [p.width for p in plans]
+
+
 def test_good_draft_again_after_plain_run_returns_to_drafting():
     policy = Policy(16, synthetic_costs())
     drive(policy, lambda B: 0, 20)  # learns the draft is useless
