@@ -10,7 +10,7 @@ OpenBLAS then gets one thread fewer than the cores this process may use:
 while MLX's CPU thread computes a step, the Python thread is already
 queuing the next one, and BLAS workers on every core would take turns with
 it. On a 2-core machine one BLAS thread decoded up to 29% faster than two,
-side by side, this engine and mlx-lm alike; a long prefill ran 11% slower
+side by side, this engine and mlx-lm alike; a long prefill took 12% longer
 (bench/results/blas-threads.md).
 """
 
