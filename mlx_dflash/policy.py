@@ -381,6 +381,7 @@ class Policy:
     longest_plain_run = 256
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
+    stale_after = 64  # committed tokens after which a drafted width's last times no longer count
 
     def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
                  tree_budget: int = 0, auto_tree: int = 0):
@@ -404,6 +405,12 @@ class Policy:
         # yet seen are scaled by how far the observed ones were off, so a
         # machine busier or idler than at measurement time still compares right.
         self.seen: Dict[object, List[float]] = {}  # width (or "tree") -> its last few cycle times
+        # A width timed during a stall of the machine would look dear until it
+        # ran again, and might never run again: its times expire once
+        # ``stale_after`` tokens are committed without it, and the width is
+        # priced from the measured curve (scaled as recent cycles ran) again.
+        self.tokens = 0  # committed so far
+        self.seen_at: Dict[object, int] = {}  # width (or "tree") -> ``tokens`` at its last time
         # The first cycle at a width is not timed: in a fresh process it
         # includes tracing that width's compiled forwards (tens of ms).
         self.warm_widths = set()  # widths whose first, untimed cycle has run
@@ -468,6 +475,8 @@ class Policy:
         """The next cycle, given ``room`` tokens left (before max_tokens or the
         context end) and ``context`` tokens already in the target's cache."""
         self.context = context
+        for w in [w for w, at in self.seen_at.items() if self.tokens - at > self.stale_after]:
+            del self.seen[w], self.seen_at[w]
         if room <= 1 or self.max_width <= 1:
             return Plan(1, steps=max(room, 1))
         if not self.adaptive:
@@ -538,6 +547,8 @@ class Policy:
         if w != 1 and w not in self.warm_widths:
             self.warm_widths.add(w)
             return
+        if w != 1:
+            self.seen_at[w] = self.tokens
         if plan.tree:
             self.seen["tree"] = (self.seen.get("tree", []) + [seconds])[-5:]
             return
@@ -552,6 +563,7 @@ class Policy:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""
         if not self.adaptive:
             return
+        self.tokens += committed
         if plan.tree:
             self.tree_kept = committed if self.tree_kept is None else 0.8 * self.tree_kept + 0.2 * committed
             return
