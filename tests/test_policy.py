@@ -4,7 +4,6 @@ for an oracle, and a cost curve measured once per model and machine."""
 import json
 import random
 
-import mlx.core as mx
 import pytest
 
 from mlx_dflash import tiny
