@@ -4,7 +4,7 @@ against one core left to the Python thread (what the command line sets).
     python bench/blas_threads.py [--repeats 8] [--tokens 200]
 
 On the embedded pair, for two prompts (a shipped code prompt, and 3072
-tokens of argparse.py): mlx-lm's generate_step, this engine's plain decoding
+tokens of argparse.py): mlx-lm, this engine's plain decoding
 and DFlash (adaptive), decode ms per token; and a 3072-token prefill. The
 thread counts take turns within each repeat in one process (set through
 OpenBLAS's own openblas_set_num_threads), so both see the same machine;
@@ -30,11 +30,9 @@ def main():
     args = ap.parse_args()
     blas.ensure_openblas("openblas")
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
 
     import mlx_dflash
-    from mlx_dflash.bench import context_prompt, read_prompts
-    from mlx_dflash.decode import GenerationStats, generate_tokens
+    from mlx_dflash.bench import _run_engine, _run_mlx_lm, context_prompt, read_prompts
 
     e = mlx_dflash.load()
     prompts = {"code_class": e.encode(read_prompts()["code_class"], chat_template=True),
@@ -43,17 +41,10 @@ def main():
     counts = sorted({blas.decode_threads(), all_cores})
 
     def mlx_lm(ids):
-        t, n = None, 0
-        for _ in generate_step(mx.array(ids), e.target.model, max_tokens=args.tokens):
-            t = t or time.perf_counter()
-            n += 1
-        return (time.perf_counter() - t) / (n - 1) * 1e3
+        return 1e3 / _run_mlx_lm(e, ids, args.tokens)[1]["decode_tps"]
 
     def ours(ids, draft=None):
-        st = GenerationStats()
-        for _ in generate_tokens(e.target, ids, draft=draft, max_tokens=args.tokens, stats=st):
-            pass
-        return 1e3 / st.decode_tps
+        return 1e3 / _run_engine(e, ids, args.tokens, draft, None)[1]["decode_tps"]
 
     def prefill(ids):
         cache = e.target.make_cache()

@@ -163,29 +163,34 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
         raise DFlashError(f"repeats must be positive, got {repeats}")
-    encode = lambda text: engine.encode(
-        text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
+    def encode(text):
+        return engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
+
     # Rows measured together take turns within each repeat. Each prompt row is
     # its own group; the context rows form one group, so the speedup at the
     # longest context over the shortest is a ratio of rows measured side by side.
     groups = [[(name, ids, n)] for name, ids in ((k, encode(v)) for k, v in prompts.items()) for n in max_tokens]
     if contexts:
         groups.append([(f"context_{L}", context_prompt(engine, L, max(contexts)), max_tokens[0]) for L in contexts])
+
+    def mode_fns(ids, n):
+        """Each mode's run on one row (``p``: synchronised per phase, for the time split)."""
+        return {
+            "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
+            "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
+            "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p, adaptive=adaptive),
+            "dflash-pinned": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
+                                                   adaptive=False),
+            "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget, tree_topk,
+                                                 profile=p),
+            "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
+        }
+
     results = []
     for group in groups:
         fns = {}
         for i, (name, ids, n) in enumerate(group):
-            row_fns = {
-                "mlx-lm": lambda p, ids=ids, n=n: _run_mlx_lm(engine, ids, n),
-                "baseline": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, None, None, profile=p),
-                "dflash": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
-                                                              adaptive=adaptive),
-                "dflash-pinned": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size,
-                                                                     profile=p, adaptive=False),
-                "dflash-tree": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, engine.draft, block_size,
-                                                                   tree_budget, tree_topk, profile=p),
-                "dflash2": lambda p, ids=ids, n=n: _run_engine(engine, ids, n, draft2, block_size, profile=p),
-            }
+            row_fns = mode_fns(ids, n)
             fns.update({(i, m): row_fns[m] for m in modes})
         runs = _interleaved_runs(fns, repeats)
         for i, (name, ids, n) in enumerate(group):
