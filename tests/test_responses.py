@@ -104,6 +104,38 @@ def test_instructions_string_input_and_the_string_of_parts_render_alike(srv, eng
     assert r.usage.input_tokens == len(ids) and r.instructions == FACTS
 
 
+def test_items_and_reasoning_switch_render_as_chat_messages(srv, eng):
+    """An assistant item with output_text parts between user items is that chat history;
+    reasoning effort "none" renders the template with thinking off, another effort with it on."""
+    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "Rhine, Danube, Loire."},
+               {"role": "user", "content": "And in Asia?"}]
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Rhine, Danube, Loire.", "annotations": []}]},
+             {"role": "user", "content": "And in Asia?"}]
+    client = _client(srv)
+    for effort, on in (("none", False), ("high", True)):
+        r = client.responses.create(model="tiny", input=items, max_output_tokens=1, reasoning={"effort": effort})
+        assert r.usage.input_tokens == len(_ids(eng, history, enable_thinking=on)), effort
+    assert len(_ids(eng, history, enable_thinking=False)) != len(_ids(eng, history, enable_thinking=True))
+
+
+def test_tool_call_cut_by_max_output_tokens_is_text(srv):
+    """Four tokens stop the rigged reply inside its <tool_call>: no function_call item."""
+    from test_server import PIECES
+
+    client = _client(srv)
+    r = client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4)
+    _strict(r)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "".join(PIECES[2:4])
+    events = list(client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4,
+                                          stream=True))
+    _strict_events(events)
+    assert not [e for e in events if e.type.startswith("response.function_call")]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "".join(PIECES[2:4])
+
+
 def test_reasoning_and_function_call(srv):
     """The rigged reply: a reasoning item, then a function_call item; streamed through the
     client's accumulating helper, whose final response equals the non-streamed one."""
@@ -238,3 +270,6 @@ def test_requests_without_temperature_use_the_servers_defaults(sampled_srv):
     r = sampled_srv.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=8, seed=3,
                                                      temperature=0)
     assert r.choices[0].message.content == gen()
+    resp = sampled_srv.openai().responses.create(model="mlx-dflash", input=prompt, max_output_tokens=8,
+                                                 temperature=1.0, extra_body={"seed": 3})
+    assert resp.output_text == gen(temperature=1.0, top_p=0.7) and resp.temperature == 1.0
