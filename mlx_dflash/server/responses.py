@@ -111,8 +111,8 @@ def template_messages(req: ResponsesRequest) -> List[dict]:
                 else:
                     system.append(text)
             elif role == "assistant":
-                last = out[-1] if out else None
-                msg = assistant(new=last is None or last["role"] != "assistant" or "tool_calls" in last)
+                # text after the turn's tool calls starts a new turn (templates put calls last)
+                msg = assistant(new=bool(out) and "tool_calls" in out[-1])
                 msg["content"] += text
             else:
                 out.append({"role": "user", "content": text})
