@@ -630,7 +630,7 @@ def serve(
         60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
                                          "a generation before ending every rank with an error."),
 ):
-    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions) and Anthropic (/v1/messages) APIs."""
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic (/v1/messages) APIs."""
     import json
 
     from .api import load

@@ -359,6 +359,40 @@ def test_api_key(server):
     assert [m.id for m in server.openai().models.list()] == ["mlx-dflash"]
 
 
+def test_either_key_header_may_carry_the_key(server):
+    """SDKs send both headers (one a placeholder): a right key in either is accepted."""
+    url = server.url + "/v1/models"
+    for headers in ({"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"},
+                    {"x-api-key": KEY, "Authorization": "Bearer wrong"}):
+        assert httpx.get(url, headers=headers, timeout=10).status_code == 200, headers
+    both_wrong = {"x-api-key": "wrong", "Authorization": "Bearer wrong"}
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "mlx-dflash", "messages": MSG},
+                   headers=both_wrong, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(server.url + "/v1/messages", json={"model": "mlx-dflash", "max_tokens": 2, "messages": MSG},
+                   headers=both_wrong, timeout=10)
+    assert r.status_code == 401 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "authentication_error"
+    # the Anthropic SDK with the right auth_token (Bearer) and a stale x-api-key beside it
+    client = anthropic.Anthropic(base_url=server.url, auth_token=KEY, default_headers={"x-api-key": "wrong"},
+                                 max_retries=0, timeout=120)
+    m = client.messages.create(model="mlx-dflash", max_tokens=2, messages=MSG)
+    assert m.usage.output_tokens == 2
+
+
+def test_anthropic_stream_start_and_delta_agree_on_a_cache_hit(server):
+    """message_start's usage splits the prompt into new and cached tokens as message_delta does."""
+    messages = [{"role": "user", "content": "def merge_sorted(a, b):\n"}]
+    client = server.anthropic()
+    client.messages.create(model="mlx-dflash", max_tokens=2, messages=messages)  # fills the prefix cache
+    with client.messages.stream(model="mlx-dflash", max_tokens=4, messages=messages) as s:
+        events = list(s)
+    (start,) = [e.message.usage for e in events if e.type == "message_start"]
+    (delta,) = [e.usage for e in events if e.type == "message_delta"]
+    assert delta.cache_read_input_tokens > 0  # a hit
+    assert (start.input_tokens, start.cache_read_input_tokens) == (delta.input_tokens, delta.cache_read_input_tokens)
+
+
 def test_metrics(server):
     m = server.metrics()
     assert m['mlx_dflash_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
@@ -588,6 +622,64 @@ def test_thinking_switch_reaches_the_template(tool_server, tool_pair):
         m = tool_server.anthropic().messages.create(model="tiny-tools", max_tokens=1, messages=QUESTION,
                                                     thinking=thinking)
         assert r.usage.prompt_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n[on]
+
+
+def test_second_turn_reuses_the_prefix_with_thinking_off(tool_server, tool_pair):
+    """With enable_thinking off the template's generation prompt ends in an empty think block;
+    the stable boundary must be found with the request's template arguments, or turn 2
+    restores nothing."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tool_pair / "target")
+    context = " I am packing for a week of walks along the coast and need to know what to bring with me."
+    for dialect, question in (("openai", "Is it raining in Oslo?"), ("anthropic", "Is it snowing in Bergen?")):
+        convo = [{"role": "user", "content": question + context}]
+        turn2 = convo + [{"role": "assistant", "content": "I cannot tell."},
+                         {"role": "user", "content": "Guess, then."}]
+        n = len(tok.apply_chat_template(turn2, add_generation_prompt=True, enable_thinking=False))
+        turn1_prompt = len(tok.apply_chat_template(convo, add_generation_prompt=False, enable_thinking=False))
+        if dialect == "openai":
+            client, off = tool_server.openai(), {"chat_template_kwargs": {"enable_thinking": False}}
+            client.chat.completions.create(model="tiny-tools", messages=convo, max_tokens=2, extra_body=off)
+            r = client.chat.completions.create(model="tiny-tools", messages=turn2, max_tokens=2, extra_body=off)
+            prompt, cached = r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+        else:
+            client = tool_server.anthropic()
+            client.messages.create(model="tiny-tools", max_tokens=2, messages=convo, thinking={"type": "disabled"})
+            m = client.messages.create(model="tiny-tools", max_tokens=2, messages=turn2,
+                                       thinking={"type": "disabled"})
+            prompt, cached = m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens
+        assert prompt == n
+        # all of turn 1's prompt but its generation-prompt tail: most of turn 2's
+        assert cached == turn1_prompt, (dialect, cached, turn1_prompt, n)
+        assert cached > n / 2
+
+
+def test_tool_call_cut_by_max_tokens_is_text(tool_server):
+    """Four tokens end the reply inside its <tool_call> (after the city, before the days):
+    a call with partial arguments must not reach the client as a call."""
+    cut = "".join(PIECES[2:4])  # "<tool_call>...<parameter=city>...</parameter>\n", no </tool_call>
+    client = tool_server.openai()
+    r = client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=4)
+    assert r.choices[0].finish_reason == "length"
+    assert not r.choices[0].message.tool_calls and r.choices[0].message.content == cut
+    chunks = list(client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL],
+                                                 max_tokens=4, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not [tc for d in deltas for tc in d.tool_calls or []]
+    assert "".join(d.content or "" for d in deltas) == cut
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    aclient = tool_server.anthropic()
+    m = aclient.messages.create(model="tiny-tools", max_tokens=4, messages=QUESTION, tools=[tool])
+    assert m.stop_reason == "max_tokens"
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == cut
+    with aclient.messages.stream(model="tiny-tools", max_tokens=4, messages=QUESTION, tools=[tool]) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "max_tokens"
+    assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == cut
 
 
 def test_full_queue_gets_429_and_dropped_queued_requests_free_it(tool_server):

@@ -107,6 +107,16 @@ def test_model_opened_thinking_and_unterminated_call():
     assert (r, t, calls) == ("hmm", "", [("get_weather", {"city": "Oslo"})])
 
 
+def test_call_cut_by_the_token_limit_is_text():
+    # the same unterminated call as above, but stopped by max_tokens: its arguments may be partial
+    out = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+    for chunk in (1, 5, 1000):
+        p = tools.OutputParser(tools=WEATHER)
+        events = [e for i in range(0, len(out), chunk) for e in p.feed(out[i:i + chunk])] + p.finish(cut=True)
+        assert _split(events) == ("", out, []) and not p.made_tool_call
+    assert tools.split_output(out, tools=WEATHER, cut=True) == ("", out, [])
+
+
 def test_unparseable_call_comes_back_as_text():
     out = "Sure.\n<tool_call>\n{oops\n</tool_call>\nDone."
     r, t, calls = _split(_stream(out, 2, tools=WEATHER)[0])

@@ -1,7 +1,8 @@
 """`mlx-dflash serve`: an OpenAI- and Anthropic-compatible HTTP server over one engine.
 
 ``app.py`` builds the FastAPI app (auth, limits, errors, shared request
-plumbing), ``openai.py`` and ``anthropic.py`` are the two API dialects,
+plumbing), ``openai.py``, ``responses.py`` (OpenAI's Responses API) and
+``anthropic.py`` are the API dialects,
 ``tools.py`` parses reasoning and tool calls out of the model's text,
 ``worker.py`` runs generations one at a time in arrival order and
 ``metrics.py`` renders Prometheus counters.
@@ -60,7 +61,8 @@ def serve(settings: Settings, load_engine: Callable[[], object], *, host: str = 
         print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
               file=sys.stderr)
     print(f"mlx-dflash: serving '{settings.model_id}' on http://{host}:{port} "
-          "(OpenAI /v1/chat/completions, /v1/completions; Anthropic /v1/messages)", file=sys.stderr, flush=True)
+          "(OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:

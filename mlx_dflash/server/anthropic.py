@@ -166,7 +166,7 @@ async def messages(request: Request):
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     ids, thinking, tools = _prompt(server, req)
     sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-    job = server.submit(ids, max_tokens, sampling, req.stop_sequences or [])
+    job = server.submit(ids, max_tokens, sampling, req.stop_sequences or [], _template_kwargs(req))
     parser = OutputParser(reasoning=thinking, tools=tools)
     mid, model = "msg_" + uuid.uuid4().hex[:24], server.settings.model_id
 
@@ -178,7 +178,7 @@ async def messages(request: Request):
             if ev[0] == "done":
                 if ev[1] == "timeout":
                     raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
-                events = parser.finish()
+                events = parser.finish(cut=ev[1] == "length")
             else:
                 events = parser.feed(ev[1])
             for kind, v in events:
@@ -198,12 +198,14 @@ async def messages(request: Request):
         raise APIError(499, "client closed the request")
 
     async def stream():
-        open_kind, index, started = None, -1, False
-        first_stats = {"prompt_tokens": len(ids), "generated_tokens": 0, "cached_tokens": 0}
+        open_kind, index = None, -1
 
-        def start():
+        def start(cached: int):
+            # Sent once the prompt is prefilled, so its split of cached and new input tokens
+            # is the one message_delta reports.
+            first = {"prompt_tokens": len(ids), "generated_tokens": 0, "cached_tokens": cached}
             msg = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": _usage(first_stats)}
+                   "stop_reason": None, "stop_sequence": None, "usage": _usage(first)}
             return sse({"type": "message_start", "message": msg}, "message_start")
 
         def close():
@@ -241,13 +243,17 @@ async def messages(request: Request):
                 yield sse({"type": "content_block_delta", "index": index,
                            "delta": {"type": f"{key}_delta", key: v}}, "content_block_delta")
 
-        yield start()
+        started = False
         async for ev in server.events(job, request):
             if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):
                 status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
                 yield sse(error_body(request.url.path, status, message), "error")
                 return
-            for s in render(parser.feed(ev[1]) if ev[0] == "text" else parser.finish()):
+            if not started:
+                started = True
+                yield start(ev[2]["cached_tokens"] if ev[0] == "done" else job.cached_tokens or 0)
+            events = parser.feed(ev[1]) if ev[0] == "text" else parser.finish(cut=ev[1] == "length")
+            for s in render(events):
                 if s:
                     yield s
             if ev[0] == "done":

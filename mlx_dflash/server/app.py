@@ -146,8 +146,7 @@ class Server:
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
-        kwargs = dict(self.settings.chat_template_args)
-        kwargs.update(template_kwargs or {})
+        kwargs = self.template_args(template_kwargs)
         try:
             text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                            tokenize=False, **kwargs)
@@ -156,6 +155,12 @@ class Server:
         ids = list(tok.encode(text, add_special_tokens=False))
         self.check_prompt(ids)
         return ids, prompt_opens_thinking(text)
+
+    def template_args(self, template_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+        """The server's chat-template arguments with a request's on top."""
+        kwargs = dict(self.settings.chat_template_args)
+        kwargs.update(template_kwargs or {})
+        return kwargs
 
     def encode_text(self, prompt) -> List[int]:
         if isinstance(prompt, list):
@@ -169,9 +174,14 @@ class Server:
         return ids
 
     # --- running ---------------------------------------------------------------------
-    def submit(self, ids: List[int], max_tokens: int, sampling: Dict[str, Any], stops: Sequence[str]) -> Job:
+    def submit(self, ids: List[int], max_tokens: int, sampling: Dict[str, Any], stops: Sequence[str],
+               template_kwargs: Optional[Dict[str, Any]] = None) -> Job:
+        """Queue a generation; ``template_kwargs`` (a chat request's) let the prefix cache find
+        the prompt's stable boundary as this request's template renders it."""
         s = self.settings
         gen = dict(max_tokens=max_tokens, prefill_chunk=s.prefill_chunk, **sampling)
+        if template_kwargs is not None:
+            gen["chat_template_config"] = self.template_args(template_kwargs)
         if self.engine.draft is not None:
             gen.update(block_size=s.block_size, tree_budget=s.tree_budget, auto_tree=s.auto_tree)
         if not self.worker.alive:
@@ -246,7 +256,7 @@ def sse(data: Any, event: Optional[str] = None) -> str:
 
 
 ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/v1/messages", "/v1/messages/count_tokens"}
+             "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
 
 
 class CountRequests:
@@ -273,7 +283,7 @@ class CountRequests:
 
 
 def create_app(server: Server) -> FastAPI:
-    from . import anthropic, openai
+    from . import anthropic, openai, responses
 
     app = FastAPI(title="mlx-dflash", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -282,12 +292,13 @@ def create_app(server: Server) -> FastAPI:
         key = server.settings.api_key
         if key is None:
             return
-        given = request.headers.get("x-api-key")
+        given = [request.headers.get("x-api-key")]
         auth = request.headers.get("authorization", "")
-        if given is None and auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
+        if auth[:7].lower() == "bearer ":
+            given.append(auth[7:].strip())
+        # Either header may carry the key (SDKs send both, one of them a placeholder).
         # Constant-time comparison, on bytes so any header text is comparable.
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+        if not any([hmac.compare_digest(g.encode(), key.encode()) for g in given if g is not None]):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
 
     @app.exception_handler(APIError)
@@ -332,5 +343,6 @@ def create_app(server: Server) -> FastAPI:
         return {"object": "list", "data": [entry], "has_more": False, "first_id": mid, "last_id": mid}
 
     app.include_router(openai.router, dependencies=deps)
+    app.include_router(responses.router, dependencies=deps)
     app.include_router(anthropic.router, dependencies=deps)
     return app

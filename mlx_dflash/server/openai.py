@@ -165,15 +165,15 @@ async def _collect(server: Server, request: Request, job, parser: Optional[Outpu
             if ev[1] == "timeout":
                 raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
             if parser:
-                take(parser.finish())
+                take(parser.finish(cut=ev[1] == "length"))
             return "".join(text), "".join(reasoning), calls, ev[1], ev[2]
     raise APIError(499, "client closed the request")
 
 
-def _start(server: Server, ids, req, max_tokens: int):
+def _start(server: Server, ids, req, max_tokens: int, template_kwargs=None):
     sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty)
-    return server.submit(ids, max_tokens, sampling, _stops(req.stop))
+    return server.submit(ids, max_tokens, sampling, _stops(req.stop), template_kwargs)
 
 
 @router.post("/v1/chat/completions")
@@ -190,7 +190,7 @@ async def chat_completions(request: Request):
     # tool_choice "none" hides the tools; other choices are hints (no constrained decoding).
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
     ids, thinking = server.render_chat(template_messages(req.messages), tools, req.chat_template_kwargs)
-    job = _start(server, ids, req, max_tokens)
+    job = _start(server, ids, req, max_tokens, req.chat_template_kwargs or {})
     parser = OutputParser(reasoning=thinking, tools=tools)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
@@ -238,7 +238,7 @@ async def chat_completions(request: Request):
                 yield sse(error_body(request.url.path, status, message))
                 return
             else:
-                for c in render(parser.finish()):
+                for c in render(parser.finish(cut=ev[1] == "length")):
                     yield c
                 yield chunk({}, _finish(ev[1], n_calls > 0))
                 if include_usage:

@@ -240,14 +240,18 @@ class OutputParser:
         self.made_tool_call = True
         events.extend(("tool", c) for c in calls)
 
-    def finish(self) -> List[Event]:
+    def finish(self, cut: bool = False) -> List[Event]:
+        """Flush the rest; ``cut``: the output was stopped by the token limit."""
         events: List[Event] = []
         rest, self.buf = self.buf, ""
         if self.state == "reasoning":
             if rest.rstrip():
                 events.append(("reasoning", rest.rstrip()))
+        elif self.state == "tool" and cut:
+            # Cut off by max_tokens: its arguments may be partial, so it is no call.
+            self._text(TOOL_START + rest, events)
         elif self.state == "tool":
-            # Ended without </tool_call> (EOS or a limit): a call if the body parses.
+            # Ended without </tool_call> at EOS: a call if the body parses.
             self._tool(rest, TOOL_START + rest, events)
         elif rest:
             self._text(rest, events)
@@ -256,11 +260,11 @@ class OutputParser:
         return events
 
 
-def split_output(text: str, *, reasoning: bool = False,
-                 tools: Optional[Sequence[dict]] = None) -> Tuple[str, str, List[ToolCall]]:
-    """(reasoning, content, tool calls) of a complete output."""
+def split_output(text: str, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None,
+                 cut: bool = False) -> Tuple[str, str, List[ToolCall]]:
+    """(reasoning, content, tool calls) of a whole output (``cut``: stopped by the token limit)."""
     p = OutputParser(reasoning=reasoning, tools=tools)
-    events = p.feed(text) + p.finish()
+    events = p.feed(text) + p.finish(cut)
     r = "".join(v for k, v in events if k == "reasoning")
     c = "".join(v for k, v in events if k == "text")
     return r, c, [v for k, v in events if k == "tool"]

@@ -72,6 +72,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
     started: Optional[float] = None
+    cached_tokens: Optional[int] = None  # prompt tokens restored from the prefix cache, once prefilled
 
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
@@ -195,6 +196,8 @@ class Worker:
         try:
             for r in gen:
                 stats = r.stats
+                if job.cached_tokens is None:  # set before the first event is sent
+                    job.cached_tokens = int(getattr(stats, "cached_tokens", 0) or 0)
                 text = stops.feed(r.text)
                 if text or r.tokens:
                     job.send("text", text, len(r.tokens))

@@ -1,0 +1,275 @@
+"""POST /v1/responses through the official `openai` client (``client.responses``), and the
+server's sampling defaults in every dialect.
+
+Served model: test_server's tiny target rigged to answer the weather question with
+reasoning and a Qwen3.5 tool call (other prompts get the random model's text), with a
+random draft. Every response and stream event is also validated strictly against the
+client's own pydantic types (the client itself parses leniently).
+"""
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response
+
+import mlx_dflash
+from mlx_dflash.server.tools import split_output
+from test_server import KEY, QUESTION, WEATHER_TOOL, ServerProcess, _rig_tool_model
+
+FN_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
+FACTS = "Reply in one short line."
+ASK = "Name three rivers in Europe."
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return _rig_tool_model(tmp_path_factory.mktemp("rpair"))
+
+
+@pytest.fixture(scope="module")
+def eng(pair):
+    return mlx_dflash.load(pair / "target", pair / "draft")
+
+
+@pytest.fixture(scope="module")
+def srv(pair, tmp_path_factory):
+    s = ServerProcess("--model", str(pair / "target"), "--draft", str(pair / "draft"), "--model-name", "tiny",
+                      "--api-key", KEY, log=tmp_path_factory.mktemp("rsrv") / "log.txt")
+    yield s
+    s.close()
+
+
+def _client(s) -> openai.OpenAI:
+    return s.openai()
+
+
+def _ids(eng, messages, **template_args):
+    return list(eng.tokenizer.apply_chat_template(messages, tools=template_args.pop("tools", None),
+                                                  add_generation_prompt=True, **template_args))
+
+
+def _strict(r) -> None:
+    """The wire JSON of a response validates against openai's Response type."""
+    Response.model_validate(r.to_dict())
+
+
+def _strict_events(events) -> None:
+    for i, e in enumerate(events):
+        type(e).model_validate(e.to_dict())
+        assert e.sequence_number == i
+
+
+def test_text_reply_equals_generate_and_stops_at_max_output_tokens(srv, eng):
+    """Message items (developer + user parts), reasoning off: the text equals generate()
+    on the same chat prompt; at the length limit the response is incomplete."""
+    messages = [{"role": "system", "content": FACTS}, {"role": "user", "content": ASK}]
+    ids = _ids(eng, messages, enable_thinking=False)
+    want = mlx_dflash.generate(eng, ids, max_tokens=6)
+    assert want.stats.finish_reason == "length"
+    items = [{"type": "message", "role": "developer", "content": FACTS},
+             {"role": "user", "content": [{"type": "input_text", "text": ASK}]}]
+    client = _client(srv)
+    r = client.responses.create(model="tiny", input=items, max_output_tokens=6, reasoning={"effort": "none"})
+    _strict(r)
+    assert r.output_text == want.text
+    assert [o.type for o in r.output] == ["message"] and r.output[0].role == "assistant"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ids), 6)
+    assert r.usage.total_tokens == len(ids) + 6 and r.usage.input_tokens_details.cached_tokens >= 0
+
+    events = list(client.responses.create(model="tiny", input=items, max_output_tokens=6,
+                                          reasoning={"effort": "none"}, stream=True))
+    _strict_events(events)
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas) and len(deltas) > 1
+    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
+                                       "response.output_item.done", "response.incomplete"]
+    assert "".join(deltas) == events[-4].text == want.text
+    final = events[-1].response
+    assert final.output_text == want.text and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 6
+
+
+def test_instructions_string_input_and_the_string_of_parts_render_alike(srv, eng):
+    """``instructions`` + a string input is the same prompt as a system and a user message."""
+    ids = _ids(eng, [{"role": "system", "content": FACTS}, {"role": "user", "content": ASK}],
+               enable_thinking=False)
+    r = _client(srv).responses.create(model="tiny", instructions=FACTS, input=ASK, max_output_tokens=2,
+                                      reasoning={"effort": "none"})
+    assert r.usage.input_tokens == len(ids) and r.instructions == FACTS
+
+
+def test_items_and_reasoning_switch_render_as_chat_messages(srv, eng):
+    """An assistant item with output_text parts between user items is that chat history;
+    reasoning effort "none" renders the template with thinking off, another effort with it on."""
+    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "Rhine, Danube, Loire."},
+               {"role": "user", "content": "And in Asia?"}]
+    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Rhine, Danube, Loire.", "annotations": []}]},
+             {"role": "user", "content": "And in Asia?"}]
+    client = _client(srv)
+    for effort, on in (("none", False), ("high", True)):
+        r = client.responses.create(model="tiny", input=items, max_output_tokens=1, reasoning={"effort": effort})
+        assert r.usage.input_tokens == len(_ids(eng, history, enable_thinking=on)), effort
+    assert len(_ids(eng, history, enable_thinking=False)) != len(_ids(eng, history, enable_thinking=True))
+
+
+def test_tool_call_cut_by_max_output_tokens_is_text(srv):
+    """Four tokens stop the rigged reply inside its <tool_call>: no function_call item."""
+    from test_server import PIECES
+
+    client = _client(srv)
+    r = client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4)
+    _strict(r)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "".join(PIECES[2:4])
+    events = list(client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4,
+                                          stream=True))
+    _strict_events(events)
+    assert not [e for e in events if e.type.startswith("response.function_call")]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "".join(PIECES[2:4])
+
+
+def test_reasoning_and_function_call(srv):
+    """The rigged reply: a reasoning item, then a function_call item; streamed through the
+    client's accumulating helper, whose final response equals the non-streamed one."""
+    client = _client(srv)
+    r = client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=100)
+    _strict(r)
+    assert r.status == "completed" and r.incomplete_details is None
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == "Let me check the weather."
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    call = r.output[1]
+    assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris", "days": 3},
+                                                                    "completed")
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+
+    with client.responses.stream(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=100) as s:
+        events = list(s)
+        final = s.get_final_response()
+    _strict_events(events)
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        "Let me check the weather."
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done.arguments) == {"city": "Paris", "days": 3}
+    assert kinds.index("response.function_call_arguments.delta") < kinds.index(
+        "response.function_call_arguments.done") < len(kinds) - 1
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert json.loads(final.output[1].arguments) == {"city": "Paris", "days": 3}
+
+
+def test_tool_round_trip_equals_chat_and_hits_the_cache(srv, eng):
+    """function_call + function_call_output items: the prompt the chat template gets for
+    that conversation (as /v1/chat/completions sends it), the reply generate() gives it,
+    and the first turn's prefix served from the cache."""
+    convo = QUESTION + [
+        {"role": "assistant", "content": "", "reasoning_content": "Let me check the weather.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    ids = _ids(eng, convo, tools=[WEATHER_TOOL])
+    want = mlx_dflash.generate(eng, ids, max_tokens=12)
+    items = QUESTION + [
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Let me check the weather."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": json.dumps({"city": "Paris", "days": 3})},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+    client = _client(srv)
+    client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=100)  # turn 1
+    r = client.responses.create(model="tiny", input=items, tools=[FN_TOOL], max_output_tokens=12, store=False)
+    _strict(r)
+    assert r.usage.input_tokens == len(ids)
+    assert 0 < r.usage.input_tokens_details.cached_tokens < len(ids)
+    reasoning, content, _ = split_output(want.text, reasoning=True, tools=[WEATHER_TOOL],
+                                         cut=want.stats.finish_reason == "length")
+    got_reasoning = "".join(c.text for o in r.output if o.type == "reasoning" for c in o.content)
+    assert (got_reasoning, r.output_text) == (reasoning, content)
+    assert r.usage.output_tokens == len(want.tokens)
+
+
+BAD = [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),
+    ({"input": [{"type": "computer_call", "id": "x"}]}, "computer_call"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input_image"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "JSON"),
+    ({"input": []}, "no items"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "temperature": -2}, "temperature"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "json_schema"),
+    ({"input": 5}, "input"),
+    ({"model": "gpt-9", "input": "hi"}, "gpt-9"),
+]
+
+
+@pytest.mark.parametrize("body,words", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_input_gets_400_in_openais_shape(srv, body, words):
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", **body}, headers={"x-api-key": KEY},
+                   timeout=60)
+    assert r.status_code == (404 if words == "gpt-9" else 400), r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and words in err["message"]
+    assert httpx.get(srv.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_sdk_error_and_next_request(srv):
+    client = _client(srv)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="hi", previous_response_id="resp_x")
+    assert e.value.body["param"] == "previous_response_id"
+    r = client.responses.create(model="tiny", input="hi", max_output_tokens=2)
+    assert r.usage.output_tokens == 2
+
+
+# --- the server's sampling defaults apply when a request gives none --------------------
+
+@pytest.fixture(scope="module")
+def sampled_srv(tmp_path_factory):
+    # The embedded pair (the rigged one is too peaked for sampling to show); --block-size
+    # pins the verify width, so the sampled text is one function of the seed.
+    s = ServerProcess("--api-key", KEY, "--temp", "0.8", "--top-p", "0.7", "--block-size", "4",
+                      log=tmp_path_factory.mktemp("ssrv") / "log.txt")
+    yield s
+    s.close()
+
+
+def test_requests_without_temperature_use_the_servers_defaults(sampled_srv):
+    """Served with --temp 0.8 --top-p 0.7: a request that names no temperature or top_p
+    (as the Anthropic SDK 2.x and Codex send them) samples with those, in every dialect."""
+    eng = mlx_dflash.load()
+    prompt = "def quicksort(xs):"
+    msgs = [{"role": "user", "content": prompt}]
+    ids = _ids(eng, msgs)
+
+    def gen(**kw):
+        return mlx_dflash.generate(eng, ids, max_tokens=8, block_size=4, seed=3, **kw).text
+
+    want = gen(temperature=0.8, top_p=0.7)
+    # the check tells the defaults apart from greedy and from either setting alone
+    assert want not in (gen(), gen(temperature=1.0, top_p=0.7), gen(temperature=0.8, top_p=1.0))
+    r = sampled_srv.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=8, seed=3)
+    assert r.choices[0].message.content == want
+    m = sampled_srv.anthropic().messages.create(model="mlx-dflash", max_tokens=8, messages=msgs,
+                                                extra_body={"seed": 3})
+    assert m.content[0].text == want
+    resp = sampled_srv.openai().responses.create(model="mlx-dflash", input=prompt, max_output_tokens=8,
+                                                 extra_body={"seed": 3})
+    assert resp.output_text == want and (resp.temperature, resp.top_p) == (0.8, 0.7)
+    # and a request's own setting still wins
+    r = sampled_srv.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=8, seed=3,
+                                                     temperature=0)
+    assert r.choices[0].message.content == gen()
+    resp = sampled_srv.openai().responses.create(model="mlx-dflash", input=prompt, max_output_tokens=8,
+                                                 temperature=1.0, extra_body={"seed": 3})
+    assert resp.output_text == gen(temperature=1.0, top_p=0.7) and resp.temperature == 1.0
