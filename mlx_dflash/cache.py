@@ -216,7 +216,7 @@ class DeltaNetState:
         P = mx.array(path)
         k, g, delta = k[:, P], g[:, P], delta[:, P]
         conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
-        self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n)
+        self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n, stepwise=kernels.row_exact(k.dtype))
         self.conv = kernels.conv_state_rollback(conv_in, n, K)
 
     @staticmethod
@@ -230,7 +230,9 @@ class DeltaNetState:
             st.tape = None
         if n == tapes[0][3].shape[1]:
             return  # everything accepted
-        ssms = kernels.gated_delta_rollback_layers([t[:4] for t in tapes], n)
+        # A half-precision verify ran stepwise (kernels.row_exact): replay its steps.
+        ssms = kernels.gated_delta_rollback_layers([t[:4] for t in tapes], n,
+                                                   stepwise=kernels.row_exact(tapes[0][1].dtype))
         for st, tape, ssm in zip(states, tapes, ssms):
             st.ssm = ssm
             st.conv = kernels.conv_state_rollback(tape[4], n, tape[5])

@@ -137,6 +137,36 @@ def _single_step(q, k, v, g, beta, S, record):
     return y, S, delta[:, None] if record else None
 
 
+def _steps(q, k, v, g, beta, state, parents, record):
+    """A block token by token, each token the ops of :func:`_single_step`
+    (tree: from its parent's state), so each row equals a single step's to
+    the bit. Returns y, the state after the last token, and the tape."""
+    ys, deltas, states = [], [], []
+    S = state
+    for t in range(q.shape[1]):
+        if parents is not None:
+            S = state if parents[t] < 0 else states[parents[t]]
+        y, S, d = _single_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                               beta[:, t:t + 1], S, True)
+        ys.append(y)
+        deltas.append(d)
+        if parents is not None:
+            states.append(S)
+    return mx.concatenate(ys, axis=1), S, mx.concatenate(deltas, axis=1) if record else None
+
+
+def _replay(state0, k, g, delta, n):
+    """State after the first ``n`` tokens of a stepwise tape: each step's
+    state update of :func:`_single_step` again, with the recorded delta, so
+    the rolled-back state is the one plain steps would have reached."""
+    k = _repeat_heads(k, delta.shape[2])
+    S = state0
+    for t in range(n):
+        S = S * g[:, t][..., None, None]
+        S = S + k[:, t][..., None, :] * delta[:, t][..., None]
+    return S
+
+
 def gated_delta_chain(
     q: mx.array,
     k: mx.array,
@@ -148,6 +178,7 @@ def gated_delta_chain(
     *,
     record: bool = False,
     force_twin: bool = False,
+    stepwise: bool = False,
 ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
     """Gated delta rule over a block of T tokens.
 
@@ -162,7 +193,8 @@ def gated_delta_chain(
 
     The twin evaluates chunks of up to CHUNK tokens in closed form (matmuls
     instead of T sequential state updates): on a CPU a 16-token verify costs a
-    few state-sized passes instead of 80.
+    few state-sized passes instead of 80. ``stepwise`` (a :func:`row_exact`
+    verify): token by token instead, each row what a single step computes.
     """
     if use_metal(force_twin):
         extra = () if mask is None else (mask,)
@@ -172,6 +204,8 @@ def gated_delta_chain(
     T = q.shape[1]
     if T == 1 and mask is None:
         return _single_step(q, k, v, g, beta, state, record)
+    if stepwise and mask is None:
+        return _steps(q, k, v, g, beta, state, None, record)
     q, k, v, logg, beta = _prep(q, k, v, g, beta, mask)
     ys, deltas = [], []
     S = state
@@ -201,18 +235,22 @@ def gated_delta_rollback(
     mask: Optional[mx.array] = None,
     *,
     force_twin: bool = False,
+    stepwise: bool = False,
 ) -> mx.array:
     """State after the first ``n`` tokens of a recorded block.
 
     ``state0`` is the state before the block; ``k`` [B, T, Hk, Dk] and ``g``
     [B, T, Hv] are what the forward used, ``delta`` [B, T, Hv, Dv] what it
     recorded. Applies S_n = exp(L_n) S_0 + sum_{s<n} exp(L_n - L_s) delta_s k_s^T:
-    no q, no output, one matmul per chunk.
+    no q, no output, one matmul per chunk. ``stepwise``: a stepwise tape,
+    replayed step by step (:func:`_replay`).
     """
     if n == 0:
         return state0
     if mask is None and use_metal(force_twin):
         return _metal_or_twin("rollback", (int(n),), (state0, k, g, delta))[0]
+    if stepwise and mask is None:
+        return _replay_compiled(int(n))(state0, k, g, delta)
     if mask is None:
         return _rollback_compiled(int(n))(state0, k, g, delta)
     return _rollback_twin(state0, k, g, delta, n, mask)
@@ -225,16 +263,21 @@ def _rollback_compiled(n: int):
     return mx.compile(lambda state0, k, g, delta: _rollback_twin(state0, k, g, delta, n))
 
 
+@lru_cache(maxsize=None)
+def _replay_compiled(n: int):
+    return mx.compile(lambda state0, k, g, delta: _replay(state0, k, g, delta, n))
+
+
 def gated_delta_rollback_layers(tapes: Sequence[Tuple[mx.array, mx.array, mx.array, mx.array]], n: int,
-                                *, force_twin: bool = False) -> List[mx.array]:
+                                *, force_twin: bool = False, stepwise: bool = False) -> List[mx.array]:
     """:func:`gated_delta_rollback` of several layers' chain tapes
     ``(state0, k, g, delta)`` to the same ``n``. Without the Metal kernels, layers of one
     shape are stacked along the batch and rolled back by one compiled
     function: a dozen small kernels for all of them instead of per layer
     (on a CPU most of a rollback's time is those launches)."""
     shapes = {tuple(tuple(x.shape) for x in tape) for tape in tapes}
-    if use_metal(force_twin) or len(shapes) != 1 or n == 0:
-        return [gated_delta_rollback(*tape, n, force_twin=force_twin) for tape in tapes]
+    if use_metal(force_twin) or len(shapes) != 1 or n == 0 or stepwise:
+        return [gated_delta_rollback(*tape, n, force_twin=force_twin, stepwise=stepwise) for tape in tapes]
     return _rollback_layers_compiled(int(n), len(tapes))(*(x for tape in tapes for x in tape))
 
 
@@ -320,6 +363,7 @@ def gated_delta_tree(
     *,
     record: bool = False,
     force_twin: bool = False,
+    stepwise: bool = False,
 ) -> Tuple[mx.array, mx.array, Optional[mx.array]]:
     """The gated delta rule over a tree of T tokens (tree verify).
 
@@ -336,6 +380,8 @@ def gated_delta_tree(
         static = (tuple(int(p) for p in parents), bool(record))
         y, S, *tape = _metal_or_twin("tree", static, (q, k, v, g, beta, state))
         return y, S, tape[0] if record else None
+    if stepwise:
+        return _steps(q, k, v, g, beta, state, [int(p) for p in parents], record)
     dtype = q.dtype
     q, k, v, logg, beta = _prep(q, k, v, g, beta, None)
     y, S, delta = _chunk(q, k, v, logg, beta, state, ancestor_matrix(parents))
@@ -472,11 +518,23 @@ _softmax_parts_fused = mx.compile(_softmax_parts, shapeless=True)
 FUSED_SOFTMAX_MIN = 1024
 
 
-def fused_exp_for(record: bool) -> bool:
+def row_exact(dtype) -> bool:
+    """Whether a target's verify rows must be computed as single steps
+    compute them, bit for bit: half-precision activations. There a float32
+    sum taken in another order (the closed form of a DeltaNet block, the
+    fused exp) rounds to another bf16/fp16 value now and then, and greedy
+    speculative output would part from plain decoding's. In float32 such
+    differences stay in the last bits, and verify keeps its faster forms."""
+    return dtype in (mx.bfloat16, mx.float16)
+
+
+def fused_exp_for(record: bool, dtype=None) -> bool:
     """Whether a forward's activations take their exponentials from the fused
-    exp: recorded (verify) blocks on a CPU. Plain steps and prefills keep
-    MLX's ops, which are mlx-lm's; on the GPU the exp is no bottleneck."""
-    return record and mx.default_device() != mx.gpu
+    exp: recorded (verify, draft) blocks on a CPU, unless ``dtype`` (a
+    target's activations) makes its rows :func:`row_exact`. Plain steps and
+    prefills keep MLX's ops, which are mlx-lm's; on the GPU the exp is no
+    bottleneck."""
+    return record and mx.default_device() != mx.gpu and not (dtype is not None and row_exact(dtype))
 
 
 def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, *,
@@ -487,11 +545,11 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=
 
     ``decode_block``: the rows of a verify or draft block. On a CPU, T > 1
     such rows compute their softmax with the fused exp above (same math, the
-    exp within 1 ulp, float32). Everything else (prefill, single rows, the
+    exp within 1 ulp, float32), unless q is half precision (:func:`row_exact`). Everything else (prefill, single rows, the
     GPU) is that call, op for op what mlx-lm runs: plain decoding stays
     mlx-lm's token stream, in bf16 too."""
     T, L = q.shape[2], keys.shape[2]
-    if not fused_exp_for(decode_block) or T == 1 or T * L < FUSED_SOFTMAX_MIN:
+    if not fused_exp_for(decode_block, q.dtype) or T == 1 or T * L < FUSED_SOFTMAX_MIN:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     B, H, _, D = q.shape
     Hkv = keys.shape[1]

@@ -137,7 +137,7 @@ class Target:
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return attn.o_proj(self._gate(out, gate, kernels.fused_exp_for(verify)))
+        return attn.o_proj(self._gate(out, gate, kernels.fused_exp_for(verify, x.dtype)))
 
     def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool, parents=None) -> mx.array:
         B, T, _ = x.shape
@@ -152,7 +152,7 @@ class Target:
         if conv_state is None:
             conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        fused = kernels.fused_exp_for(record)
+        fused = kernels.fused_exp_for(record, x.dtype)
         conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fused)
         qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
         q = qc.reshape(B, T, Hk, Dk)
@@ -164,10 +164,12 @@ class Target:
         ssm = st.ssm
         if ssm is None:
             ssm = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+        stepwise = record and kernels.row_exact(x.dtype)
         if parents is None:
-            y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record)
+            y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
         else:
-            y, new_ssm, tape = kernels.gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record)
+            y, new_ssm, tape = kernels.gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record,
+                                                        stepwise=stepwise)
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
@@ -199,7 +201,7 @@ class Target:
             else:
                 r = self._attention(layer.self_attn, x, c, tree, verify=record)
             h = h + r
-            h = h + self._mlp(layer, layer.post_attention_layernorm(h), kernels.fused_exp_for(record))
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h), kernels.fused_exp_for(record, h.dtype))
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
@@ -220,21 +222,21 @@ class Target:
                 if c.ssm is None:
                     c.ssm = mx.zeros((1, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
                 ssm0 = c.ssm
-                out = self._fn(i, T, "linear", record)(h, c.conv, c.ssm)
+                out = self._fn(i, T, "linear", record, h.dtype)(h, c.conv, c.ssm)
                 h, c.conv, c.ssm = out[:3]
                 c.tape = (ssm0, *out[3:], la.conv_kernel_size) if record else None
             else:
-                q, k, v, gate = self._fn(i, T, "pre", record)(h, mx.array(c.offset, dtype=mx.int32))
+                q, k, v, gate = self._fn(i, T, "pre", record, h.dtype)(h, mx.array(c.offset, dtype=mx.int32))
                 o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None, record)
-                h = self._fn(i, T, "post", record)(h, o, gate)
+                h = self._fn(i, T, "post", record, h.dtype)(h, o, gate)
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
 
-    def _fn(self, i: int, T: int, kind: str, record: bool):
+    def _fn(self, i: int, T: int, kind: str, record: bool, dtype):
         """Layer i's compiled piece for T rows: "linear" (a DeltaNet layer),
         "pre" / "post" (an attention layer's work before / after the KV attend)."""
-        fused = kernels.fused_exp_for(record)
+        fused = kernels.fused_exp_for(record, dtype)
         key = (i, T, kind, record, fused)
         fn = self._fns.get(key)
         if fn is not None:
