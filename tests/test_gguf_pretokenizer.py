@@ -151,6 +151,22 @@ def test_groups_differ_where_their_splits_do(folders, tmp_path):
     assert len({json.dumps(v) for v in got.values()}) == 4
 
 
+@pytest.mark.parametrize("pre, kind", [("gpt-2", "gpt2"), ("mpt", "gpt2"), ("qwen2", "qwen2"),
+                                       ("hunyuan", "qwen2"), ("qwen35", "qwen35"), ("default", "default"),
+                                       (None, "default")], ids=str)
+def test_split_equals_llama_cpp(folders, tmp_path, pre, kind):
+    # llama.cpp's own tokenizer on the same file. It normalizes no BPE text
+    # and we add Qwen's NFC, so the texts are given in NFC.
+    import unicodedata
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    path = convert_hf_to_gguf(folders[kind][0], tmp_path / "m.gguf", pre=pre)
+    tok = load_tokenizer(write_tokenizer(open_gguf(path), tmp_path / "tok"))
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    texts = [unicodedata.normalize("NFC", s) for s in TEXTS]
+    assert encode_all(tok, texts) == [llm.tokenize(s.encode(), add_bos=False, special=True) for s in texts]
+
+
 def test_gpt2_gguf_with_mtp_block_decodes_as_without(folders, tmp_path):
     # The converter keeps Qwen3.5's MTP block by default (blk.N.nextn.*): the
     # file still loads and greedy-decodes as the same model converted without it.
