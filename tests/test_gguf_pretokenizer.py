@@ -43,7 +43,7 @@ CORPUS = (
 
 TEXTS = [
     "def f(x_1):\n    return x_1 ** 2  # square\n\n\tif a != b: pass\r\n",
-    "I'm sure they'll say it's fine; WE'VE/we've, you'd DON'T 'tis o'clock",
+    "I'm sure they'll say it's fine; IT'S WE'VE/we've, you'd DON'T I'M 'tis O'Sullivan O'DONNELL o'clock",
     "12345678 1,000,000.25 3.14159 007 x86_64 2024-12-01 ١٢٣ १२३",
     "नमस्ते दुनिया; café cafe\u0301 re\u0301sume\u0301 中文字符，日本語。한국어 🙂👍🏽🇫🇷",
     "a   b\t\t c \n\n\n  d    \n   leading and trailing   ",
@@ -59,6 +59,15 @@ def hf_tokenizer(path: Path, kind: str) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
+    # Trained on coarse pieces (words with their punctuation, whitespace runs)
+    # of text that includes the test texts, so merges span the boundaries where
+    # splits differ: a split other than the tokenizer's own gives other ids.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r" ?\S+|\s+"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=tiny.SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CORPUS, "".join(TEXTS) * 3, tiny._CORPUS], trainer=trainer)
     if kind == "gpt2":  # GPT-2's tokenizer.json: no normalizer, ByteLevel with its own regex
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -69,9 +78,6 @@ def hf_tokenizer(path: Path, kind: str) -> Path:
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
             + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=tiny.SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([CORPUS, tiny._CORPUS], trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    chat_template=tiny.CHAT_TEMPLATE)
     fast.save_pretrained(str(path))
