@@ -117,7 +117,8 @@ def _write_vocab(w: GGUFWriter, tok_dir: Path, vocab_size: int, pre: str, extra_
             tokens.append(reverse[i])
             types.append(TokenType.NORMAL)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
+    if pre is not None:  # None: a file from before the converter wrote the key
+        w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     SpecialVocab(tok_dir, load_merges=True, n_vocab=len(tokens)).add_to_gguf(w)

@@ -40,22 +40,45 @@ from ..errors import DFlashError
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 
-# Pre-tokenizer split patterns by ``tokenizer.ggml.pre``, as llama.cpp's
-# llama-vocab.cpp defines them (and as the models' tokenizer.json write them).
-# qwen35 differs from qwen2 in keeping combining marks (\p{M}) with letters.
-QWEN2_PRETOKENIZE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-QWEN35_PRETOKENIZE = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = {  # name -> split regex (None: GPT-2's own byte-level regex)
-    "gpt2": None,
-    "qwen2": QWEN2_PRETOKENIZE,
-    "deepseek-r1-qwen": QWEN2_PRETOKENIZE,
-    "qwen35": QWEN35_PRETOKENIZE,
+# ``tokenizer.ggml.pre`` -> split rule -> regexes, after llama.cpp's
+# src/llama-vocab.cpp (the name -> LLAMA_VOCAB_PRE_TYPE_* chain, then the
+# type -> regex list switch). A rule's regexes apply in turn, each cutting every
+# piece into its matches and the text between them (a Split "isolated" each).
+# Listed: every name whose type uses one of the rules below; other types
+# (llama3, deepseek, gpt-4o, ...) have rules not written here.
+PRE_SPLITS = {
+    # GPT-2's pattern. HF's ByteLevel regex adds a final "|\s+"; it changes no
+    # split, since any whitespace this one leaves unmatched stays a piece anyway.
+    "gpt2": (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",),
+    # Qwen2's and Qwen3.5's tokenizer.json patterns (llama.cpp spells the
+    # case-insensitive contractions out); qwen35 keeps combining marks (\p{M})
+    # with letters, so Devanagari vowel signs stay in their word.
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    # llama.cpp's fallback for a BPE vocabulary: punctuation runs, GPT-2's
+    # pattern, digit runs, then digits in threes.
+    "default": (r"[\p{P}\$\+<=>\^~\|]+",
+                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+                r"\p{N}+", r"[0-9][0-9][0-9]"),
 }
+# llama.cpp normalizes no BPE text; Qwen2's and Qwen3.5's tokenizer.json
+# declare NFC (GPT-2's declares nothing), so the Qwen rules add it.
+NFC_SPLITS = {"qwen2", "qwen35"}
+PRE_TOKENIZERS = {
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4",
+                     # types of their own that use GPT-2's regex
+                     "mpt", "olmo", "jais", "trillion", "granite-docling"), "gpt2"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez",
+                     # types of their own that use Qwen2's regex
+                     "stablelm2", "hunyuan", "solar-open", "grok-2"), "qwen2"),
+    "qwen35": "qwen35",
+    "default": "default",  # also what llama.cpp uses when the key is missing
+}
+# "gpt2" is the tokenizer *model* name; llama.cpp refuses it as a pre name and
+# no converter writes it, so it is not listed.
 # Tokens llama.cpp treats as end of generation by their text, besides the
 # eos/eot/eom ids the metadata names.
 EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
@@ -508,35 +531,36 @@ def lazy_target(cfg: dict):
 
 def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` from tokenizer.ggml.* (byte-level BPE), with
-    the split regex llama.cpp uses for ``tokenizer.ggml.pre`` and, for the Qwen
-    types, the NFC normalizer Qwen's tokenizer.json declares."""
+    the split llama.cpp uses for ``tokenizer.ggml.pre`` and, for the Qwen
+    rules, the NFC normalizer Qwen's tokenizer.json declares."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     model_kind = field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise DFlashError(f"unsupported GGUF tokenizer model {model_kind!r} (only byte-level BPE 'gpt2')")
     pre = field(reader, "tokenizer.ggml.pre")
-    if pre is None:  # llama.cpp falls back to a generic split and warns of degraded output
-        raise DFlashError(f"GGUF has no tokenizer.ggml.pre (pre-tokenizer type); supported: "
-                          f"{', '.join(PRE_TOKENIZERS)}")
+    if pre is None:  # as llama.cpp: the default split, with a warning
+        import sys
+
+        sys.stderr.write("warning: the GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' split, "
+                         "which llama.cpp warns degrades generation (regenerate the file)\n")
+        pre = "default"
     if pre not in PRE_TOKENIZERS:
-        raise DFlashError(f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
-                          f"supported: {', '.join(PRE_TOKENIZERS)}")
+        raise DFlashError(f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre): supported are the "
+                          f"{len(PRE_TOKENIZERS)} llama.cpp names that use its GPT-2, Qwen2, Qwen3.5 or default "
+                          f"split (docs/gguf.md)")
+    rule = PRE_TOKENIZERS[pre]
     tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
     merges = list(field(reader, "tokenizer.ggml.merges") or [])
     types = list(field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    regex = PRE_TOKENIZERS[pre]
-    if regex is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
+    if rule in NFC_SPLITS:
         tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[rule]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     # CONTROL tokens are special (skipped when decoding); USER_DEFINED ones
     # (Qwen's <think>, <tool_call>, ...) are matched whole but decoded as text.
