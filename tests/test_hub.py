@@ -106,13 +106,13 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading.hub import DraftHint, resolve
 
 def toks(e):
-    return mlx_dflash.generate(e, {prompt!r}, max_tokens=24, adaptive=False).tokens
+    return mlx_dflash.generate(e, {prompt!r}, max_tokens=16, adaptive=False).tokens
 
 out = {{}}
 hub = mlx_dflash.load("test-org/tiny-target", draft="test-org/tiny-draft", dtype=mx.float32)
 local = mlx_dflash.load(DEFAULT_MODEL, draft=DEFAULT_DRAFT, dtype=mx.float32)
 out["hub"], out["local"] = toks(hub), toks(local)
-out["local_text"] = mlx_dflash.generate(local, {prompt!r}, max_tokens=24, adaptive=False).text
+out["local_text"] = mlx_dflash.generate(local, {prompt!r}, max_tokens=16, adaptive=False).text
 out["paths"] = [str(hub.model_path), str(hub.draft_path)]
 out["hub_draft_block"] = hub.draft.block_size
 g = mlx_dflash.load("test-org/tiny-GGUF:F32")
@@ -149,7 +149,7 @@ def api(hub):
 
 
 def test_load_by_hub_id_equals_the_local_folders(hub, api):
-    assert api["hub"] == api["local"] and len(api["hub"]) == 24
+    assert api["hub"] == api["local"] and len(api["hub"]) == 16
     cache = str(hub["cache"])
     assert api["paths"][0].startswith(cache + "/models--test-org--tiny-target/snapshots/")
     assert api["paths"][1] == f"{cache}/models--test-org--tiny-draft/snapshots/{hub['main']}"
@@ -172,7 +172,7 @@ def test_gguf_repo_resolves_the_one_named_file(hub, api):
     assert r["test-org/tiny-GGUF:F32"].startswith(f32) and r["test-org/tiny-GGUF:F32"].endswith("/tiny-F32.gguf")
     assert r["test-org/tiny-GGUF:f32"] == r["test-org/tiny-GGUF/tiny-F32.gguf"] == r["test-org/tiny-GGUF:F32"]
     assert api["gguf_path"] == r["test-org/tiny-GGUF:F32"]
-    assert api["gguf"] == api["gguf_local"] and len(api["gguf"]) == 24
+    assert api["gguf"] == api["gguf_local"] and len(api["gguf"]) == 16
     # no such tag: the files there; no tag at all: name one; no such file: the hub's answer
     assert r["test-org/missing"].startswith("error: 'test-org/missing' is not a local path")
     assert "no GGUF file tagged 'Q5_K_M'" in r["test-org/tiny-GGUF:Q5_K_M"]
@@ -191,7 +191,7 @@ def test_missing_repo_is_one_clear_error(hub):
 
 def test_cli_generate_by_hub_id_equals_local_paths(hub, api):
     r = run_cli(hub, "generate", "-m", "test-org/tiny-target", "-d", "test-org/tiny-draft", PROMPT,
-                "-n", "24", "--dtype", "float32", "--no-adaptive", "--no-chat-template")
+                "-n", "16", "--dtype", "float32", "--no-adaptive", "--no-chat-template")
     assert r.returncode == 0, r.stderr
     assert r.stdout == api["local_text"] + "\n" and len(api["local_text"]) > 10  # the local folders' text
     assert "no draft given" not in r.stderr
@@ -244,3 +244,148 @@ def test_what_counts_as_a_hub_id(tmp_path):
         assert resolve("org/name") == Path("org/name")
     finally:
         os.chdir(cwd)
+
+
+# --- the download path, against a local stand-in for the Hub -------------------------------
+
+class FakeHub:
+    """The few Hub endpoints huggingface_hub's downloads call (repo info, tree listing,
+    HEAD/GET of resolve/), served from memory on 127.0.0.1; logs the files fetched."""
+
+    def __init__(self, repos: dict, gated=()):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.repos, self.gated, self.fetched = repos, set(gated), []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_HEAD(self):
+                self.answer(body=False)
+
+            def do_GET(self):
+                self.answer(body=True)
+
+            def reply(self, code, data=b"", headers=(), body=True):
+                self.send_response(code)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+            def error(self, code, err, body):
+                self.reply(code, b"{}", [("X-Error-Code", err), ("Content-Type", "application/json")], body)
+
+            def answer(self, body):
+                from urllib.parse import unquote, urlparse
+
+                parts = [unquote(p) for p in urlparse(self.path).path.strip("/").split("/")]
+                api = parts[0] == "api"
+                if api:
+                    parts = parts[2:]  # api/models/
+                repo, rest = "/".join(parts[:2]), parts[2:]
+                if repo not in hub.repos:
+                    return self.error(404 if api else 401, "RepoNotFound", body)
+                commits = hub.repos[repo]
+                kind, rev, path = rest[0], rest[1], "/".join(rest[2:])
+                if rev not in commits:
+                    rev = next((c for c in commits if commits[c]["refs"] and rev in commits[c]["refs"]), None)
+                if rev is None:
+                    return self.error(404, "RevisionNotFound", body)
+                files = commits[rev]["files"]
+                if api and kind == "revision":
+                    info = {"id": repo, "sha": rev, "siblings": [{"rfilename": f} for f in files]}
+                    return self.reply(200, json.dumps(info).encode(), [("Content-Type", "application/json")], body)
+                if api and kind == "tree":
+                    tree = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                            for f, d in files.items()]
+                    return self.reply(200, json.dumps(tree).encode(), [("Content-Type", "application/json")], body)
+                if repo in hub.gated:
+                    return self.error(403, "GatedRepo", body)
+                if path not in files:
+                    return self.error(404, "EntryNotFound", body)
+                if body:
+                    hub.fetched.append(f"{repo}/{path}")
+                data = files[path]
+                self.reply(200, data, [("X-Repo-Commit", rev), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"')],
+                           body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def read_all(files: dict) -> dict:
+    return {k: v if isinstance(v, bytes) else Path(v).read_bytes() for k, v in files.items()}
+
+
+DOWNLOAD = """
+import json, warnings
+import mlx.core as mx
+import mlx_dflash
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.loading.hub import resolve
+
+out = {}
+e = mlx_dflash.load("test-org/tiny-target", draft="test-org/tiny-draft@v1", dtype=mx.float32)
+out["tokens"] = mlx_dflash.generate(e, "def fibonacci(n):", max_tokens=16, adaptive=False).tokens
+out["draft_block"] = e.draft.block_size
+out["gguf"] = str(resolve("test-org/tiny-GGUF:F32"))
+for spec in ("test-org/missing", "test-org/gated", "test-org/tiny-target@nope"):
+    try:
+        resolve(spec)
+        out[spec] = "resolved"
+    except DFlashError as err:
+        out[spec] = str(err)
+print(json.dumps(out))
+"""
+
+
+def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
+    target, draft = read_all(folder_files(DEFAULT_MODEL)), read_all(folder_files(DEFAULT_DRAFT))
+    old = json.loads(draft["config.json"])
+    old["block_size"] = 8
+    gguf = Path(hub["gguf"]).read_bytes()
+    extras = {"README.md": b"# tiny\n", "modeling_tiny.py": b"raise SystemExit\n", "sub/other.safetensors": b"x",
+              ".gitattributes": b"*.safetensors filter=lfs\n"}
+    fake = FakeHub({
+        "test-org/tiny-target": {"c" * 40: {"refs": ["main"], "files": {**target, **extras}}},
+        "test-org/tiny-draft": {"a" * 40: {"refs": ["v1"], "files": {**draft, "config.json": json.dumps(old).encode()}},
+                                "b" * 40: {"refs": ["main"], "files": draft}},
+        "test-org/tiny-GGUF": {"d" * 40: {"refs": ["main"], "files": {
+            "tiny-F32.gguf": gguf, "tiny-Q8_0.gguf": b"GGUF" + bytes(1 << 20), "mmproj-tiny-F32.gguf": b"x"}}},
+        "test-org/gated": {"e" * 40: {"refs": ["main"], "files": {"config.json": b"{}"}}},
+    }, gated={"test-org/gated"})
+    env = {**hub["env"], "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": fake.url, "HF_TOKEN": ""}
+    del env["HF_HUB_OFFLINE"]
+    try:
+        r = subprocess.run([sys.executable, "-c", DOWNLOAD], env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        fake.close()
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sorted(fake.fetched) == sorted(
+        [f"test-org/tiny-target/{f}" for f in target] + [f"test-org/tiny-draft/{f}" for f in draft]
+        + ["test-org/tiny-GGUF/tiny-F32.gguf"])  # no README, code, subfolder, other GGUF
+    assert "Fetching" in r.stderr  # huggingface_hub's progress bars
+    assert out["draft_block"] == 8 and out["gguf"].endswith("/tiny-F32.gguf")
+    assert "no repo test-org/missing on the Hub" in out["test-org/missing"]
+    assert "test-org/gated is gated" in out["test-org/gated"]
+    assert "has no revision 'nope'" in out["test-org/tiny-target@nope"]
+    # the Hub gone (server closed, HF_HUB_OFFLINE unset): the cached files are used
+    r2 = subprocess.run([sys.executable, "-c", DOWNLOAD.replace('"test-org/tiny-GGUF:F32"',
+                                                                '"test-org/tiny-GGUF/tiny-F32.gguf"')],
+                        env=env, capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0, r2.stderr
+    out2 = json.loads(r2.stdout.strip().splitlines()[-1])
+    assert out2["tokens"] == out["tokens"] and out2["draft_block"] == 8 and out2["gguf"] == out["gguf"]
+    assert "not in the Hugging Face cache and the Hub cannot be reached" in out2["test-org/missing"]
