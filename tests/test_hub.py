@@ -340,7 +340,7 @@ e = mlx_dflash.load("test-org/tiny-target", draft="test-org/tiny-draft@v1", dtyp
 out["tokens"] = mlx_dflash.generate(e, "def fibonacci(n):", max_tokens=16, adaptive=False).tokens
 out["draft_block"] = e.draft.block_size
 out["gguf"] = str(resolve("test-org/tiny-GGUF:F32"))
-for spec in ("test-org/missing", "test-org/gated", "test-org/tiny-target@nope"):
+for spec in ("test-org/missing", "test-org/gated", "test-org/tiny-target@nope", "test-org/tiny-GGUF/other.gguf"):
     try:
         resolve(spec)
         out[spec] = "resolved"
@@ -381,6 +381,7 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert "no repo test-org/missing on the Hub" in out["test-org/missing"]
     assert "test-org/gated is gated" in out["test-org/gated"]
     assert "has no revision 'nope'" in out["test-org/tiny-target@nope"]
+    assert out["test-org/tiny-GGUF/other.gguf"].endswith("test-org/tiny-GGUF has no file other.gguf")
     # the Hub gone (server closed, HF_HUB_OFFLINE unset): the cached files are used
     r2 = subprocess.run([sys.executable, "-c", DOWNLOAD.replace('"test-org/tiny-GGUF:F32"',
                                                                 '"test-org/tiny-GGUF/tiny-F32.gguf"')],

@@ -55,7 +55,7 @@ def resolve(path_or_id: Union[str, Path, None]) -> Optional[Path]:
     if parsed is None:
         return p  # the loaders say the path does not exist
     repo, rev, quant, file = parsed
-    with _hub_errors(str(path_or_id), repo, rev):
+    with _hub_errors(str(path_or_id), repo, rev, file):
         if file is not None:
             return _download_file(repo, file, rev)
         if quant is not None:
@@ -141,8 +141,8 @@ def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
 class _hub_errors:
     """huggingface_hub's exceptions as one DFlashError naming the id and the cause."""
 
-    def __init__(self, spec: str, repo: str, rev: Optional[str]):
-        self.spec, self.repo, self.rev = spec, repo, rev
+    def __init__(self, spec: str, repo: str, rev: Optional[str], file: Optional[str]):
+        self.spec, self.repo, self.rev, self.file = spec, repo, rev, file
 
     def __enter__(self):
         return self
@@ -165,7 +165,7 @@ class _hub_errors:
                    + " is not in the Hugging Face cache and the Hub cannot be reached"
                    + (" (HF_HUB_OFFLINE is set)" if _offline() else " (no network?)"))
         elif isinstance(e, he.EntryNotFoundError):
-            msg = f"{where}: {self.repo} has no such file ({e})"
+            msg = f"{where}: {self.repo} has no file {self.file or ''}".rstrip()
         elif isinstance(e, (he.HfHubHTTPError, OSError)) or _no_network(e):
             msg = f"{where}: cannot fetch {self.repo}: {type(e).__name__}: {e}"
         else:
