@@ -1,5 +1,6 @@
 """Python API in the style of mlx-lm: load, generate, stream_generate."""
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple, Union
@@ -10,6 +11,7 @@ from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 from .loading import load_draft, load_target, load_tokenizer
 from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
+from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 from .sampling import Sampler
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -26,6 +28,8 @@ class Engine:
     draft: Optional[object] = None
     model_path: Optional[Path] = None
     draft_path: Optional[Path] = None
+    # Loaded without a draft: the published DFlash draft(s) that fit the target (hub ids).
+    suggested_drafts: List[str] = field(default_factory=list)
 
     def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
                system: Optional[str] = None, chat_template_config: Optional[dict] = None) -> List[int]:
@@ -57,18 +61,26 @@ def load(
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
+    ``model`` and ``draft`` are local paths or Hugging Face Hub ids: ``org/name``,
+    ``org/name@revision``, and for a GGUF repo ``org/name:QUANT`` or
+    ``org/name/FILE.gguf`` (fetched into the Hugging Face cache, or read from it
+    offline; see :mod:`mlx_dflash.loading.hub`). A path that exists wins.
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
+    A target loaded without a draft for which a published DFlash draft exists
+    gets ``suggested_drafts`` and a :class:`~mlx_dflash.loading.hub.DraftHint` warning.
     ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
     ``draft_quantize`` = 4 or 8 quantizes the draft at load.
     ``compile`` (default): decode-time forwards run as ``mx.compile``'d
     pieces (same results, fewer dispatches); False runs plain MLX ops.
     """
+    name = str(model) if model is not None else ""
     if model is None:
         model = DEFAULT_MODEL
         if draft is None:
             draft = DEFAULT_DRAFT
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
+    model, draft = resolve(model), resolve(draft)
     if is_gguf(model):  # a llama.cpp file: weights and tokenizer (checked first) from it
         tok_dir = tokenizer_dir_for(model)
         target, _ = load_gguf_target(model, dtype=dtype, progress=True)
@@ -81,7 +93,12 @@ def load(
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
     set_compiled(target, d, compile)
-    return Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None)
+    engine = Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None)
+    if d is None:
+        engine.suggested_drafts = suggest_draft(target.config, name)
+        if engine.suggested_drafts:
+            warnings.warn(draft_hint(engine.suggested_drafts), DraftHint, stacklevel=2)
+    return engine
 
 
 def set_compiled(target, draft, on: bool) -> None:

@@ -67,6 +67,25 @@ AUTO_TREE_OPTION = typer.Option(
                            "many draft nodes (from their measured costs and the tokens each commits); 0 = chains.")
 
 
+HUB_IDS = ("a Hugging Face id (org/name or org/name@revision; a GGUF repo's file as org/name:QUANT "
+           "or org/name/FILE.gguf), fetched into the Hugging Face cache")
+
+
+def _local(path: Optional[Path]) -> Optional[Path]:
+    """A path argument that may be a Hugging Face id, as a local path (see loading/hub.py)."""
+    from .loading.hub import resolve
+
+    return resolve(path)
+
+
+def _say_draft_hint(engine, baseline: bool = False) -> None:
+    """One stderr line naming the published draft when a target was loaded without one."""
+    from .loading.hub import draft_hint
+
+    if engine.draft is None and not baseline and engine.suggested_drafts:
+        typer.echo(f"mlx-dflash: {draft_hint(engine.suggested_drafts)} (pass it with -d)", err=True)
+
+
 def _check_trees(tree_budget: int, auto_tree: int) -> None:
     if tree_budget < 0 or auto_tree < 0:
         raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
@@ -116,12 +135,13 @@ def generate(
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
     model: Optional[Path] = typer.Option(
         None, "--model", "-m",
-        help="Target folder (HF or MLX safetensors) or llama.cpp GGUF file. Default: the embedded pair shipped "
-             "with the package."),
+        help="Target folder (HF or MLX safetensors), llama.cpp GGUF file, or " + HUB_IDS + ". Default: the "
+             "embedded pair shipped with the package."),
     draft: Optional[Path] = typer.Option(
         None, "--draft", "-d", "--draft-model",
-        help="DFlash draft folder (z-lab format) or draft GGUF. Default: the embedded draft with the embedded "
-             "target; none (plain decoding) with another --model."),
+        help="DFlash draft folder (z-lab format), draft GGUF, or Hugging Face id (e.g. z-lab/Qwen3.5-9B-DFlash). "
+             "Default: the embedded draft with the embedded target; none (plain decoding, naming the published "
+             "draft when one fits) with another --model."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
     block_size: Optional[int] = typer.Option(
         None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
@@ -206,7 +226,7 @@ def generate(
     if pipeline:
         from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
 
-        stage = load_stage(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize,
+        stage = load_stage(_local(model), _local(draft), dtype=_dtype(dtype), draft_quantize=draft_quantize,
                            timeout=pipeline_timeout, compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
@@ -229,6 +249,7 @@ def generate(
     template_kwargs = _template_config(chat_template_config)
     engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype),
                                                          draft_quantize=draft_quantize, compile=compile_)
+    _say_draft_hint(engine, baseline)
     for tok in extra_eos_token or ():
         try:
             engine.tokenizer.add_eos_token(tok)
@@ -277,9 +298,10 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 @app.command()
 def chat(
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder or GGUF file. Default: the embedded pair."),
+        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="DFlash draft folder. Default: the embedded draft with the embedded target."),
+        None, "--draft", "-d", help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
+                                    "with the embedded target."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per reply."),
     block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens verified per cycle (default: the draft's)."),
@@ -312,6 +334,7 @@ def chat(
         raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
     _check_trees(tree_budget, auto_tree)
     engine = load(model, draft, dtype=_dtype(dtype), compile=compile_)
+    _say_draft_hint(engine, baseline)
     use_draft = engine.draft is not None and not baseline
     if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
@@ -364,7 +387,7 @@ def chat(
 
 @app.command("train-draft")
 def train_draft_cmd(
-    model: Path = typer.Option(..., "--model", "-m", help="Target folder the draft is trained for."),
+    model: Path = typer.Option(..., "--model", "-m", help="Target folder (or Hugging Face id) the draft is trained for."),
     out: Path = typer.Option(..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."),
     corpus: Optional[List[Path]] = typer.Option(
         None, "--corpus", help="Text files, folders of them, or JSONL files (repeatable)."),
@@ -430,7 +453,7 @@ def train_draft_cmd(
         arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
         conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
     )
-    summary = train_draft(model, out, corpus=corpus or None, generate_from=generate_from,
+    summary = train_draft(_local(model), out, corpus=corpus or None, generate_from=generate_from,
                           text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
     acc = summary["final_acc"] or []
     typer.echo(f"wrote {out}: {summary['steps']} steps, final loss {summary['final_loss']:.3f}, "
@@ -439,8 +462,10 @@ def train_draft_cmd(
 
 @app.command()
 def bench(
-    model: Optional[Path] = typer.Option(None, "--model", "-m", help="Target folder (default: the embedded pair)."),
-    draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Draft folder (default: the embedded draft)."),
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="Target folder, GGUF or Hugging Face id (default: the embedded pair)."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d", help="Draft folder, GGUF or Hugging Face id (default: the embedded draft)."),
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
@@ -490,12 +515,14 @@ def bench(
     if pipeline:
         from .distributed import load as load_stage
 
-        stage = load_stage(model, draft, dtype=_dtype(dtype), timeout=pipeline_timeout, compile=compile_)
+        stage = load_stage(_local(model), _local(draft), dtype=_dtype(dtype), timeout=pipeline_timeout,
+                           compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
             return
     typer.echo(f"BLAS: {blas.describe()}", err=True)
     engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype), compile=compile_)
+    _say_draft_hint(engine)
     if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
         raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     second = None
@@ -505,7 +532,7 @@ def bench(
         from .loading import load_draft
 
         # as load() does for the first: the embedded pair runs in float32
-        second = load_draft(draft2, engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        second = load_draft(_local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
         second.compiled = compile_
         if block_size is not None and not 2 <= block_size <= second.block_size:
             raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
@@ -519,7 +546,9 @@ def bench(
 
 @app.command()
 def convert(
-    gguf_file: Path = typer.Argument(..., help="A qwen35 / qwen35moe GGUF file (llama.cpp)."),
+    gguf_file: Path = typer.Argument(
+        ..., help="A qwen35 / qwen35moe GGUF file (llama.cpp), or a Hugging Face GGUF repo's file "
+                  "(org/name:QUANT or org/name/FILE.gguf)."),
     out: Path = typer.Argument(..., help="Output MLX folder (safetensors, config.json, tokenizer, chat template)."),
     keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float (no requantization)."),
     bits: Optional[List[str]] = typer.Option(
@@ -551,6 +580,7 @@ def convert(
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
     tic = time.perf_counter()
+    gguf_file = _local(gguf_file)
     tok_dir = tokenizer_dir_for(gguf_file)
     target, cfg = load_gguf_target(gguf_file, keep_precision=keep_precision, bits=bmap or None,
                                    dtype=_dtype(dtype), progress=True)
@@ -564,8 +594,10 @@ def convert(
 
 @app.command()
 def info(
-    path: Path = typer.Argument(..., help="A target or draft folder, or a GGUF file (target or draft)."),
-    draft: Optional[Path] = typer.Option(None, "--draft", "-d", help="Also check whether this draft fits the target."),
+    path: Path = typer.Argument(
+        ..., help="A target or draft folder, a GGUF file (target or draft), or " + HUB_IDS + "."),
+    draft: Optional[Path] = typer.Option(
+        None, "--draft", "-d", help="Also check whether this draft (folder, GGUF or Hugging Face id) fits the target."),
     stages: int = typer.Option(
         0, "--stages", help="Also show how --pipeline would split the target over this many processes "
                             "(layers and bytes per rank; nothing is loaded)."),
@@ -573,6 +605,7 @@ def info(
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
+    path, draft = _local(path), _local(draft)
     typer.echo(describe(path, draft))
     if stages:
         from .distributed import plan
@@ -585,10 +618,11 @@ def info(
 @app.command()
 def serve(
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder or GGUF file. Default: the embedded pair shipped with the package."),
+        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair "
+                                    "shipped with the package."),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="DFlash draft folder. Default: the embedded draft with the embedded target; "
-                                    "none (plain decoding) with another --model."),
+        None, "--draft", "-d", help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
+                                    "with the embedded target; none (plain decoding) with another --model."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback unless told otherwise."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: Optional[str] = typer.Option(
@@ -671,8 +705,8 @@ def serve(
 
         from .distributed import load as load_stage, stream_generate as pipe_generate
 
-        stage = load_stage(model, draft, dtype=dt, draft_quantize=draft_quantize, timeout=pipeline_timeout,
-                           compile=compile_)
+        stage = load_stage(_local(model), _local(draft), dtype=dt, draft_quantize=draft_quantize,
+                           timeout=pipeline_timeout, compile=compile_)
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 shuts down
             return
@@ -708,6 +742,7 @@ def serve(
     def load_engine():
         engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize,
                                                              compile=compile_)
+        _say_draft_hint(engine)
         if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
             raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
         return engine
@@ -727,8 +762,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         from . import blas
 
         blas.ensure_openblas("auto", argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+    import warnings
+
+    from .loading.hub import DraftHint
+
     try:
-        app(args=argv, standalone_mode=True)
+        with warnings.catch_warnings():  # the commands print load()'s draft hint as one line of their own
+            warnings.simplefilter("ignore", DraftHint)
+            app(args=argv, standalone_mode=True)
     except DFlashError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2)
