@@ -118,6 +118,33 @@ def test_every_snapshot_restores_a_plain_forward(engines, which):
     assert_cache_is_plain_forward(target, cache, seq[:90] + [5, 6, 7])
 
 
+@pytest.mark.parametrize("which", ["moe", "dense"])  # unwindowed / windowed draft
+def test_restored_draft_context_equals_a_cold_one(engines, which):
+    """Every snapshot's draft context, restored, is the context a cold
+    prefill of its tokens gives the draft, and so are the draft's next
+    logits (a restore that altered the rows would change the proposals)."""
+    eng = engines[which]
+    draft = eng.draft
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(21, 70)
+    mlx_dflash.generate(eng, prompt, max_tokens=8, prefix_cache=pc)
+    snaps = [s for s in pc._snaps if s.draft is not None]
+    assert sorted(s.kind for s in snaps) == ["boundary", "end", "rung", "rung"]
+    assert all((s.draft.keys is None) == (which == "moe") for s in snaps)  # rows in the segments / own
+    for snap in snaps:
+        dcache = draft.make_cache()
+        pc._restore(snap, eng.target.make_cache(), dcache)
+        cold = draft.make_cache()
+        _, f = eng.target.forward(list(snap.tokens), eng.target.make_cache(), capture=draft.target_layer_ids,
+                                  logits="none")
+        draft.add_context(f, cold)
+        assert dcache.length == cold.length == snap.n and dcache.positions == cold.positions
+        for got, want in zip(dcache.keys + dcache.values, cold.keys + cold.values):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        block = [draft(None, 7, snap.n, draft.block_size, c) for c in (dcache, cold)]
+        np.testing.assert_allclose(np.array(block[0]), np.array(block[1]), rtol=1e-4, atol=1e-4)
+
+
 def _all_arrays(pc):
     return [np.array(a) for s in pc._snaps for a in s.arrays()]
 
@@ -152,7 +179,11 @@ def test_equal_length_prompts_differing_in_one_token_never_share(engines):
         # Only the boundary at 79 (== a[:79]) can start b, and only if b differs after it.
         assert rb.stats.cached_tokens == (79 if j == 79 else 0)
         assert rb.tokens == mlx_dflash.generate(eng, b, max_tokens=8).tokens
-        assert pc.lookup(b + [9]).tokens != tuple(a[:80]) if j < 79 else True
+        # b's next turn finds b's longest snapshot (its end), never one of a's;
+        # a prompt between b's boundary and end finds the boundary (a's, the
+        # same tokens, when a and b differ only in the last token).
+        assert pc.lookup(b + rb.tokens).tokens == tuple(b + rb.tokens[:-1])
+        assert pc.lookup(b + [9]).tokens == tuple(b[:79])
 
 
 def test_shared_system_prompt_reuses_the_rung_below_the_divergence(engines):
@@ -236,10 +267,19 @@ def test_byte_accounting_equals_device_memory(engines, which, exact_allocations)
 
 def test_budget_too_small_for_one_snapshot(engines):
     eng = engines["dense"]
-    pc = PrefixCache(max_bytes=1000)
-    with pytest.raises(DFlashError, match="too small for one snapshot"):
-        mlx_dflash.generate(eng, ids(1, 20), max_tokens=4, prefix_cache=pc)
-    assert len(pc) == 0
+    prompt = ids(1, 20)
+    # The least one snapshot holds: its recurrent state and one KV row, read off a real snapshot.
+    big = PrefixCache(rung_interval=0)
+    cold = mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=big).tokens
+    s = min(big._snaps, key=lambda s: s.n)
+    rec = sum(a.nbytes for pair in s.recurrent.values() for a in pair)
+    row = sum(a.nbytes for pair in s.seg.kv.values() for a in pair) // (s.seg.end - s.seg.start)
+    with pytest.raises(DFlashError, match=f"too small for one snapshot .*at least {rec + row} bytes"):
+        mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=PrefixCache(max_bytes=rec + row - 1))
+    # Exactly that budget is accepted; this prompt's snapshots are larger, so none is kept.
+    pc = PrefixCache(max_bytes=rec + row, rung_interval=0)
+    assert mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=pc).tokens == cold
+    assert len(pc) == 0 and pc.nbytes == 0
     with pytest.raises(DFlashError, match="must be positive"):
         PrefixCache(max_bytes=0)
 
