@@ -141,8 +141,8 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     assert res.tokens == want
     assert res.tokens == mlx_dflash.generate(eng, ids, seed=seed, accept_rule=DEFAULT_ACCEPT_RULE, **kw).tokens
     with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "-m", str(target_dir), "-d", str(draft_dir), "--ignore-chat-template", "--temp", "1", "--seed", str(seed), "-n", "24",
-                  "-b", "8", "def fibonacci(n):"])
+        cli.main(["generate", "-m", str(target_dir), "-d", str(draft_dir), "--ignore-chat-template",
+                  "--temp", "1", "--seed", str(seed), "-n", "24", "-b", "8", "def fibonacci(n):"])
     out = capsys.readouterr().out
     assert e.value.code in (0, None)
     assert out == res.text + "\n"
