@@ -12,7 +12,7 @@ from .errors import DFlashError
 from .loading import load_draft, load_target, load_tokenizer
 from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
-from .sampling import Sampler
+from .sampling import DEFAULT_ACCEPT_RULE, Sampler
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
@@ -154,7 +154,7 @@ def stream_generate(
     profile: bool = False,
     adaptive: bool = True,
     kv_bits: Optional[int] = None,
-    accept_rule: str = "speculative",
+    accept_rule: str = DEFAULT_ACCEPT_RULE,
     prefix_cache=None,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
@@ -168,8 +168,8 @@ def stream_generate(
     lets the adaptive policy choose per cycle between a chain and such a tree.
     ``profile=True`` synchronises after each phase so ``stats`` splits the
     time into draft / verify / rollback (slower).
-    ``accept_rule`` (temperature > 0, chain): "speculative" (the default;
-    it kept more drafted tokens in bench/results/accept-rules.md): the draft
+    ``accept_rule`` (temperature > 0, chain; default
+    ``sampling.DEFAULT_ACCEPT_RULE``): "speculative": the draft
     samples its block and a token is kept with probability min(1, p/q), the
     first rejection resampling from the residual; "equality": the
     draft's greedy block, kept where it equals the target's keyed sample.

@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from .errors import DFlashError
+from .sampling import DEFAULT_ACCEPT_RULE
 
 app = typer.Typer(
     add_completion=False,
@@ -173,7 +174,7 @@ def generate(
         None, "--seed", help="Sampling seed. With --accept-rule equality the same seed gives the same output "
                              "in plain, chain and tree mode."),
     accept_rule: str = typer.Option(
-        "speculative", "--accept-rule", help="With --temp > 0 on a chain: 'speculative' (default) samples the draft "
+        DEFAULT_ACCEPT_RULE, "--accept-rule", help="With --temp > 0 on a chain: 'speculative' samples the draft "
                                              "and keeps a token with probability min(1, p/q); 'equality' keeps a "
                                              "drafted token when it equals the target's own sample (same seed, same "
                                              "text in every mode). Both are exact; speculative keeps more drafts."),

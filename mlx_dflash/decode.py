@@ -17,7 +17,7 @@ from .errors import DFlashError
 from .kernels import path_rows as kernels_path
 from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, load_costs
-from .sampling import Sampler, speculative_rule
+from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler, speculative_rule
 
 
 @dataclass
@@ -390,7 +390,7 @@ def generate_tokens(
     adaptive: bool = True,
     policy: Optional[Policy] = None,
     kv_bits: Optional[int] = None,
-    accept_rule: str = "equality",
+    accept_rule: str = DEFAULT_ACCEPT_RULE,
     spec_rule=speculative_rule,
     prefix_cache=None,
     prefix_boundary: Optional[int] = None,
@@ -418,14 +418,14 @@ def generate_tokens(
     ``profile``: synchronise after each phase so ``stats`` splits the time
     into draft / verify / rollback (slower; without it the device work of a
     cycle is queued as one graph and ``verify_time`` holds nearly all of it).
-    ``accept_rule`` at temperature > 0 on a chain: "equality" (the draft's
-    greedy block; a token is kept when it equals the target's own keyed
-    sample, so every mode gives the same text for a seed) or "speculative"
-    (the draft samples its block from its proposal q; a token is kept with
-    probability min(1, p/q), the first rejected row resamples from the
-    residual: the target's distribution, typically more tokens kept, but
-    the text depends on the mode; the API and CLI default). ``spec_rule``:
-    that rule (a test hook).
+    ``accept_rule`` at temperature > 0 on a chain (default
+    ``sampling.DEFAULT_ACCEPT_RULE``): "equality" (the draft's greedy block;
+    a token is kept when it equals the target's own keyed sample, so every
+    mode gives the same text for a seed) or "speculative" (the draft samples
+    its block from its proposal q; a token is kept with probability
+    min(1, p/q), the first rejected row resamples from the residual: the
+    target's distribution, typically more tokens kept, but the text depends
+    on the mode). ``spec_rule``: that rule (a test hook).
     ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
     longest cached prefix of the prompt from and to snapshot into
     (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
@@ -441,8 +441,8 @@ def generate_tokens(
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
-    if accept_rule not in ("equality", "speculative"):
-        raise DFlashError(f"acceptance rule must be 'equality' or 'speculative', got {accept_rule!r}")
+    if accept_rule not in ACCEPT_RULES:
+        raise DFlashError(f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {accept_rule!r}")
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))

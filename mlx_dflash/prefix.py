@@ -51,7 +51,7 @@ DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
 # no prefill forward; bench/results/prefix-cache.md measures the interval.
 RUNG_STEP = 512
 FILE_FORMAT = "mlx-dflash-prefix-cache"
-FILE_VERSION = "1"
+FILE_VERSION = "2"  # 2: the checksum covers the metadata too
 
 
 def device_memory() -> int:
@@ -143,9 +143,10 @@ def _chain_has_draft_rows(base) -> bool:
 
 
 def _draft_state(dcache) -> _DraftState:
-    # Draft arrays are replaced, never written in place: references are a snapshot.
-    return _DraftState(list(dcache.keys), list(dcache.values), list(dcache.positions),
-                       dcache.length, dcache.window)
+    # The held rows are views of buffers grown in steps: copy them, so a
+    # snapshot keeps (and counts) only its rows.
+    return _DraftState([_copy(k) for k in dcache.keys], [_copy(v) for v in dcache.values],
+                       list(dcache.positions), dcache.length, dcache.window)
 
 
 def _recurrent(cache) -> Dict[int, Tuple[mx.array, mx.array]]:
@@ -487,8 +488,9 @@ class PrefixCache:
             index["snapshots"].append(entry)
         meta = {"format": FILE_FORMAT, "version": FILE_VERSION,
                 "fingerprint": json.dumps(fingerprint(engine), sort_keys=True),
-                "index": json.dumps(index), "checksum": _checksum(arrays),
+                "index": json.dumps(index),
                 "rung_interval": "" if self.rung_interval is None else str(self.rung_interval)}
+        meta["checksum"] = _checksum(arrays, meta)
         tmp = path.with_name(path.name + ".tmp.safetensors")
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
         os.replace(tmp, path)
@@ -510,7 +512,8 @@ class PrefixCache:
         if meta.get("format") != FILE_FORMAT:
             raise DFlashError(f"{path} is not an mlx-dflash prompt cache file")
         if meta.get("version") != FILE_VERSION:
-            raise DFlashError(f"{path}: unsupported prompt cache version {meta.get('version')!r}")
+            raise DFlashError(f"{path}: unsupported prompt cache version {meta.get('version')!r} "
+                              f"(this version reads {FILE_VERSION}; delete the file to start a new one)")
         try:
             theirs = json.loads(meta["fingerprint"])
             index = json.loads(meta["index"])
@@ -518,13 +521,13 @@ class PrefixCache:
             rung = int(meta["rung_interval"]) if meta.get("rung_interval") else None
         except (KeyError, ValueError) as e:
             raise DFlashError(f"cannot read prompt cache file {path}: corrupt metadata ({e})") from None
+        if _checksum(arrays, meta) != checksum:
+            raise DFlashError(f"prompt cache file {path} is corrupt (checksum mismatch)")
         ours = fingerprint(engine)
         diff = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if diff:
             raise DFlashError(f"prompt cache file {path} was made for another model "
                               f"({', '.join(d.replace('_', ' ') for d in diff)} differ)")
-        if _checksum(arrays) != checksum:
-            raise DFlashError(f"prompt cache file {path} is corrupt (checksum mismatch)")
         try:
             pc = cls(max_bytes=max_bytes, rung_interval=rung)
             segs = []
@@ -575,10 +578,14 @@ def _check_layout(snaps: List[_Snapshot], target) -> None:
             raise ValueError("layer layout differs from the model's")
 
 
-def _checksum(arrays: Dict[str, mx.array]) -> str:
+def _checksum(arrays: Dict[str, mx.array], meta: Dict[str, str]) -> str:
+    """SHA-256 over every metadata entry but the checksum (the index says
+    which rows a snapshot restores) and every tensor's name, dtype, shape
+    and bytes."""
     import numpy as np
 
     h = hashlib.sha256()
+    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for k in sorted(arrays):
         a = arrays[k]
         h.update(f"{k}:{a.dtype}:{a.shape};".encode())

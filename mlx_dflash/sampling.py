@@ -1,11 +1,13 @@
 """Samplers for the decode loop, exact under speculative decoding (docs/math.md).
 
-Every emitted token is the target's own pick for its row, and a drafted token
-is kept only when it equals that pick, so the output distribution is the
-target's whatever the draft proposes. Sampling is Gumbel-max with noise keyed
-by (seed, absolute position): the token at position p is the same function of
-the target's logits whether it is decoded plainly, in a chain block or at any
-node of a tree. Hence the same seed gives the same output in every mode.
+Two acceptance rules (``ACCEPT_RULES``) keep the output distribution the
+target's whatever the draft proposes. "equality": a drafted token is kept only
+when it equals the target's own pick for its row. Sampling is Gumbel-max with
+noise keyed by (seed, absolute position), so the token at position p is the
+same function of the target's logits whether it is decoded plainly, in a
+chain block or at any node of a tree: the same seed gives the same output in
+every mode. "speculative" (``speculative_rule``): the draft samples its block
+and a token is kept with probability min(1, p/q).
 """
 
 from typing import List, Optional, Sequence
@@ -15,6 +17,11 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
 
 from .errors import DFlashError
+
+ACCEPT_RULES = ("speculative", "equality")
+# The one default of every layer (decode loop, API, CLI, server): it kept
+# more drafted tokens in all four cases of bench/results/accept-rules.md.
+DEFAULT_ACCEPT_RULE = "speculative"
 
 
 class Sampler:

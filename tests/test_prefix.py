@@ -2,6 +2,7 @@
 snapshots are never mutated or wrongly shared, LRU by real bytes, files."""
 
 import gc
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import mlx_dflash
 from mlx_dflash import tiny
 from mlx_dflash.api import Engine
+from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_tokenizer
 from mlx_dflash.models.qwen35 import Target
@@ -116,6 +118,33 @@ def test_every_snapshot_restores_a_plain_forward(engines, which):
     assert_cache_is_plain_forward(target, cache, seq[:90] + [5, 6, 7])
 
 
+@pytest.mark.parametrize("which", ["moe", "dense"])  # unwindowed / windowed draft
+def test_restored_draft_context_equals_a_cold_one(engines, which):
+    """Every snapshot's draft context, restored, is the context a cold
+    prefill of its tokens gives the draft, and so are the draft's next
+    logits (a restore that altered the rows would change the proposals)."""
+    eng = engines[which]
+    draft = eng.draft
+    pc = PrefixCache(rung_interval=32)
+    prompt = ids(21, 70)
+    mlx_dflash.generate(eng, prompt, max_tokens=8, prefix_cache=pc)
+    snaps = [s for s in pc._snaps if s.draft is not None]
+    assert sorted(s.kind for s in snaps) == ["boundary", "end", "rung", "rung"]
+    assert all((s.draft.keys is None) == (which == "moe") for s in snaps)  # rows in the segments / own
+    for snap in snaps:
+        dcache = draft.make_cache()
+        pc._restore(snap, eng.target.make_cache(), dcache)
+        cold = draft.make_cache()
+        _, f = eng.target.forward(list(snap.tokens), eng.target.make_cache(), capture=draft.target_layer_ids,
+                                  logits="none")
+        draft.add_context(f, cold)
+        assert dcache.length == cold.length == snap.n and dcache.positions == cold.positions
+        for got, want in zip(dcache.keys + dcache.values, cold.keys + cold.values):
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+        block = [draft(None, 7, snap.n, draft.block_size, c) for c in (dcache, cold)]
+        np.testing.assert_allclose(np.array(block[0]), np.array(block[1]), rtol=1e-4, atol=1e-4)
+
+
 def _all_arrays(pc):
     return [np.array(a) for s in pc._snaps for a in s.arrays()]
 
@@ -150,7 +179,11 @@ def test_equal_length_prompts_differing_in_one_token_never_share(engines):
         # Only the boundary at 79 (== a[:79]) can start b, and only if b differs after it.
         assert rb.stats.cached_tokens == (79 if j == 79 else 0)
         assert rb.tokens == mlx_dflash.generate(eng, b, max_tokens=8).tokens
-        assert pc.lookup(b + [9]).tokens != tuple(a[:80]) if j < 79 else True
+        # b's next turn finds b's longest snapshot (its end), never one of a's;
+        # a prompt between b's boundary and end finds the boundary (a's, the
+        # same tokens, when a and b differ only in the last token).
+        assert pc.lookup(b + rb.tokens).tokens == tuple(b + rb.tokens[:-1])
+        assert pc.lookup(b + [9]).tokens == tuple(b[:79])
 
 
 def test_shared_system_prompt_reuses_the_rung_below_the_divergence(engines):
@@ -196,8 +229,23 @@ def test_lru_eviction_by_real_bytes(engines):
     assert pc.lookup(B + [1]) is None  # the least recently used went first
 
 
-def test_byte_accounting_equals_device_memory(engines):
-    eng = engines["moe"]
+@pytest.fixture
+def exact_allocations():
+    """No buffer reuse while the test runs: a reused buffer may be larger than
+    asked for, which would blur what ``clear()`` frees."""
+    old = mx.set_cache_limit(0)
+    mx.clear_cache()
+    yield
+    mx.set_cache_limit(old)
+
+
+@pytest.mark.parametrize("which", ["moe", "dense"])  # unwindowed / windowed draft
+def test_byte_accounting_equals_device_memory(engines, which, exact_allocations):
+    """The memory ``clear()`` frees is what ``nbytes`` reports. A snapshot
+    that kept a view of a larger buffer (the draft's context buffers grow in
+    steps of 256 rows) would free several times what it counts."""
+    eng = engines[which]
+    assert (eng.draft.make_cache().window is not None) == (which == "dense")
     pc = PrefixCache(rung_interval=32)
     prompt = ids(13, 130)
     mlx_dflash.generate(eng, prompt, max_tokens=N, prefix_cache=pc)
@@ -206,21 +254,32 @@ def test_byte_accounting_equals_device_memory(engines):
     held = pc.nbytes
     assert held > 0
     arrays = {id(a): a.nbytes for s in pc._snaps for a in s.arrays()}
+    assert sum(arrays.values()) == held
     m1 = mx.get_active_memory()
     pc.clear()
     gc.collect()
     freed = m1 - mx.get_active_memory()
-    # The allocator rounds each buffer up (at most to the next power of two
-    # here); anything more would be a hidden buffer a snapshot keeps alive.
-    assert held <= freed <= sum(max(4096, 1 << (n - 1).bit_length()) for n in arrays.values())
+    # The CPU allocator takes exactly the bytes asked for; Metal rounds a
+    # buffer up to its 16 KiB page.
+    page = 1 if mx.default_device() == mx.cpu else 16384
+    assert held <= freed <= sum(-(-n // page) * page for n in arrays.values())
 
 
 def test_budget_too_small_for_one_snapshot(engines):
     eng = engines["dense"]
-    pc = PrefixCache(max_bytes=1000)
-    with pytest.raises(DFlashError, match="too small for one snapshot"):
-        mlx_dflash.generate(eng, ids(1, 20), max_tokens=4, prefix_cache=pc)
-    assert len(pc) == 0
+    prompt = ids(1, 20)
+    # The least one snapshot holds: its recurrent state and one KV row, read off a real snapshot.
+    big = PrefixCache(rung_interval=0)
+    cold = mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=big).tokens
+    s = min(big._snaps, key=lambda s: s.n)
+    rec = sum(a.nbytes for pair in s.recurrent.values() for a in pair)
+    row = sum(a.nbytes for pair in s.seg.kv.values() for a in pair) // (s.seg.end - s.seg.start)
+    with pytest.raises(DFlashError, match=f"too small for one snapshot .*at least {rec + row} bytes"):
+        mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=PrefixCache(max_bytes=rec + row - 1))
+    # Exactly that budget is accepted; this prompt's snapshots are larger, so none is kept.
+    pc = PrefixCache(max_bytes=rec + row, rung_interval=0)
+    assert mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=pc).tokens == cold
+    assert len(pc) == 0 and pc.nbytes == 0
     with pytest.raises(DFlashError, match="must be positive"):
         PrefixCache(max_bytes=0)
 
@@ -328,3 +387,74 @@ def test_unwindowed_draft_rows_are_stored_once(engines):
     k, v = next(iter(segs.values())).dkv[0]
     per_row = len(eng.draft.layers) * (k.nbytes / k.shape[2] + v.nbytes / v.shape[2])
     assert draft_bytes == rows * per_row
+
+
+def _rewrite_metadata(path, edit):
+    """Edit a safetensors file's string metadata in its JSON header, as a
+    hand edit would (the tensors' bytes are left as they are)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header["__metadata__"])
+    new = json.dumps(header).encode()
+    new += b" " * (-len(new) % 8)
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _point_at_the_other_segment(meta):
+    """Point one conversation's boundary snapshot at the other's KV segment
+    (as long as its own): an index that looks consistent and restores the
+    wrong rows."""
+    index = json.loads(meta["index"])
+    a, b = sorted((s for s in index["snapshots"] if s["kind"] == "boundary"), key=lambda s: s["n"])
+    assert a["segment"] != b["segment"] and index["segments"][b["segment"]]["end"] >= a["n"]
+    a["segment"] = b["segment"]
+    meta["index"] = json.dumps(index)
+
+
+def test_an_edited_index_is_refused(engines, tmp_path):
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=0)
+    A, B = ids(40, 60), ids(41, 60)
+    for p in (A, B):
+        mlx_dflash.generate(eng, p, max_tokens=8, prefix_cache=pc)
+    f = tmp_path / "pc.safetensors"
+    pc.save(f)
+    assert PrefixCache.load(f, eng).snapshots() == pc.snapshots()  # the rewrite itself changes nothing
+    _rewrite_metadata(f, lambda meta: None)
+    assert PrefixCache.load(f, eng).snapshots() == pc.snapshots()
+    edits = {"segments": _point_at_the_other_segment,
+             "rung interval": lambda meta: meta.update(rung_interval="64")}
+    for name, edit in edits.items():
+        g = tmp_path / f"{name}.safetensors"
+        g.write_bytes(f.read_bytes())
+        _rewrite_metadata(g, edit)
+        with pytest.raises(DFlashError, match="corrupt"):
+            PrefixCache.load(g, eng)
+
+
+def test_cli_refuses_an_edited_prompt_cache_file(dense, tok_dir, tmp_path, capsys):
+    cfg, model = dense
+    target = tiny.save_mlx(model, cfg, tmp_path / "target", tokenizer_dir=tok_dir)
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    draft = tiny.save_draft(tiny.build_draft(dcfg, seed=5), dcfg, tmp_path / "draft")
+    f = tmp_path / "pc.safetensors"
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "-m", str(target), "-d", str(draft), "-n", "6", "--prompt-cache-file", str(f), *args])
+        out = capsys.readouterr()
+        return e.value.code, out.out, out.err
+
+    for text in ("def fibonacci(n):", "class Stack(list):"):
+        code, _, err = run(text)
+        assert code in (0, None), err
+    _rewrite_metadata(f, _point_at_the_other_segment)
+    edited = f.read_bytes()
+    code, out, err = run("def fibonacci(n):")
+    assert code == 2 and out == ""
+    assert err.startswith("error:") and "corrupt" in err and len(err.strip().splitlines()) == 1
+    assert f.read_bytes() == edited  # left as it was
+    engine = mlx_dflash.load(target, draft)
+    with pytest.raises(DFlashError, match="corrupt"):
+        PrefixCache.load(f, engine)

@@ -103,3 +103,46 @@ def test_mlx_lm_flag_values_and_bad_values():
                     (dict(min_tokens_to_keep=0), "min_tokens_to_keep"), (dict(temperature=-1), "temperature")):
         with pytest.raises(DFlashError, match=msg):
             Sampler(**{"temperature": 1.0, **kw})
+
+
+def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, capsys):
+    """The decode loop, the API and the CLI default to the same rule, and a
+    caller that omits it gets that rule (not just the same name)."""
+    import inspect
+
+    import mlx_dflash
+    from mlx_dflash import api, cli, tiny
+    from mlx_dflash.decode import generate_tokens
+    from mlx_dflash.sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE
+
+    assert DEFAULT_ACCEPT_RULE in ACCEPT_RULES
+    for fn in (generate_tokens, api.stream_generate, cli.generate):
+        default = inspect.signature(fn).parameters["accept_rule"].default
+        assert getattr(default, "default", default) == DEFAULT_ACCEPT_RULE, fn  # typer: an OptionInfo
+
+    cfg, model = dense
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    target_dir = tiny.save_mlx(model, cfg, tmp_path / "target", tokenizer_dir=tok_dir)
+    draft_dir = tiny.save_draft(tiny.build_draft(dcfg, seed=5), dcfg, tmp_path / "draft")
+    eng = mlx_dflash.load(target_dir, draft_dir)
+    other = next(r for r in ACCEPT_RULES if r != DEFAULT_ACCEPT_RULE)
+    ids = eng.encode("def fibonacci(n):", chat_template=False)
+    kw = dict(temperature=1.0, max_tokens=24, block_size=8, chat_template=False)
+
+    def loop(seed, **rule):
+        return [t for ts in generate_tokens(eng.target, ids, draft=eng.draft, max_tokens=24, block_size=8,
+                                            sampler=Sampler(1.0, seed=seed), **rule) for t in ts]
+
+    # A seed where the two rules write different text, so "the same output" means "the same rule".
+    seed = next(s for s in range(20) if loop(s, accept_rule=DEFAULT_ACCEPT_RULE) != loop(s, accept_rule=other))
+    want = loop(seed, accept_rule=DEFAULT_ACCEPT_RULE)
+    assert loop(seed) == want
+    res = mlx_dflash.generate(eng, ids, seed=seed, **kw)
+    assert res.tokens == want
+    assert res.tokens == mlx_dflash.generate(eng, ids, seed=seed, accept_rule=DEFAULT_ACCEPT_RULE, **kw).tokens
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "-m", str(target_dir), "-d", str(draft_dir), "--ignore-chat-template",
+                  "--temp", "1", "--seed", str(seed), "-n", "24", "-b", "8", "def fibonacci(n):"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None)
+    assert out == res.text + "\n"

@@ -219,7 +219,7 @@ def speculative_samples(target, prompt, mode, seeds, n=5, mistake=None):
     for s in seeds:
         plain, _ = run(target, prompt, n, sampler=Sampler(**SAMPLING, seed=s))
         draft = SampleScript(target, prompt, plain, seed=s)
-        kw = dict(MODES[mode])
+        kw = dict(MODES[mode], accept_rule="equality")  # the rule that keeps the plain output
         sampler = Sampler(**SAMPLING, seed=s)
         if mistake == "wrong-key":
             sampler = KeyedToBlockStart(**SAMPLING, seed=s)
@@ -301,8 +301,9 @@ def test_same_seed_same_output_in_every_mode(any_model):
     for seed in (1, 1, 2):
         s = lambda: Sampler(temperature=1.0, top_p=0.95, seed=seed)
         plain, _ = run(target, prompt, N, sampler=s())
-        chain, _ = run(target, prompt, N, draft=draft, block_size=8, sampler=s())
-        tree, _ = run(target, prompt, N, draft=draft, block_size=8, tree_budget=10, sampler=s())
+        chain, _ = run(target, prompt, N, draft=draft, block_size=8, sampler=s(), accept_rule="equality")
+        tree, _ = run(target, prompt, N, draft=draft, block_size=8, tree_budget=10, sampler=s(),
+                      accept_rule="equality")
         assert plain == chain == tree
         outs.append(plain)
     assert outs[0] == outs[1] and outs[0] != outs[2]
