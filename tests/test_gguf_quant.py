@@ -183,3 +183,69 @@ def test_convert_writes_the_files_form_and_mlx_lm_loads_it(files, tmp_path):
     eng, le = run(files["Q5_K_M"])
     got = np.array(model(mx.array([PROMPT]))[0].astype(mx.float32), np.float64)
     assert np.abs(got - le).max() <= 1e-4
+
+
+# --- every block type, from raw blocks --------------------------------------------
+
+# byte offsets of each type's fp16 fields (set to sane values in random blocks)
+FP16_AT = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+           "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0],
+           "IQ3_S": [0], "MXFP4": []}
+EXACT_FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+@pytest.mark.parametrize("name", list(FP16_AT))
+def test_block_types_decode_to_gguf_py_values(name):
+    # Random blocks of every type llama.cpp writes for these models: the MLX
+    # form dequantizes (mx.dequantize) to gguf-py's values, bit for bit where
+    # an exact form exists; else within 1/200 of the values' RMS.
+    from types import SimpleNamespace
+
+    from gguf import GGMLQuantizationType as Q
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from mlx_dflash.loading.gguf import _codes, default_bits, pack
+
+    qt = getattr(Q, name)
+    block, size = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(7)
+    rows, n = 4, 512
+    raw = rng.integers(0, 256, size=(rows * n // block, size), dtype=np.uint8)
+    for o in FP16_AT[name]:
+        raw[:, o:o + 2] = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+    if name == "MXFP4":
+        raw[:, 0] = rng.integers(110, 130, size=len(raw))  # e8m0 exponents near 1
+    data = raw.reshape(rows, -1)
+    want = np.asarray(dequantize(data, qt), np.float32)
+    k, s, z, mode = _codes(SimpleNamespace(data=data, tensor_type=qt, shape=[n, rows]))
+    b = default_bits(name)
+    got = np.array(mx.dequantize(mx.array(pack(k, b)), mx.array(s), None if z is None else mx.array(z),
+                                 group_size=32, bits=b, mode=mode, dtype=mx.float32))
+    if name in EXACT_FORMS:
+        assert np.array_equal(got, want)
+    else:
+        assert rms(got - want) <= 5e-3 * rms(want)
+
+
+def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
+    # llama.cpp's MXFP4 (MoE experts): MLX's own mxfp4 mode holds the same
+    # e8m0 scales and e2m1 codes, so the experts are exact.
+    import sys
+
+    from gguf import GGMLQuantizationType as Q
+
+    from mlx_dflash import tiny
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_writer import convert_hf_to_gguf
+
+    cfg = tiny.target_config(moe=True, hidden_size=64, moe_intermediate_size=64)
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=4), cfg, tmp_path / "hf")
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.MXFP4 if "_exps" in n else Q.F32,
+                              tokenizer=False)
+    deq = dequantized_gguf(path, tmp_path / "deq.gguf")
+    t, qcfg = load_gguf_target(path, dtype=mx.float32)
+    modes = {v.get("mode") for v in qcfg["quantization"].values() if isinstance(v, dict)}
+    assert qcfg["quantization"]["mode"] == "mxfp4" or "mxfp4" in modes
+    f, _ = load_gguf_target(deq, dtype=mx.float32)
+    np.testing.assert_allclose(np.array(t(PROMPT[:8])), np.array(f(PROMPT[:8])), atol=1e-4, rtol=0)

@@ -1,11 +1,13 @@
 """GGUF (llama.cpp) targets ``qwen35`` / ``qwen35moe`` and DFlash drafts.
 
-Tensors are decoded one at a time with ``gguf.quants.dequantize`` (``mx.load``
-mis-decodes K-quants and drops tensors after MXFP4) and stored the MLX way:
-4-bit affine for 4-bit (and lower) sources, 8-bit for 5/6/8-bit sources,
-float for float sources; ``keep_precision`` stores every tensor as float, a
-``bits`` map overrides per source type. At most one decoded fp32 tensor is
-alive beyond the final weights.
+Tensors are read one at a time (``mx.load`` mis-decodes K-quants and drops
+tensors after MXFP4). Quantized ones are rebuilt from their raw blocks as
+MLX affine codes in groups of 32 that hold the file's values exactly where
+such a form exists (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q3_K, IQ4_*, MXFP4),
+else in the nearest 8-bit form (Q6_K, Q2_K, IQ1-3); float tensors stay
+float; ``keep_precision`` stores every tensor as float, a ``bits`` map
+requantizes a source type. At most one decoded tensor is alive beyond the
+final weights.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``, the Qwen3.5 text classes)
 changes the Hugging Face tensors in ways undone here (docs/gguf.md):
@@ -495,6 +497,13 @@ def pack(k: np.ndarray, bits: int) -> np.ndarray:
     """Codes -> MLX's packing: a little-endian bit stream of ``bits``-bit
     values in uint32 words along the row."""
     shape = k.shape
+    if bits in (2, 4, 8):  # whole values per byte: pack bytes, read them as words
+        per = 8 // bits
+        b = k.reshape(-1, per).astype(np.uint8)
+        byte = b[:, 0].copy()
+        for i in range(1, per):
+            byte |= b[:, i] << np.uint8(bits * i)
+        return byte.view(np.uint32).reshape(shape[:-1] + (shape[-1] * bits // 32,))
     flat = k.reshape(-1, GROUP)
     out = np.empty((len(flat), bits), np.uint32)
     for i in range(0, len(flat), 1 << 16):  # bounded temporaries
@@ -571,7 +580,9 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
 
     ``dtype`` (default :func:`default_dtype`) is the float type of unquantized
-    weights and of quantization scales; ``A_log`` stays float32 as in mlx-lm.
+    weights, and of quantization scales where it holds them exactly (else
+    they are float32); ``A_log`` stays float32 as in mlx-lm. ``bits`` maps a
+    GGUF type to other MLX bits (requantized); ``keep_precision`` keeps floats.
     ``progress``: True for a tqdm bar on stderr, or a callable
     ``(tensors_done, tensors_total, bytes_done)``. MTP blocks are checked and skipped.
     ``only(parameter name)``: decode just those tensors (a pipeline stage's
