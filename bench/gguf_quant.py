@@ -1,6 +1,9 @@
 """Quantized GGUF files as the file holds them: how close and how big.
 
-    python bench/gguf_quant.py
+    python bench/gguf_quant.py [--llama-python /path/to/python-with-llama_cpp]
+
+With ``--llama-python`` it also quantizes the same source to Q4_1, Q5_0,
+Q5_1, Q2_K, Q3_K_M, IQ4_NL and IQ4_XS with llama.cpp (not kept) and reports those too.
 
 For each fixture in tests/data (made by llama.cpp's own quantizer, see its
 README), against an F32 GGUF holding gguf-py's exact dequantization of the same
@@ -18,6 +21,8 @@ Runs in float32 (the type that holds the K-quant scales). Writes
 bench/results/gguf-quant.md.
 """
 
+import argparse
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -85,16 +90,27 @@ def nbytes(model):
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+EXTRA = {"Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "IQ4_NL": 25, "IQ4_XS": 30}  # llama_ftype
+
+
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-python", help="a Python where llama_cpp imports: also measure more types")
+    a = ap.parse_args()
     from gguf import GGUFReader
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     rows, mem, types_seen = [], [], Counter()
     with tempfile.TemporaryDirectory() as tmp:
-        src = load_gguf_target(fx.source_gguf(Path(tmp)), dtype=mx.float32)[0]
+        src_path = fx.source_gguf(Path(tmp))
+        src = load_gguf_target(src_path, dtype=mx.float32)[0]
         ls = logits(src)
-        for name in fx.FTYPES:
-            path = fx.fixture(name)
+        files = {name: fx.fixture(name) for name in fx.FTYPES}
+        for name, ftype in (EXTRA.items() if a.llama_python else ()):
+            files[name] = Path(tmp) / f"{name}.gguf"
+            subprocess.run([a.llama_python, "-c", fx.QUANTIZE, str(src_path), str(files[name]), str(ftype), "0"],
+                           check=True, capture_output=True)
+        for name, path in files.items():
             deq_path = dequantized_gguf(path, Path(tmp) / f"{name}-deq.gguf")
             f = load_gguf_target(deq_path, dtype=mx.float32)[0]
             q, qcfg = load_gguf_target(path, dtype=mx.float32)
@@ -126,8 +142,10 @@ def main():
     out.write_text("\n".join([
         "# Quantized GGUF weights as the file holds them",
         "",
-        "`python bench/gguf_quant.py`: the llama.cpp-made fixtures in tests/data (tiny qwen35, hidden 256;",
-        "tests/data/README.md), float32, prompt of 16 tokens. *Own*: RMS logit difference of the file's exact",
+        f"`python bench/gguf_quant.py{' --llama-python PY' if a.llama_python else ''}`: the llama.cpp-made "
+        "fixtures in tests/data (tiny qwen35, hidden 256; tests/data/README.md)"
+        + (f", and the same source quantized by llama.cpp to {', '.join(EXTRA)}" if a.llama_python else "") + ".",
+        "Float32, a prompt of 16 tokens. *Own*: RMS logit difference of the file's exact",
         "dequantization vs the unquantized source. *Added*: the engine on the quantized file vs on an F32 GGUF",
         "holding gguf-py's exact dequantization of it. *Old*: the earlier loader's requantization (group 64,",
         "8 bits for Q5/Q6/Q8, else 4, fp16 scales). Greedy: 64 tokens vs the dequantized file's.",
