@@ -7,7 +7,9 @@ llama-cpp-python, which may live in another environment:
 
     python tests/make_quant_fixtures.py --llama-python /work/llamavenv/bin/python
 
-writes tests/data/tiny-qwen35-{Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K}.gguf (see tests/data/README.md).
+writes tests/data/tiny-qwen35-{Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K}.gguf (see tests/data/README.md),
+then checks, in that Python (which then also needs numpy and gguf), that
+llama.cpp's own dequantization of every tensor equals gguf-py's.
 """
 
 import argparse
@@ -57,6 +59,41 @@ rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), p)
 sys.exit(rc)
 """
 
+# In the same Python: llama.cpp's own dequantization (ggml's to_float) of every
+# quantized tensor must equal gguf-py's, the reference the tests compare with.
+CHECK = """
+import ctypes, os, sys
+import llama_cpp
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.llama_cpp._lib._name), "libggml-base.so"))
+
+class Traits(ctypes.Structure):
+    _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64), ("blck_size_interleave", ctypes.c_int64),
+                ("type_size", ctypes.c_size_t), ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p),
+                ("from_float_ref", ctypes.c_void_p)]
+
+lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+same = n = 0
+for path in sys.argv[1:]:
+    for t in GGUFReader(path).tensors:
+        if t.tensor_type.name in ("F32", "F16", "BF16"):
+            continue
+        raw = np.ascontiguousarray(np.asarray(t.data).view(np.uint8))
+        out = np.empty(int(t.n_elements), np.float32)
+        to_float(lib.ggml_get_type_traits(int(t.tensor_type)).contents.to_float)(
+            raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        want = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+        n += 1
+        same += bool(np.array_equal(out.view(np.uint32), want.view(np.uint32)))
+print(f"{same}/{n} quantized tensors: llama.cpp's dequantization equals gguf-py's bit for bit")
+sys.exit(same != n)
+"""
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,6 +107,7 @@ def main(argv=None):
             subprocess.run([a.llama_python, "-c", QUANTIZE, str(src), str(fixture(name)), str(ftype),
                             "1" if pure else "0"], check=True)
             print(f"wrote {fixture(name)} ({fixture(name).stat().st_size / 1e6:.2f} MB)")
+    subprocess.run([a.llama_python, "-c", CHECK] + [str(fixture(n)) for n in FTYPES], check=True)
 
 
 if __name__ == "__main__":
