@@ -38,7 +38,7 @@ import make_quant_fixtures as fx  # noqa: E402
 from test_gguf_quant import PROMPT, dequantized_gguf, param_types  # noqa: E402
 
 from mlx_dflash.decode import generate_tokens  # noqa: E402
-from mlx_dflash.loading.gguf import load_gguf_target, mlx_form  # noqa: E402
+from mlx_dflash.loading.gguf import FP16_SCALED, default_bits, load_gguf_target, mlx_form  # noqa: E402
 
 
 def old_bits(t: str) -> int:
@@ -134,8 +134,8 @@ def main():
     for t in list(dict.fromkeys(sorted(types_seen) + ["Q4_1", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4"])):
         block, size = GGML_QUANT_SIZES[getattr(GGMLQuantizationType, t)]
         form = mlx_form(t)
-        bits = {"mxfp4": 4}.get(form.split("/")[0], None) or int(form.split("-")[0])
-        scale_bits = 8 if t == "MXFP4" else (16 if "fp16" in form else 32) * 2
+        bits = default_bits(t)
+        scale_bits = 8 if t == "MXFP4" else (16 if t in FP16_SCALED else 32) * 2
         per_type.append(f"| {t} | {size * 8 / block:.4g} | {form} | {bits + scale_bits / 32:.4g} | "
                         f"{(bits + scale_bits / 32) / (size * 8 / block):.2f}x |")
     out = ROOT / "bench" / "results" / "gguf-quant.md"

@@ -143,7 +143,7 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
         f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
         f"DeltaNet heads: {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value",
         f"loads as: {str(default_dtype(reader)).split('.')[-1]} (unquantized weights, scales, activations)",
-        "quantized as: " + (", ".join(f"{k} {mlx_form(k)}" for k in sorted(types) if mlx_form(k) != "float")
+        "quantized as: " + ("; ".join(f"{k} -> {mlx_form(k)}" for k in sorted(types) if mlx_form(k) != "float")
                             or "none (float file)"),
         f"tokenizer: {field(reader, 'tokenizer.ggml.model')}, {len(field(reader, 'tokenizer.ggml.tokens') or [])} "
         f"tokens, pre-tokenizer {field(reader, 'tokenizer.ggml.pre')}, stops on ids {eog_token_ids(reader)}",

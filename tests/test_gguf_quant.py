@@ -249,3 +249,12 @@ def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
     assert qcfg["quantization"]["mode"] == "mxfp4" or "mxfp4" in modes
     f, _ = load_gguf_target(deq, dtype=mx.float32)
     np.testing.assert_allclose(np.array(t(PROMPT[:8])), np.array(f(PROMPT[:8])), atol=1e-4, rtol=0)
+
+
+def test_info_says_how_each_type_loads(capsys):
+    with pytest.raises(SystemExit):
+        main(["info", str(fx.fixture("Q4_K_M"))])
+    out = capsys.readouterr().out
+    assert "loads as: float32" in out
+    assert "Q4_K -> 4-bit/32, exact" in out and "Q5_0 -> 5-bit/32, exact" in out
+    assert "Q6_K -> 8-bit/32 float32 scales, nearest (not exact)" in out

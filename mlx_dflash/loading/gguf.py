@@ -367,10 +367,11 @@ def mlx_form(type_name: str) -> str:
         return "float"
     if type_name == "MXFP4":
         return "mxfp4/32, exact"
-    scales = "fp16" if type_name in FP16_SCALED else "fp32"
+    if type_name in FP16_SCALED:
+        return f"{b}-bit/32, exact"
     if type_name in _NATIVE_BITS or type_name in ("Q3_K", "IQ4_NL", "IQ4_XS"):
-        return f"{b}-bit/32 {scales} scales, exact"
-    return f"{b}-bit/32 fp32 scales, rounded"
+        return f"{b}-bit/32, exact with float32 scales"
+    return f"{b}-bit/32 float32 scales, nearest (not exact)"
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
