@@ -241,8 +241,10 @@ def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
 
     cfg = tiny.target_config(moe=True, hidden_size=64, moe_intermediate_size=64)
     hf = tiny.save_hf(tiny.build_target(cfg, seed=4), cfg, tmp_path / "hf")
-    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.MXFP4 if "_exps" in n else Q.F32,
-                              tokenizer=False)
+    # experts fused as ffn_gate_up_exps (split at load), the other matrices Q8_0
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.MXFP4 if "_exps" in n else Q.Q8_0,
+                              tokenizer=False, fuse_gate_up=True)
+    assert any(t.name.endswith("ffn_gate_up_exps.weight") for t in GGUFReader(str(path)).tensors)
     deq = dequantized_gguf(path, tmp_path / "deq.gguf")
     t, qcfg = load_gguf_target(path, dtype=mx.float32)
     modes = {v.get("mode") for v in qcfg["quantization"].values() if isinstance(v, dict)}
