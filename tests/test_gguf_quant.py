@@ -194,8 +194,9 @@ FP16_AT = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2]
 EXACT_FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
-@pytest.mark.parametrize("name", list(FP16_AT))
-def test_block_types_decode_to_gguf_py_values(name):
+@pytest.mark.parametrize("name, rows, n", [(t, 4, 512) for t in FP16_AT] + [("Q6_K", 18, 1 << 18)],
+                         ids=list(FP16_AT) + ["Q6_K-decoded-in-slices"])
+def test_block_types_decode_to_gguf_py_values(name, rows, n):
     # Random blocks of every type llama.cpp writes for these models: the MLX
     # form dequantizes (mx.dequantize) to gguf-py's values, bit for bit where
     # an exact form exists; else within 1/200 of the values' RMS.
@@ -209,7 +210,6 @@ def test_block_types_decode_to_gguf_py_values(name):
     qt = getattr(Q, name)
     block, size = GGML_QUANT_SIZES[qt]
     rng = np.random.default_rng(7)
-    rows, n = 4, 512
     raw = rng.integers(0, 256, size=(rows * n // block, size), dtype=np.uint8)
     for o in FP16_AT[name]:
         raw[:, o:o + 2] = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16).view(np.uint8)

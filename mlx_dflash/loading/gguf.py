@@ -348,7 +348,6 @@ GROUP = 32  # every GGUF block and K-quant sub-block pair covers 32 values of a 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 FP16_SCALED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the file's fp16 d (and m) are the MLX scales
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
-_BLOCK_DECODED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 _NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "MXFP4": 4}
 
 
@@ -421,16 +420,24 @@ def _codes(t) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     biases [..., n / 32] (float32; None for mxfp4), mode), in numpy order."""
     from gguf.constants import GGML_QUANT_SIZES
 
-    name = t.tensor_type.name
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
     raw = np.asarray(t.data).view(np.uint8)
-    rows = raw.shape[:-1]
-    n = int(t.shape[0])  # ggml's ne0: the row length
-    blk = raw.reshape(-1, GGML_QUANT_SIZES[t.tensor_type][1]) if name in _BLOCK_DECODED else None
+    rows, n = raw.shape[:-1], int(t.shape[0])  # ggml's ne0: the row length
+    blk = raw.reshape(-1, size)
+    step = max(1, (1 << 22) // block)  # blocks per slice: bounded temporaries on large tensors
+    parts = [_decode_blocks(t.tensor_type, blk[i:i + step]) for i in range(0, len(blk), step)]
+    k, s = (np.concatenate([p[j] for p in parts]) for j in (0, 1))
+    z = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
+    s = s.reshape(rows + (n // GROUP,))
+    return k.reshape(rows + (n,)), s, (None if z is None else z.reshape(s.shape)), parts[0][3]
+
+
+def _decode_blocks(qtype, blk: np.ndarray):
+    """Raw blocks [nb, bytes] of one type -> flat (codes, scales, biases, mode)."""
+    name = qtype.name
 
     def out(k, s, z, mode="affine"):
-        k = k.reshape(rows + (n,))
-        s = s.reshape(rows + (n // GROUP,))
-        return k, s, (None if z is None else z.reshape(s.shape)), mode
+        return k.reshape(-1), s.reshape(-1), (None if z is None else z.reshape(-1)), mode
 
     if name == "Q8_0":
         d = _f16(blk[:, :2])
@@ -487,7 +494,7 @@ def _codes(t) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     # Q2_K, IQ1-IQ3, TQ*: the exact decode, rounded to 8 bits per group of 32
     from gguf.quants import dequantize
 
-    w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1, GROUP).astype(np.float64)
+    w = np.asarray(dequantize(blk, qtype), np.float32).reshape(-1, GROUP).astype(np.float64)
     lo, hi = w.min(1), w.max(1)
     step = np.where(hi > lo, (hi - lo) / 255.0, 1.0)
     k = np.rint((w - lo[:, None]) / step[:, None])
@@ -649,7 +656,11 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
             pns = parts(pname, kind)
             updates = []
             if all(pn in plan for pn in pns) and native[gname]:
-                updates = _as_file(t, kind, cfg, pns, plan, dt)
+                try:
+                    updates = _as_file(t, kind, cfg, pns, plan, dt)
+                except (NotImplementedError, ValueError, KeyError) as e:
+                    raise DFlashError(
+                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
             else:
                 try:
                     w = dequantize(t.data, t.tensor_type)
