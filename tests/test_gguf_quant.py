@@ -260,3 +260,28 @@ def test_info_says_how_each_type_loads(capsys):
     assert "loads as: float32" in out
     assert "Q4_K -> 4-bit/32, exact" in out and "Q5_0 -> 5-bit/32, exact" in out
     assert "Q6_K -> 8-bit/32 float32 scales, nearest (not exact)" in out
+
+
+def test_head_reorder_that_would_split_groups_stays_float(tmp_path):
+    # DeltaNet value heads of 16: the head reorder of ssm_out's input columns
+    # would split groups of 32, so that tensor stays float (exact); the rest
+    # keep their Q8_0 form.
+    import sys
+
+    import mlx.nn as nn
+    from gguf import GGMLQuantizationType as Q
+
+    from mlx_dflash import tiny
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_writer import convert_hf_to_gguf
+
+    cfg = tiny.target_config()  # linear_value_head_dim 16, Hv = 2 Hk
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=6), cfg, tmp_path / "hf")
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.Q8_0, tokenizer=False)
+    assert types_of(path)["blk.0.ssm_out.weight"] == "Q8_0"
+    t, qcfg = load_gguf_target(path, dtype=mx.float32)
+    layer = t.model.language_model.model.layers[0].linear_attn
+    assert type(layer.out_proj) is nn.Linear and isinstance(layer.in_proj_qkv, nn.QuantizedLinear)
+    f, _ = load_gguf_target(dequantized_gguf(path, tmp_path / "deq.gguf"), dtype=mx.float32)
+    np.testing.assert_allclose(np.array(t(PROMPT)), np.array(f(PROMPT)), atol=1e-4, rtol=0)
