@@ -558,28 +558,23 @@ def _progress_bar(path, total_bytes: int):
 def _as_file(t, kind: str, cfg: dict, pns: List[str], plan: dict, dt) -> list:
     """(parameter, array) updates for a tensor kept in the file's own form:
     codes, scales and biases moved like the weight's rows (or head columns),
-    scales in the model's float type where that holds them exactly, else float32."""
-    k, s, z, mode = _codes(t)
+    scales in the model's float type where that holds them exactly, else
+    float32 (mxfp4's uint8 scales as they are)."""
+    k, s, z, _ = _codes(t)
     k, s = transform(kind, k, cfg), transform(kind, s, cfg)
     z = None if z is None else transform(kind, z, cfg)
-    if z is not None:
-        half = [mx.array(a).astype(dt) for a in (s, z)]
-        exact = dt != mx.float32 and all(bool(mx.all(h.astype(mx.float32) == mx.array(a)))
-                                          for h, a in zip(half, (s, z)))
-        s, z = half if exact else (mx.array(s), mx.array(z))
-    else:
-        s = mx.array(s)
+    sdt = None if z is None else mx.float32
+    if z is not None and dt != mx.float32:
+        if all(bool(mx.all(mx.array(a).astype(dt).astype(mx.float32) == mx.array(a))) for a in (s, z)):
+            sdt = dt
     split = (lambda a: np.split(a, 2, axis=1)) if kind == "gate_up" else (lambda a: [a])
-    ks = split(k)
-    ss = [s[:, : s.shape[1] // 2], s[:, s.shape[1] // 2:]] if kind == "gate_up" else [s]
-    zs = [None] * len(ks) if z is None else ([z[:, : z.shape[1] // 2], z[:, z.shape[1] // 2:]]
-                                           if kind == "gate_up" else [z])
     updates = []
-    for pn, kk, sc, zz in zip(pns, ks, ss, zs):
+    for pn, kk, sc, zz in zip(pns, split(k), split(s), [None] * len(pns) if z is None else split(z)):
         base = pn.rsplit(".", 1)[0]
+        sc = mx.array(sc) if zz is None else mx.array(sc).astype(sdt)
         updates += [(pn, mx.array(pack(kk, plan[pn][0]))), (base + ".scales", sc)]
         if zz is not None:
-            updates.append((base + ".biases", zz))
+            updates.append((base + ".biases", mx.array(zz).astype(sdt)))
     return updates
 
 
