@@ -551,13 +551,15 @@ def convert(
         ..., help="A qwen35 / qwen35moe GGUF file (llama.cpp), or a Hugging Face GGUF repo's file "
                   "(org/name:QUANT or org/name/FILE.gguf)."),
     out: Path = typer.Argument(..., help="Output MLX folder (safetensors, config.json, tokenizer, chat template)."),
-    keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float (no requantization)."),
+    keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float."),
     bits: Optional[List[str]] = typer.Option(
-        None, "--bits", help="Per source type MLX bits, e.g. --bits Q6_K=4 --bits Q5_K=8 (repeatable). "
-                             "Default: 4-bit for 4-bit and lower sources, 8-bit for 5/6/8-bit, float for float."),
+        None, "--bits", help="Requantize one source type to other MLX bits, e.g. --bits Q6_K=4 (repeatable). "
+                             "Default: each type's own form, group 32: Q8_0 8-bit, Q4_0/Q4_1/Q4_K 4-bit, "
+                             "Q5_* 5-bit exactly; Q6_K, Q3_K, Q2_K, IQ* 8-bit; MXFP4 mxfp4 (docs/gguf.md)."),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="Float type of unquantized weights and quantization scales (default: the file's "
-                              "half type; float16 for quantized files; float32 for all-F32 files)."),
+        None, "--dtype", help="Float type of unquantized weights and of scales that it holds exactly (default: "
+                              "float32 for K-quant files, whose scales need it; else the file's half type, "
+                              "float16 for Q8_0/Q4_0-style files, float32 for all-F32 files)."),
 ):
     """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode.
 

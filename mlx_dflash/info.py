@@ -101,7 +101,7 @@ def _draft_fit(draft: Path, target) -> str:
 def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
     from collections import Counter
 
-    from .loading.gguf import (default_dtype, eog_token_ids, field, gguf_config, gguf_draft_config,
+    from .loading.gguf import (default_dtype, eog_token_ids, mlx_form, field, gguf_config, gguf_draft_config,
                                is_gguf_draft, lazy_target, open_gguf)
 
     reader = open_gguf(p)
@@ -143,6 +143,8 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
         f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
         f"DeltaNet heads: {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value",
         f"loads as: {str(default_dtype(reader)).split('.')[-1]} (unquantized weights, scales, activations)",
+        "quantized as: " + ("; ".join(f"{k} -> {mlx_form(k)}" for k in sorted(types) if mlx_form(k) != "float")
+                            or "none (float file)"),
         f"tokenizer: {field(reader, 'tokenizer.ggml.model')}, {len(field(reader, 'tokenizer.ggml.tokens') or [])} "
         f"tokens, pre-tokenizer {field(reader, 'tokenizer.ggml.pre')}, stops on ids {eog_token_ids(reader)}",
     ] + tail

@@ -1,11 +1,13 @@
 """GGUF (llama.cpp) targets ``qwen35`` / ``qwen35moe`` and DFlash drafts.
 
-Tensors are decoded one at a time with ``gguf.quants.dequantize`` (``mx.load``
-mis-decodes K-quants and drops tensors after MXFP4) and stored the MLX way:
-4-bit affine for 4-bit (and lower) sources, 8-bit for 5/6/8-bit sources,
-float for float sources; ``keep_precision`` stores every tensor as float, a
-``bits`` map overrides per source type. At most one decoded fp32 tensor is
-alive beyond the final weights.
+Tensors are read one at a time (``mx.load`` mis-decodes K-quants and drops
+tensors after MXFP4). Quantized ones are rebuilt from their raw blocks as
+MLX affine codes in groups of 32 that hold the file's values exactly where
+such a form exists (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q3_K, IQ4_*, MXFP4),
+else in the nearest 8-bit form (Q6_K, Q2_K, IQ1-3); float tensors stay
+float; ``keep_precision`` stores every tensor as float, a ``bits`` map
+requantizes a source type. At most one decoded tensor is alive beyond the
+final weights.
 
 llama.cpp's converter (``convert_hf_to_gguf.py``, the Qwen3.5 text classes)
 changes the Hugging Face tensors in ways undone here (docs/gguf.md):
@@ -359,15 +361,187 @@ def transform(kind: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     raise ValueError(kind)
 
 
-# --- quantization choice ---------------------------------------------------------------
+# --- quantized tensors as the file holds them ----------------------------------------
+#
+# Each GGUF block type is rebuilt, from the raw blocks, as MLX affine codes
+# w = scale * k + bias per group of 32 (docs/gguf.md, "Quantized weights"):
+# exactly where such a form exists, else as the nearest 8-bit form.
+
+GROUP = 32  # every GGUF block and K-quant sub-block pair covers 32 values of a row
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+FP16_SCALED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the file's fp16 d (and m) are the MLX scales
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+_NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "MXFP4": 4}
+
 
 def default_bits(type_name: str) -> Optional[int]:
-    """MLX bits for a GGUF tensor type: None = keep it as float."""
-    if type_name in ("F32", "F16", "BF16", "F64"):
+    """MLX bits of a GGUF type's own form: None = float; 8 for types with no
+    exact affine form of fewer bits (Q6_K, Q3_K, Q2_K, IQ*, ...)."""
+    if type_name in FLOAT_TYPES:
         return None
-    if type_name.startswith(("Q5", "Q6", "Q8")):
-        return 8
-    return 4  # Q4_*, Q2_K, Q3_K, IQ*, MXFP4, TQ*
+    return _NATIVE_BITS.get(type_name, 8)
+
+
+def mlx_form(type_name: str) -> str:
+    """How a GGUF type loads, in words (for ``info``)."""
+    b = default_bits(type_name)
+    if b is None:
+        return "float"
+    if type_name == "MXFP4":
+        return "mxfp4/32, exact"
+    if type_name in FP16_SCALED:
+        return f"{b}-bit/32, exact"
+    if type_name in _NATIVE_BITS or type_name in ("Q3_K", "IQ4_NL", "IQ4_XS"):
+        return f"{b}-bit/32, exact with float32 scales"
+    return f"{b}-bit/32 float32 scales, nearest (not exact)"
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields (2 bytes per row) -> float32 [n, 1]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit runs: each run of bytes holds values [0, n) in low nibbles, [n, 2n) in high."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _k_scales(s: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> eight 6-bit scales and eight 6-bit mins."""
+    a, b, c = s[:, 0:4].astype(np.int32), s[:, 4:8].astype(np.int32), s[:, 8:12].astype(np.int32)
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=1)
+    m = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def _lattice(v: np.ndarray, d: np.ndarray, unit: Optional[np.ndarray] = None):
+    """Values d * v (v integer per element, d per row of ``v``) as 8-bit
+    groups of 32: exact where a group's values lie on a grid of at most 256
+    steps of d * t; else on a grid of step d * ``unit`` (per group) that holds
+    the values of the group's coarser sub-block exactly, or else on 255 equal
+    steps between the group's exact ends."""
+    g = v.reshape(-1, GROUP).astype(np.int64)
+    dd = np.repeat(d.reshape(-1), v.shape[1] // GROUP).astype(np.float64)
+    lo, hi = g.min(1), g.max(1)
+    diff = g - lo[:, None]
+    t = np.gcd.reduce(diff, axis=1)
+    t = np.where(t == 0, 1, t)
+    exact = (hi - lo) // t <= 255
+    step = np.where(exact, t, np.maximum(hi - lo, 1) / 255.0)
+    origin = lo.astype(np.float64)
+    if unit is not None:
+        u = np.maximum(unit.reshape(-1), 1e-9)
+        o = np.floor(lo / u) * u
+        fits = ~exact & ((hi - o) / u <= 255.5)
+        step, origin = np.where(fits, u, step), np.where(fits, o, origin)
+    k = np.clip(np.rint((g - origin[:, None]) / step[:, None]), 0, 255)
+    return k.astype(np.uint8), (dd * step).astype(np.float32), (dd * origin).astype(np.float32)
+
+
+def _codes(t) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    """A quantized GGUF tensor -> (codes uint8 [..., n], scales [..., n / 32],
+    biases [..., n / 32] (float32; None for mxfp4), mode), in numpy order."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[t.tensor_type]
+    raw = np.asarray(t.data).view(np.uint8)
+    rows, n = raw.shape[:-1], int(t.shape[0])  # ggml's ne0: the row length
+    blk = raw.reshape(-1, size)
+    step = max(1, (1 << 22) // block)  # blocks per slice: bounded temporaries on large tensors
+    parts = [_decode_blocks(t.tensor_type, blk[i:i + step]) for i in range(0, len(blk), step)]
+    k, s = (np.concatenate([p[j] for p in parts]) for j in (0, 1))
+    z = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
+    s = s.reshape(rows + (n // GROUP,))
+    return k.reshape(rows + (n,)), s, (None if z is None else z.reshape(s.shape)), parts[0][3]
+
+
+def _decode_blocks(qtype, blk: np.ndarray):
+    """Raw blocks [nb, bytes] of one type -> flat (codes, scales, biases, mode)."""
+    name = qtype.name
+
+    def out(k, s, z, mode="affine"):
+        return k.reshape(-1), s.reshape(-1), (None if z is None else z.reshape(-1)), mode
+
+    if name == "Q8_0":
+        d = _f16(blk[:, :2])
+        return out((blk[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d)
+    if name in ("Q4_0", "Q4_1"):
+        d = _f16(blk[:, :2])
+        z = -8 * d if name == "Q4_0" else _f16(blk[:, 2:4])
+        return out(_nibbles(blk[:, 2 if name == "Q4_0" else 4:]), d, z)
+    if name in ("Q5_0", "Q5_1"):
+        o = 2 if name == "Q5_0" else 4
+        d = _f16(blk[:, :2])
+        z = -16 * d if name == "Q5_0" else _f16(blk[:, 2:4])
+        high = np.unpackbits(blk[:, o:o + 4], axis=1, bitorder="little")
+        return out(_nibbles(blk[:, o + 4:]) | (high << 4), d, z)
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(blk[:, :2]), _f16(blk[:, 2:4])
+        sc, m = _k_scales(blk[:, 4:16])
+        qs = blk[:, 16:144] if name == "Q4_K" else blk[:, 48:176]
+        k = _nibbles(qs.reshape(-1, 4, 32)).reshape(-1, 8, 32)  # sub-blocks 2i, 2i+1 share 32 bytes
+        if name == "Q5_K":  # bit j of byte i: value i of sub-block j
+            k = k | (((blk[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1).transpose(0, 2, 1) << 4)
+        # products of an fp16 and a 6-bit integer: exact in float32, not in half types
+        return out(k, (d * sc).astype(np.float32), (-dmin * m).astype(np.float32))
+    if name in ("Q6_K", "Q3_K", "IQ4_NL", "IQ4_XS"):
+        if name == "Q6_K":  # 16 sub-blocks of 16, int8 scales: v = sc * (q - 32)
+            ql, qh = blk[:, :128].reshape(-1, 2, 64), blk[:, 128:192].reshape(-1, 2, 1, 32)
+            lo = _nibbles(ql).reshape(-1, 2, 4, 32)
+            hi = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
+            q = (lo | (hi << 4)).reshape(-1, 16, 16).astype(np.int32) - 32
+            sc = blk[:, 192:208].view(np.int8).astype(np.int32)
+            v, d = q * sc[:, :, None], _f16(blk[:, 208:210])
+            unit = np.abs(sc).reshape(-1, 8, 2).max(2) / 4.0  # the coarser sub-block of each pair, exact
+            return out(*_lattice(v.reshape(len(blk), -1), d, unit))
+        elif name == "Q3_K":  # 16 sub-blocks of 16, 6-bit scales: v = (sc - 32) * q, q in [-4, 3]
+            ql = (blk[:, 32:96].reshape(-1, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
+            hm = (blk[:, None, :32] >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+            q = ql.reshape(-1, 256).astype(np.int32) - 4 * (1 - hm.reshape(-1, 256).astype(np.int32))
+            s = blk[:, 96:108]
+            low = _nibbles(s[:, :8])
+            high = (s[:, None, 8:12] >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)) & 3
+            sc = (low | (high.reshape(-1, 16) << 4)).astype(np.int32) - 32
+            v, d = q.reshape(-1, 16, 16) * sc[:, :, None], _f16(blk[:, 108:110])
+        elif name == "IQ4_NL":  # a 16-entry integer codebook times fp16 d
+            v, d = IQ4_VALUES[_nibbles(blk[:, 2:])], _f16(blk[:, :2])
+        else:  # IQ4_XS: the codebook under 6-bit sub-block scales
+            d = _f16(blk[:, :2])
+            sh = np.ascontiguousarray(blk[:, 2:4]).view(np.uint16).astype(np.int32)
+            sl = _nibbles(blk[:, 4:8]).reshape(-1, 2, 4).transpose(0, 2, 1).reshape(-1, 8).astype(np.int32)
+            ls = (sl | (((sh >> (2 * np.arange(8))) & 3) << 4)) - 32
+            v = IQ4_VALUES[_nibbles(blk[:, 8:].reshape(-1, 8, 16))] * ls[:, :, None]
+        return out(*_lattice(v.reshape(len(blk), -1), d))
+    if name == "MXFP4":  # e8m0 scale and e2m1 codes: MLX's mxfp4 as it is
+        return out(_nibbles(blk[:, 1:]), blk[:, :1].copy(), None, "mxfp4")
+    # Q2_K, IQ1-IQ3, TQ*: the exact decode, rounded to 8 bits per group of 32
+    from gguf.quants import dequantize
+
+    w = np.asarray(dequantize(blk, qtype), np.float32).reshape(-1, GROUP).astype(np.float64)
+    lo, hi = w.min(1), w.max(1)
+    step = np.where(hi > lo, (hi - lo) / 255.0, 1.0)
+    k = np.rint((w - lo[:, None]) / step[:, None])
+    return out(k.astype(np.uint8), step.astype(np.float32), lo.astype(np.float32))
+
+
+def pack(k: np.ndarray, bits: int) -> np.ndarray:
+    """Codes -> MLX's packing: a little-endian bit stream of ``bits``-bit
+    values in uint32 words along the row."""
+    shape = k.shape
+    if bits in (2, 4, 8):  # whole values per byte: pack bytes, read them as words
+        per = 8 // bits
+        b = k.reshape(-1, per).astype(np.uint8)
+        byte = b[:, 0].copy()
+        for i in range(1, per):
+            byte |= b[:, i] << np.uint8(bits * i)
+        return byte.view(np.uint32).reshape(shape[:-1] + (shape[-1] * bits // 32,))
+    flat = k.reshape(-1, GROUP)
+    out = np.empty((len(flat), bits), np.uint32)
+    for i in range(0, len(flat), 1 << 16):  # bounded temporaries
+        c = flat[i:i + (1 << 16)]
+        b = (c[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1
+        out[i:i + len(c)] = np.packbits(b.reshape(len(c), -1), axis=1, bitorder="little").view(np.uint32)
+    return out.reshape(shape[:-1] + (shape[-1] * bits // 32,))
 
 
 def _group_size(in_dim: int) -> Optional[int]:
@@ -378,12 +552,17 @@ def _group_size(in_dim: int) -> Optional[int]:
 
 
 def default_dtype(reader):
-    """The float type an mlx-lm conversion keeps: the file's half type (BF16 or
-    F16) when its matrices are stored as floats; float16 for quantized files
-    (their block scales are fp16); float32 only for an all-F32 file."""
+    """The model's float type: float32 when a quantized type's scales need it
+    to be exact (K-quants, and the 8-bit forms of types without an exact one:
+    quantized_matmul's output follows its scales); else as an mlx-lm
+    conversion keeps it: the file's half type (BF16 or F16) when its matrices
+    are stored as floats, float16 for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 files
+    (fp16 block scales), float32 for an all-F32 file."""
     from collections import Counter
 
     mats = [t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2]
+    if any(n not in FLOAT_TYPES + FP16_SCALED + ("MXFP4",) for n in mats):
+        return mx.float32
     halves = Counter(n for n in mats if n in ("F16", "BF16"))
     if halves:
         return mx.bfloat16 if halves.most_common(1)[0][0] == "BF16" else mx.float16
@@ -399,12 +578,37 @@ def _progress_bar(path, total_bytes: int):
                 leave=False, dynamic_ncols=True)
 
 
+def _as_file(t, kind: str, cfg: dict, pns: List[str], plan: dict, dt) -> list:
+    """(parameter, array) updates for a tensor kept in the file's own form:
+    codes, scales and biases moved like the weight's rows (or head columns),
+    scales in the model's float type where that holds them exactly, else
+    float32 (mxfp4's uint8 scales as they are)."""
+    k, s, z, _ = _codes(t)
+    k, s = transform(kind, k, cfg), transform(kind, s, cfg)
+    z = None if z is None else transform(kind, z, cfg)
+    sdt = None if z is None else mx.float32
+    if z is not None and dt != mx.float32:
+        if all(bool(mx.all(mx.array(a).astype(dt).astype(mx.float32) == mx.array(a))) for a in (s, z)):
+            sdt = dt
+    split = (lambda a: np.split(a, 2, axis=1)) if kind == "gate_up" else (lambda a: [a])
+    updates = []
+    for pn, kk, sc, zz in zip(pns, split(k), split(s), [None] * len(pns) if z is None else split(z)):
+        base = pn.rsplit(".", 1)[0]
+        sc = mx.array(sc) if zz is None else mx.array(sc).astype(sdt)
+        updates += [(pn, mx.array(pack(kk, plan[pn][0]))), (base + ".scales", sc)]
+        if zz is not None:
+            updates.append((base + ".biases", mx.array(zz).astype(sdt)))
+    return updates
+
+
 def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[str, int]] = None,
                      dtype=None, progress=None, only: Optional[Callable[[str], bool]] = None):
     """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
 
     ``dtype`` (default :func:`default_dtype`) is the float type of unquantized
-    weights and of quantization scales; ``A_log`` stays float32 as in mlx-lm.
+    weights, and of quantization scales where it holds them exactly (else
+    they are float32); ``A_log`` stays float32 as in mlx-lm. ``bits`` maps a
+    GGUF type to other MLX bits (requantized); ``keep_precision`` keeps floats.
     ``progress``: True for a tqdm bar on stderr, or a callable
     ``(tensors_done, tensors_total, bytes_done)``. MTP blocks are checked and skipped.
     ``only(parameter name)``: decode just those tensors (a pipeline stage's
@@ -437,17 +641,26 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))  # lazy random init, never evaluated
     mods = dict(model.named_modules())
-    plan, qconf = {}, {}
+    t_cfg = cfg["text_config"]
+    head_cols_ok = (t_cfg["linear_value_head_dim"] % GROUP == 0)  # column groups survive the head reorder
+    plan, qconf, native = {}, {}, {}
     for gname, (pname, kind) in names.items():
         tname = tensors[gname].tensor_type.name
-        b = None if keep_precision else (bits or {}).get(tname, default_bits(tname))
+        own = default_bits(tname)
+        b = None if keep_precision else (bits or {}).get(tname, own)
+        # the file's own form where asked for (the default), else requantized
+        as_file = b is not None and b == own
+        if as_file and kind == "head_cols" and not head_cols_ok:
+            b = as_file = None  # no group-32 form survives the reorder: exact as float
+        native[gname] = bool(as_file)
         for pn in parts(pname, kind):
             mod_path = pn.rsplit(".", 1)[0]
             quantizable = pn.endswith(".weight") and hasattr(mods.get(mod_path), "to_quantized")
-            gs = _group_size(int(tensors[gname].shape[0])) if quantizable else None
+            gs = GROUP if as_file else _group_size(int(tensors[gname].shape[0]))
             if b is not None and quantizable and gs is not None:
-                plan[pn] = (b, gs)
-                qconf[mod_path] = {"group_size": gs, "bits": b}
+                mode = "mxfp4" if as_file and tname == "MXFP4" else "affine"
+                plan[pn] = (b, gs, mode)
+                qconf[mod_path] = {"group_size": gs, "bits": b, **({"mode": mode} if mode != "affine" else {})}
     if plan:
         nn.quantize(model, class_predicate=lambda p, m: qconf.get(p, False))
     total = len(names)
@@ -458,26 +671,33 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
             t = tensors[gname]
             if only is not None and not only(pname):
                 continue
-            try:
-                w = dequantize(t.data, t.tensor_type)
-            except (NotImplementedError, ValueError, KeyError) as e:
-                raise DFlashError(
-                    f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
-            w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
-            arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
-            del w
+            pns = parts(pname, kind)
             updates = []
-            for pn, x in zip(parts(pname, kind), arrs):
-                arr = mx.array(x)
-                if pn in plan:
-                    b, gs = plan[pn]
-                    # from the float32 decode (more exact, and faster on a CPU than half), scales then cast
-                    q, sc, z = mx.quantize(arr, group_size=gs, bits=b)
-                    base = pn.rsplit(".", 1)[0]
-                    updates += [(pn, q), (base + ".scales", sc.astype(dt)), (base + ".biases", z.astype(dt))]
-                else:  # mlx-lm keeps A_log in float32 (its cast_predicate) and casts the rest
-                    updates.append((pn, arr.astype(mx.float32 if pn.endswith("A_log") else dt)))
-            del arrs
+            if all(pn in plan for pn in pns) and native[gname]:
+                try:
+                    updates = _as_file(t, kind, cfg, pns, plan, dt)
+                except (NotImplementedError, ValueError, KeyError) as e:
+                    raise DFlashError(
+                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
+            else:
+                try:
+                    w = dequantize(t.data, t.tensor_type)
+                except (NotImplementedError, ValueError, KeyError) as e:
+                    raise DFlashError(
+                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
+                w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
+                arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
+                del w
+                for pn, x in zip(pns, arrs):
+                    arr = mx.array(x)
+                    if pn in plan:  # requantized as asked (--bits): from the float32 decode, scales then cast
+                        b, gs, _ = plan[pn]
+                        q, sc, z = mx.quantize(arr, group_size=gs, bits=b)
+                        base = pn.rsplit(".", 1)[0]
+                        updates += [(pn, q), (base + ".scales", sc.astype(dt)), (base + ".biases", z.astype(dt))]
+                    else:  # mlx-lm keeps A_log in float32 (its cast_predicate) and casts the rest
+                        updates.append((pn, arr.astype(mx.float32 if pn.endswith("A_log") else dt)))
+                del arrs
             model.load_weights(updates, strict=False)
             mx.eval([u for _, u in updates])
             del updates
@@ -509,9 +729,10 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     if plan:
         from collections import Counter
 
-        bits_, gs_ = Counter(plan.values()).most_common(1)[0][0]  # the default; the rest are per-layer
-        per_layer = {k: v for k, v in qconf.items() if (v["bits"], v["group_size"]) != (bits_, gs_)}
-        out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": "affine", **per_layer}
+        bits_, gs_, mode_ = Counter(plan.values()).most_common(1)[0][0]  # the default; the rest are per-layer
+        per_layer = {k: {"mode": "affine", **v} for k, v in qconf.items()
+                     if (v["bits"], v["group_size"], v.get("mode", "affine")) != (bits_, gs_, mode_)}
+        out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": mode_, **per_layer}
         out_cfg["quantization_config"] = out_cfg["quantization"]
     return Target(model, out_cfg), out_cfg
 
