@@ -599,3 +599,33 @@ def test_mac_check_says_it_needs_apple_silicon():
     script = Path(__file__).resolve().parent.parent / "bench" / "mac_check.py"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs Apple silicon" in r.stderr
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["simd", "packed"])
+def test_verify_rows_equal_single_steps_bit_for_bit(packed):
+    """What makes speculative output equal plain output in half precision on
+    a Mac: a verified block's rows are the rows single steps give, to the
+    bit (the chain and tree kernels run the recurrence in a single step's
+    order), and so is the state after them."""
+    T = 6
+    q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=8)
+    y, S, _ = H.run(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))
+    St = s0
+    for t in range(T):
+        sl = slice(t, t + 1)
+        yt, St, _ = H.run(kernels.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], St,
+                                               packed=packed))
+        assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t
+    assert np.array_equal(bits(St), bits(S))
+    if packed:
+        return
+    # Tree: each node's row is a single step from its parent's state.
+    parents = TREES[1]
+    q, k, v, g, beta, s0 = inputs(1, len(parents), 2, 4, 40, 8, mx.bfloat16, seed=9)
+    y, _, _ = H.run(kernels.tree_launch(q, k, v, g, beta, s0, parents))
+    states = {}
+    for t, p in enumerate(parents):
+        sl = slice(t, t + 1)
+        yt, states[t], _ = H.run(kernels.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                                      s0 if p < 0 else states[p], packed=False))
+        assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t
