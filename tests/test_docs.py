@@ -18,7 +18,7 @@ NOT_YET_RUN = {"bench/results/mac-check.json"}
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 RESULT_PATH = re.compile(r"bench/results/([\w.-]+)(\{[\w,]+\})?(<)?")
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 
 
 def slug(heading):
@@ -30,7 +30,7 @@ def slug(heading):
 
 def anchors(path):
     text = FENCE.sub("", path.read_text())
-    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.M)}
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", text, re.MULTILINE)}
 
 
 def cited_results(text):
