@@ -33,7 +33,7 @@ def main():
     import mlx.core as mx
 
     import mlx_dflash
-    from mlx_dflash.bench import read_prompts
+    from mlx_dflash.benchmark import read_prompts
     from mlx_dflash.loading import load_draft
 
     eng = mlx_dflash.load()

@@ -22,8 +22,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash import kernels, tiny
+from mlx_dflash import tiny
 from mlx_dflash.decode import generate_tokens
+from mlx_dflash.kernels import gated_delta
 from mlx_dflash.loading import load_target
 
 N = 200
@@ -47,11 +48,11 @@ def block_rounding(T=150, seed=0):
     g = mx.random.uniform(0.8, 1.0, (1, T, Hv))
     beta = mx.random.uniform(0.0, 1.0, (1, T, Hv)).astype(mx.bfloat16)
     S0 = mx.zeros((1, Hv, Dv, Dk))
-    y, S, _ = kernels.gated_delta_chain(q, k, v, g, beta, S0, force_twin=True)
+    y, S, _ = gated_delta.gated_delta_chain(q, k, v, g, beta, S0, force_twin=True)
     ys, St = [], S0
     for t in range(T):
-        yt, St, _ = kernels.gated_delta_chain(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                              beta[:, t:t + 1], St, force_twin=True)
+        yt, St, _ = gated_delta.gated_delta_chain(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                  beta[:, t:t + 1], St, force_twin=True)
         ys.append(yt)
     yseq = mx.concatenate(ys, axis=1)
     frac = (y != yseq).astype(mx.float32).mean().item()

@@ -32,7 +32,7 @@ def main():
     import mlx.core as mx
 
     import mlx_dflash
-    from mlx_dflash.bench import _run_engine, _run_mlx_lm, context_prompt, read_prompts
+    from mlx_dflash.benchmark import _run_engine, _run_mlx_lm, context_prompt, read_prompts
 
     e = mlx_dflash.load()
     prompts = {"code_class": e.encode(read_prompts()["code_class"], chat_template=True),

@@ -30,7 +30,7 @@ def main():
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx_dflash
-    from mlx_dflash.bench import context_prompt
+    from mlx_dflash.benchmark import context_prompt
     from mlx_dflash.decode import GenerationStats, generate_tokens
 
     e = mlx_dflash.load()

@@ -146,15 +146,15 @@ def _rel(a, b):
 def _kernel_vs_twin():
     import mlx.core as mx
 
-    from mlx_dflash import kernels
+    from mlx_dflash.kernels import gated_delta, metal
 
     rows = []
     for T in (1, 16, 512):
         q, k, v, g, beta, s0 = _qwen_inputs(T, mx.bfloat16, seed=T)
-        want = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+        want = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
         for packed in (True, False):
             for record in (True, False):
-                got = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, record=record, packed=packed))
+                got = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, record=record, packed=packed))
                 errs = [_rel(got[0], want[0]), _rel(got[1], want[1])] + ([_rel(got[2], want[2])] if record else [])
                 rows.append({"T": T, "packed": packed, "record": record, "rel_err_y_state_tape": errs})
                 # bf16 outputs: 1e-2 of the tensor's scale; fp32 state and tape: 1e-3.
@@ -167,7 +167,8 @@ def _tree_and_rollback():
     import mlx.core as mx
     import numpy as np
 
-    from mlx_dflash import kernels
+    from mlx_dflash import ddtree
+    from mlx_dflash.kernels import gated_delta, metal
 
     rows = []
     for budget in (22, 64, 256):
@@ -179,23 +180,23 @@ def _tree_and_rollback():
                 parents.append(p)
                 depth.append(depth[p] + 1)
         q, k, v, g, beta, s0 = _qwen_inputs(budget, mx.bfloat16, seed=budget)
-        got = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
-        want = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+        got = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
         errs = [_rel(a, b) for a, b in zip(got, want)]
         rows.append({"budget": budget, "rel_err_y_state_tape": errs})
         if errs[0] > 1e-2 or max(errs[1:]) > 1e-3:
             raise AssertionError(rows[-1])
-        path = kernels.path_rows(parents, budget - 1)
-        replay = kernels.run_metal(kernels.rollback_launch(s0, k, g, got[2], path))[0]
+        path = ddtree.path_rows(parents, budget - 1)
+        replay = metal.run_metal(gated_delta.rollback_launch(s0, k, g, got[2], path))[0]
         if not mx.array_equal(replay, got[1]).item():
             raise AssertionError(f"budget {budget}: rollback differs from the forward state")
     for packed in (True, False):  # chain: state after n of T tokens, forward vs replay
         q, k, v, g, beta, s0 = _qwen_inputs(16, mx.bfloat16, seed=3)
-        tape = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))[2]
+        tape = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))[2]
         n = 7
-        S_n = kernels.run_metal(kernels.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                                     packed=packed))[1]
-        R_n = kernels.run_metal(kernels.rollback_launch(s0, k, g, tape, range(n)))[0]
+        S_n = metal.run_metal(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
+                                                       packed=packed))[1]
+        R_n = metal.run_metal(gated_delta.rollback_launch(s0, k, g, tape, range(n)))[0]
         if not mx.array_equal(S_n, R_n).item():
             raise AssertionError(f"packed={packed}: rollback differs from the forward state")
     return rows
@@ -236,19 +237,19 @@ def _timings(report, reps):
     import mlx.core as mx
     from mlx_lm.models import gated_delta as gd
 
-    from mlx_dflash import kernels
+    from mlx_dflash.kernels import gated_delta, metal
 
     for T in (1, 16, 64, 512):
         q, k, v, g, beta, s0 = _qwen_inputs(T, mx.bfloat16, seed=T)
-        run = kernels.run_metal
+        run = metal.run_metal
         r = {"T": T,
-             "ours packed": _timeit(lambda: run(kernels.chain_launch(q, k, v, g, beta, s0, record=False))[:2], reps),
-             "ours packed + tape": _timeit(lambda: run(kernels.chain_launch(q, k, v, g, beta, s0))[:3], reps),
-             "ours simd": _timeit(lambda: run(kernels.chain_launch(q, k, v, g, beta, s0, record=False,
-                                                                    packed=False))[:2], reps),
+             "ours packed": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False))[:2], reps),
+             "ours packed + tape": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0))[:3], reps),
+             "ours simd": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False,
+                                                                       packed=False))[:2], reps),
              "mlx-lm kernel": _timeit(lambda: gd.gated_delta_kernel(q, k, v, g, beta, s0), reps),
              "mlx-lm unpacked kernel": _timeit(lambda: gd.gated_delta_kernel_unpacked(q, k, v, g, beta, s0), reps),
-             "twin": _timeit(lambda: kernels.gated_delta_chain(q, k, v, g, beta, s0, force_twin=True)[:2], reps)}
+             "twin": _timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, force_twin=True)[:2], reps)}
         report["timings_ms"].append(r)
     return "see timings_ms"
 

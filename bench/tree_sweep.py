@@ -25,7 +25,7 @@ def main():
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx_dflash
-    from mlx_dflash.bench import read_prompts
+    from mlx_dflash.benchmark import read_prompts
     from mlx_dflash.decode import GenerationStats, generate_tokens
 
     eng = mlx_dflash.load()

@@ -8,7 +8,9 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from . import kernels
+from .kernels.conv import conv_state_rollback
+from .kernels.fused_exp import attention, row_exact
+from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_layers
 from .errors import DFlashError
 
 KV_BITS = (4, 8)
@@ -68,9 +70,9 @@ class KVBuffer:
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
         """Append the block's k, v and attend q [1, H, T, D] over everything
-        held (``verify``: a verify block's rows, kernels.attention)."""
+        held (``verify``: a verify block's rows, fused_exp.attention)."""
         keys, values = self.append(k, v)
-        return kernels.attention(q, keys, values, scale, mask, decode_block=verify)
+        return attention(q, keys, values, scale, mask, decode_block=verify)
 
     def nbytes(self) -> int:
         """Bytes of the rows held (not the spare capacity)."""
@@ -216,8 +218,8 @@ class DeltaNetState:
         P = mx.array(path)
         k, g, delta = k[:, P], g[:, P], delta[:, P]
         conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
-        self.ssm = kernels.gated_delta_rollback(ssm0, k, g, delta, n, stepwise=kernels.row_exact(k.dtype))
-        self.conv = kernels.conv_state_rollback(conv_in, n, K)
+        self.ssm = gated_delta_rollback(ssm0, k, g, delta, n, stepwise=row_exact(k.dtype))
+        self.conv = conv_state_rollback(conv_in, n, K)
 
     @staticmethod
     def rollback_chain(states: List["DeltaNetState"], n: int) -> None:
@@ -230,12 +232,12 @@ class DeltaNetState:
             st.tape = None
         if n == tapes[0][3].shape[1]:
             return  # everything accepted
-        # A half-precision verify ran stepwise (kernels.row_exact): replay its steps.
-        ssms = kernels.gated_delta_rollback_layers([t[:4] for t in tapes], n,
-                                                   stepwise=kernels.row_exact(tapes[0][1].dtype))
+        # A half-precision verify ran stepwise (fused_exp.row_exact): replay its steps.
+        ssms = gated_delta_rollback_layers([t[:4] for t in tapes], n,
+                                           stepwise=row_exact(tapes[0][1].dtype))
         for st, tape, ssm in zip(states, tapes, ssms):
             st.ssm = ssm
-            st.conv = kernels.conv_state_rollback(tape[4], n, tape[5])
+            st.conv = conv_state_rollback(tape[4], n, tape[5])
 
     def snapshot(self):
         return (self.conv, self.ssm, self.tape)  # arrays are immutable: references suffice

@@ -502,7 +502,7 @@ def bench(
     from plain decoding's (agreement with mlx-lm is reported, not required)."""
     from . import blas
     from .api import load
-    from .bench import read_prompts, run_bench, write_results
+    from .benchmark import read_prompts, run_bench, write_results
 
     if blas_mode not in ("auto", "openblas", "bundled"):
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")

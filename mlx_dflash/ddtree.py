@@ -1,4 +1,5 @@
-"""DDTree (docs/math.md §5): a best-first draft tree from per-slot top-K, and the walk.
+"""DDTree (docs/math.md §5): a best-first draft tree from per-slot top-K, the
+walk, and the topology a tree verify reads (ancestor matrix, preorder, path rows).
 
 The draft's slot d (d = 1..L) gives a distribution over the token at depth d.
 The tree starts with the top-1 chain; a max-heap on summed log-probability then
@@ -9,7 +10,8 @@ parent always precedes its children.
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Dict, List
+from functools import lru_cache
+from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -80,3 +82,57 @@ def walk(tree: Tree, picks: List[int]) -> List[int]:
             return path
         node = child
         path.append(node)
+
+
+def ancestor_matrix(parents: Sequence[int]) -> mx.array:
+    """anc[t, s] = s is on the path from the root to t (t itself included).
+    ``parents[t]`` < t, or -1 for a root. Cached: every layer of one tree
+    verify asks for the same tree."""
+    return _ancestor_matrix(tuple(parents))
+
+
+def tree_order(parents: Sequence[int]) -> Tuple[List[int], List[int]]:
+    """Depth-first preorder of a tree and each node's depth (0 for a root).
+
+    Validates ``parents`` (each -1 or an earlier node), so the tree kernel,
+    which reads states by depth, never indexes outside its stack."""
+    return _tree_order(tuple(int(p) for p in parents))
+
+
+@lru_cache(maxsize=16)
+def _tree_order(parents: Tuple[int, ...]) -> Tuple[List[int], List[int]]:
+    children: List[List[int]] = [[] for _ in parents]
+    roots, depth = [], []
+    for t, p in enumerate(parents):
+        if not -1 <= p < t:
+            raise ValueError(f"parent {p} of node {t} must be -1 or an earlier node")
+        depth.append(0 if p < 0 else depth[p] + 1)
+        (roots if p < 0 else children[p]).append(t)
+    order, todo = [], roots[::-1]
+    while todo:
+        t = todo.pop()
+        order.append(t)
+        todo.extend(children[t][::-1])
+    return order, depth
+
+
+@lru_cache(maxsize=16)
+def _ancestor_matrix(parents: Tuple[int, ...]) -> mx.array:
+    T = len(parents)
+    anc = np.zeros((T, T), dtype=bool)
+    for t, p in enumerate(parents):
+        if p >= t:
+            raise ValueError(f"parent {p} of node {t} must precede it")
+        if p >= 0:
+            anc[t] = anc[p]
+        anc[t, t] = True
+    return mx.array(anc)
+
+
+def path_rows(parents: Sequence[int], node: int) -> List[int]:
+    """Token rows from the root to ``node``, root first."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]

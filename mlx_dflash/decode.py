@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from . import ddtree
 from .errors import DFlashError
-from .kernels import path_rows as kernels_path
+from .ddtree import path_rows as kernels_path
 from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, load_costs
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler, speculative_rule

@@ -558,7 +558,7 @@ def generate(engine, prompt, **kwargs):
 
 
 @dataclass
-class Plan:
+class StagePlan:
     """How a target splits over ``n`` ranks (stage order: the first stage first)."""
 
     costs: Costs
@@ -583,7 +583,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(model, n: int, draft=None) -> Plan:
+def plan(model, n: int, draft=None) -> StagePlan:
     """The stage split of ``model`` (folder or GGUF) over ``n`` ranks, from
     tensor sizes alone (nothing is loaded)."""
     from .loading.gguf import gguf_config, is_gguf, open_gguf
@@ -612,7 +612,7 @@ def plan(model, n: int, draft=None) -> Plan:
     shares = [sum(costs.layers[a:b]) for a, b in bounds]
     shares[0] += costs.embed
     shares[-1] += last_extra
-    return Plan(costs, bounds, shares, draft_bytes, tied, gguf)
+    return StagePlan(costs, bounds, shares, draft_bytes, tied, gguf)
 
 
 def init_group(backend: str = "ring"):

@@ -70,8 +70,8 @@ def _param_digest(module, h) -> None:
                             else flat[:16]).tobytes())
 
 
-def fingerprint(target, draft, kv_bits: Optional[int] = None) -> str:
-    """Identifies the pair (config, parameter shapes and samples), the KV format
+def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
+    """The cost cache's key: the pair (config, parameter shapes and samples), the KV format
     and whether the forwards are compiled."""
     h = hashlib.sha256()
     h.update(json.dumps(getattr(target, "config", {}), sort_keys=True, default=str).encode())
@@ -282,7 +282,7 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
 
     if memo_key() in _MEMO:  # this process read it already (and the file is unchanged)
         return _MEMO[memo_key()], False
-    fp = fingerprint(target, draft, kv_bits)
+    fp = cost_key(target, draft, kv_bits)
     mid = machine_id()
     entries: List[dict] = []
     try:

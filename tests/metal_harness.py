@@ -8,7 +8,7 @@ barriers and SIMD-group operations, run in the order ``order`` names:
 "forward" (thread index order), "reverse", or "random:SEED" (a new
 permutation at every pass). Inputs and outputs travel as raw files.
 
-    outs = run(kernels.chain_launch(...))   # same Launch the real dispatch uses
+    outs = run(gated_delta.chain_launch(...))   # same Launch the real dispatch uses
     outs = run(launch, order="reverse")
 """
 
@@ -189,9 +189,9 @@ ORDERS = ("forward", "reverse", "random:1", "random:2")
 
 
 def run(launch, source: str = None, order: str = "forward") -> List[mx.array]:
-    """Run ``launch`` (a kernels.Launch) with ``source`` (default: its .metal file),
+    """Run ``launch`` (a metal.Launch) with ``source`` (default: its .metal file),
     threads taking turns in ``order``."""
-    from mlx_dflash.kernels import metal_source
+    from mlx_dflash.kernels.metal import metal_source
 
     source = source if source is not None else metal_source(launch.name)
     exe = build(source, launch)

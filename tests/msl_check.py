@@ -1,6 +1,6 @@
 """A strict Metal Shading Language check that runs on Linux.
 
-``capture(launch)`` traces the real dispatch of a kernel (kernels.run_metal,
+``capture(launch)`` traces the real dispatch of a kernel (metal.run_metal,
 i.e. ``mx.fast.metal_kernel``) with ``mx.export_function``: MLX builds, on
 any backend, the full source it would hand to the Metal compiler (the
 ``[[kernel]]`` signature with each input's address space, template
@@ -28,7 +28,7 @@ from typing import List
 
 import mlx.core as mx
 
-from mlx_dflash import kernels
+from mlx_dflash.kernels import metal
 
 HERE = Path(__file__).parent
 ARGS = ["-x", "c++", "-std=c++14", "-pedantic-errors", "-fno-exceptions", "-fno-rtti", "-nostdinc",
@@ -36,13 +36,13 @@ ARGS = ["-x", "c++", "-std=c++14", "-pedantic-errors", "-fno-exceptions", "-fno-
 
 
 def capture(launch) -> str:
-    """The Metal source MLX generates for ``launch`` (a kernels.Launch)."""
+    """The Metal source MLX generates for ``launch`` (a metal.Launch)."""
     arrays = [a for _, a in launch.inputs if isinstance(a, mx.array)]
 
     def dispatch(*xs):
         it = iter(xs)
         inputs = [(n, next(it) if isinstance(a, mx.array) else a) for n, a in launch.inputs]
-        return kernels.run_metal(dataclasses.replace(launch, inputs=inputs))
+        return metal.run_metal(dataclasses.replace(launch, inputs=inputs))
 
     return capture_fn(dispatch, arrays)
 

@@ -6,8 +6,8 @@ import mlx.core as mx
 import pytest
 
 import mlx_dflash
-from mlx_dflash import bench, tiny
-from mlx_dflash.bench import read_prompts, run_bench, write_results
+from mlx_dflash import benchmark, tiny
+from mlx_dflash.benchmark import read_prompts, run_bench, write_results
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
@@ -88,7 +88,7 @@ def test_bench_on_bf16_checks_plain_not_mlx_lm(tmp_path):
 def test_shipped_prompt_set_is_package_data(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from mlx_dflash.bench import PROMPTS_DIR
+    from mlx_dflash.benchmark import PROMPTS_DIR
 
     monkeypatch.chdir(tmp_path)  # not a checkout
     assert PROMPTS_DIR.parent == Path(mlx_dflash.__file__).parent
@@ -119,8 +119,8 @@ def test_bench_context_length_axis(tmp_path, monkeypatch):
     (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
     eng = mlx_dflash.load()
     seen = []  # prompt lengths of mlx-lm's runs, in the order they ran
-    run_mlx_lm = bench._run_mlx_lm
-    monkeypatch.setattr(bench, "_run_mlx_lm", lambda e, ids, n: seen.append(len(ids)) or run_mlx_lm(e, ids, n))
+    run_mlx_lm = benchmark._run_mlx_lm
+    monkeypatch.setattr(benchmark, "_run_mlx_lm", lambda e, ids, n: seen.append(len(ids)) or run_mlx_lm(e, ids, n))
     res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=2, contexts=[40, 120],
                     log=lambda _: None)
     ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
@@ -135,7 +135,7 @@ def test_bench_context_length_axis(tmp_path, monkeypatch):
 
 def test_context_rows_end_at_the_same_token():
     """Each context row continues the same text; only what precedes it grows."""
-    from mlx_dflash.bench import context_prompt
+    from mlx_dflash.benchmark import context_prompt
 
     eng = mlx_dflash.load()
     short, long = context_prompt(eng, 40, end=120), context_prompt(eng, 120, end=120)
@@ -148,7 +148,7 @@ def test_context_rows_end_at_the_same_token():
 def test_speedup_is_the_median_of_paired_ratios():
     """Each repeat's ratio is taken before the median: a machine that slowed
     down in one repeat slows both modes of that repeat alike."""
-    from mlx_dflash.bench import paired_speedup
+    from mlx_dflash.benchmark import paired_speedup
 
     tps, base = [10.0, 30.0, 20.0], [5.0, 20.0, 40.0]
     assert paired_speedup(tps, base) == pytest.approx(1.5)  # ratios 2, 1.5, 0.5

@@ -3,14 +3,15 @@
 Checkpoints are made the way users make them: tiny Qwen3.5 targets saved in
 Hugging Face format and converted by ``mlx_lm.convert`` itself (bf16, 4-bit
 and 8-bit). A verified row must be what a single step computes, bit for bit
-(kernels.row_exact): else a bf16 rounding flips a near-tie within a few dozen
+(fused_exp.row_exact): else a bf16 rounding flips a near-tie within a few dozen
 tokens (it did after 7 tokens before verify rows were made exact).
 """
 
 import mlx.core as mx
 import pytest
 
-from mlx_dflash import kernels, tiny
+from mlx_dflash import tiny
+from mlx_dflash.kernels import fused_exp
 from mlx_dflash.loading import load_target
 
 from test_decode import ScriptedDraft, run
@@ -59,7 +60,7 @@ MARKED = [pytest.param(k, m, marks=() if (k, m) == ("bf16", False) else pytest.m
 @pytest.mark.parametrize("kind,moe", MARKED, ids=[f"{k}-{'moe' if m else 'dense'}" for k, m in CASES])
 def test_chain_and_tree_equal_plain_in_half_precision(converted, kind, moe):
     target = load_target(converted(kind, moe))
-    assert kernels.row_exact(target.embed_tokens(mx.array([[1]])).dtype)
+    assert fused_exp.row_exact(target.embed_tokens(mx.array([[1]])).dtype)
     vocab = target.vocab_size
     for prompt in PROMPTS:
         plain, _ = run(target, prompt, N)

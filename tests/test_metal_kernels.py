@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_dflash import kernels
+from mlx_dflash import ddtree
+from mlx_dflash.kernels import conv, gated_delta, metal
 
 import metal_harness as H
 
@@ -62,8 +63,8 @@ def test_chain_kernel_matches_twin(shape, dtype):
     q, k, v, g, beta, s0 = inputs(*shape, dtype)
     B, T = shape[:2]
     for mask in (None, mx.array(np.random.default_rng(1).random((B, T)) > 0.3)):
-        y, S, d = H.run(kernels.chain_launch(q, k, v, g, beta, s0, mask, packed=False))
-        ry, rS, rd = kernels.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True, force_twin=True)
+        y, S, d = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, mask, packed=False))
+        ry, rS, rd = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True, force_twin=True)
         assert y.dtype == dtype
         assert close(y, ry, dtype) and close(S, rS, dtype) and close(d, rd, dtype), (shape, dtype, mask is None)
 
@@ -79,21 +80,21 @@ PACKED = [  # B, T, Hk, Hv, Dk, Dv: the dispatch's Dk = 128 case, and smaller Dk
 def test_packed_kernel_matches_twin(shape, dtype):
     q, k, v, g, beta, s0 = inputs(*shape, dtype, seed=2)
     B, T = shape[:2]
-    launch = kernels.chain_launch(q, k, v, g, beta, s0, packed=True)
+    launch = gated_delta.chain_launch(q, k, v, g, beta, s0, packed=True)
     assert launch.name == "gated_delta_packed" and launch.threadgroup == (32, 2, 1)
     if shape[4] == 128:
-        assert kernels.chain_launch(q, k, v, g, beta, s0).name == "gated_delta_packed"
+        assert gated_delta.chain_launch(q, k, v, g, beta, s0).name == "gated_delta_packed"
     for mask in (None, mx.array(np.random.default_rng(3).random((B, T)) > 0.3)):
-        y, S, d = H.run(kernels.chain_launch(q, k, v, g, beta, s0, mask, packed=True))
-        ry, rS, rd = kernels.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True, force_twin=True)
+        y, S, d = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, mask, packed=True))
+        ry, rS, rd = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True, force_twin=True)
         assert close(y, ry, dtype) and close(S, rS, dtype) and close(d, rd, dtype), (shape, dtype)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["simd", "packed"])
 def test_record_flag_writes_the_tape_only_when_recording(packed):
     q, k, v, g, beta, s0 = inputs(1, 6, 1, 2, 32, 8, mx.float32, seed=5)
-    y, S, d = H.run(kernels.chain_launch(q, k, v, g, beta, s0, record=True, packed=packed))
-    launch = kernels.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed)
+    y, S, d = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=True, packed=packed))
+    launch = gated_delta.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed)
     assert launch.outputs[2][1] == (1,)  # no T x Hv x Dv fp32 buffer when not recording
     y2, S2, d2 = H.run(launch)
     assert np.array_equal(np.array(y), np.array(y2)) and np.array_equal(np.array(S), np.array(S2))
@@ -125,18 +126,18 @@ def random_tree(n, seed, depth_limit=16):
 def test_tree_kernel_matches_twin(parents, dtype):
     T = len(parents)
     q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 40, 6, dtype, seed=T)
-    y, S, d = H.run(kernels.tree_launch(q, k, v, g, beta, s0, parents))
-    ry, rS, rd = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+    y, S, d = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, parents))
+    ry, rS, rd = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
     assert close(y, ry, dtype) and close(S, rS, dtype) and close(d, rd, dtype)
 
 
 def test_tree_kernel_large_budget_keeps_a_bounded_stack():
     parents = random_tree(256, seed=1)
-    launch_depth = dict(kernels.tree_launch(*inputs(1, 256, 1, 1, 32, 2, mx.float32), parents).template)["MaxDepth"]
+    launch_depth = dict(gated_delta.tree_launch(*inputs(1, 256, 1, 1, 32, 2, mx.float32), parents).template)["MaxDepth"]
     assert launch_depth <= 16  # registers follow the depth, not the 256 nodes
     q, k, v, g, beta, s0 = inputs(1, 256, 1, 1, 32, 2, mx.float32, seed=8)
-    got = H.run(kernels.tree_launch(q, k, v, g, beta, s0, parents))
-    want = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+    got = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, parents))
+    want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
     assert both(got, want)
 
 
@@ -144,20 +145,20 @@ def test_tree_parents_are_validated(monkeypatch):
     q, k, v, g, beta, s0 = inputs(1, 3, 1, 1, 32, 2, mx.float32)
     for bad in ([-1, 1, 0], [-1, 0, 5], [-1, -2, 0], [0, 0, 1]):
         with pytest.raises(ValueError, match="parent"):
-            kernels.tree_launch(q, k, v, g, beta, s0, bad)
+            gated_delta.tree_launch(q, k, v, g, beta, s0, bad)
         with pytest.raises(ValueError, match="parent"):
-            kernels.gated_delta_tree(q, k, v, g, beta, s0, bad, force_twin=True)
+            gated_delta.gated_delta_tree(q, k, v, g, beta, s0, bad, force_twin=True)
     # A tree deeper than MAX_TREE_DEPTH takes the twin even with Metal selected.
-    monkeypatch.setattr(kernels, "use_metal", lambda force_twin=False: not force_twin)
-    monkeypatch.setattr(kernels, "run_metal", lambda launch: pytest.fail("deep tree sent to Metal"))
-    T = kernels.MAX_TREE_DEPTH + 1
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", lambda launch: pytest.fail("deep tree sent to Metal"))
+    T = gated_delta.MAX_TREE_DEPTH + 1
     q, k, v, g, beta, s0 = inputs(1, T, 1, 1, 32, 2, mx.float32)
-    kernels.gated_delta_tree(q, k, v, g, beta, s0, list(range(-1, T - 1)))
+    gated_delta.gated_delta_tree(q, k, v, g, beta, s0, list(range(-1, T - 1)))
 
 
 def test_tree_order_is_a_preorder():
     parents = TREES[3]
-    order, depth = kernels.tree_order(parents)
+    order, depth = ddtree.tree_order(parents)
     assert sorted(order) == list(range(len(parents)))
     for r, t in enumerate(order):  # every node after its parent, its parent the last node one level up
         p = parents[t]
@@ -172,17 +173,17 @@ def test_rollback_kernel_matches_twin(dtype):
     parents = TREES[2]
     T = len(parents)
     q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 40, 6, dtype, seed=3)
-    _, _, tape = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+    _, _, tape = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
     for node in (0, 4, 10, 12):
-        rows = kernels.path_rows(parents, node)
-        (got,) = H.run(kernels.rollback_launch(s0, k, g, tape, rows))
+        rows = ddtree.path_rows(parents, node)
+        (got,) = H.run(gated_delta.rollback_launch(s0, k, g, tape, rows))
         P = mx.array(rows)
-        want = kernels.gated_delta_rollback(s0, k[:, P], g[:, P], tape[:, P], len(rows), force_twin=True)
+        want = gated_delta.gated_delta_rollback(s0, k[:, P], g[:, P], tape[:, P], len(rows), force_twin=True)
         assert close(got, want, dtype)
     # A chain prefix.
-    _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
-    (got,) = H.run(kernels.rollback_launch(s0, k, g, tape, range(7)))
-    assert close(got, kernels.gated_delta_rollback(s0, k, g, tape, 7, force_twin=True), dtype)
+    _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    (got,) = H.run(gated_delta.rollback_launch(s0, k, g, tape, range(7)))
+    assert close(got, gated_delta.gated_delta_rollback(s0, k, g, tape, 7, force_twin=True), dtype)
 
 
 def bits(a):
@@ -195,16 +196,16 @@ def test_rollback_replays_the_forward_state_bit_for_bit(packed):
     own state after those tokens, to the bit (same fma in both kernels)."""
     T, n = 9, 5
     q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=6)
-    _, _, tape = H.run(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))
-    _, S_n, _ = H.run(kernels.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                           packed=packed))
-    (R_n,) = H.run(kernels.rollback_launch(s0, k, g, tape, range(n)))
+    _, _, tape = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
+    _, S_n, _ = H.run(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
+                                               packed=packed))
+    (R_n,) = H.run(gated_delta.rollback_launch(s0, k, g, tape, range(n)))
     assert np.array_equal(bits(S_n), bits(R_n))
     # Tree: the forward's state after node T-1's path, replayed along that path.
     parents = TREES[1]
     q, k, v, g, beta, s0 = inputs(1, len(parents), 2, 4, 40, 8, mx.bfloat16, seed=7)
-    _, S, tape = H.run(kernels.tree_launch(q, k, v, g, beta, s0, parents))
-    (R,) = H.run(kernels.rollback_launch(s0, k, g, tape, kernels.path_rows(parents, len(parents) - 1)))
+    _, S, tape = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, parents))
+    (R,) = H.run(gated_delta.rollback_launch(s0, k, g, tape, ddtree.path_rows(parents, len(parents) - 1)))
     assert np.array_equal(bits(S), bits(R))
 
 
@@ -215,9 +216,9 @@ def test_conv_kernel_matches_twin(parents, dtype):
     conv_in = mx.random.normal((2, K - 1 + T, C), key=mx.random.key(4)).astype(dtype)
     weight = (mx.random.normal((C, K, 1), key=mx.random.key(5)) * 0.5).astype(dtype)
     chain = list(range(-1, T - 1))
-    idx = kernels.conv_windows(parents if parents is not None else chain, K)
-    (got,) = H.run(kernels.conv_launch(conv_in, weight, idx))
-    want = kernels.causal_conv1d_silu(conv_in, weight, parents, force_twin=True)
+    idx = conv.conv_windows(parents if parents is not None else chain, K)
+    (got,) = H.run(conv.conv_launch(conv_in, weight, idx))
+    want = conv.causal_conv1d_silu(conv_in, weight, parents, force_twin=True)
     assert got.dtype == dtype and close(got, want, dtype)
 
 
@@ -225,13 +226,13 @@ def small_launches():
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
     w = mx.random.normal((70, 4, 1), key=mx.random.key(2))
-    _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
     return {
-        "chain": kernels.chain_launch(q, k, v, g, beta, s0, packed=False),
-        "packed": kernels.chain_launch(q, k, v, g, beta, s0, packed=True),
-        "tree": kernels.tree_launch(q, k, v, g, beta, s0, [-1, 0, 0, 1, 2]),
-        "rollback": kernels.rollback_launch(s0, k, g, tape, range(3)),
-        "conv": kernels.conv_launch(conv_in, w, kernels.conv_windows(list(range(-1, 4)), 4)),
+        "chain": gated_delta.chain_launch(q, k, v, g, beta, s0, packed=False),
+        "packed": gated_delta.chain_launch(q, k, v, g, beta, s0, packed=True),
+        "tree": gated_delta.tree_launch(q, k, v, g, beta, s0, [-1, 0, 0, 1, 2]),
+        "rollback": gated_delta.rollback_launch(s0, k, g, tape, range(3)),
+        "conv": conv.conv_launch(conv_in, w, conv.conv_windows(list(range(-1, 4)), 4)),
     }
 
 
@@ -254,11 +255,11 @@ def test_real_kernels_do_not_depend_on_thread_order():
 ])
 def test_harness_rejects_a_mutated_kernel(mutation):
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 4, mx.float32)
-    src = kernels.metal_source("gated_delta_chain")
+    src = metal.metal_source("gated_delta_chain")
     old, new = mutation
     assert old in src
-    y, S, d = H.run(kernels.chain_launch(q, k, v, g, beta, s0), source=src.replace(old, new))
-    ry, rS, rd = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    y, S, d = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0), source=src.replace(old, new))
+    ry, rS, rd = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
     assert not (close(y, ry) and close(S, rS) and close(d, rd))
 
 
@@ -298,7 +299,7 @@ out[thread_position_in_grid.x] = buf[threads_per_threadgroup.x - 1 - l];
 
 
 def _launch(name, source_inputs, outputs, grid, tg):
-    return kernels.Launch(name, source_inputs, outputs, [], grid, tg)
+    return metal.Launch(name, source_inputs, outputs, [], grid, tg)
 
 
 def test_harness_threadgroup_memory_and_barrier():
@@ -318,7 +319,7 @@ def test_a_missing_barrier_in_a_real_kernel_layout_is_caught():
     """The chain kernel with its q/k row staged in threadgroup memory (the
     usual optimisation): correct with the barrier in every order; without it,
     wrong in some order."""
-    src = kernels.metal_source("gated_delta_chain")
+    src = metal.metal_source("gated_delta_chain")
     old = "  const float gt = static_cast<float>(g[gb]);\n"
     assert old in src
     staged = (old + "  threadgroup float kq[4][Dk];\n"
@@ -330,7 +331,7 @@ def test_a_missing_barrier_in_a_real_kernel_layout_is_caught():
     q, k, v, g, beta, s0 = inputs(1, 4, 1, 4, 64, 8, mx.float32, seed=11)
     # The staged kernel reads the key of column i + 1: a reference run with the
     # barrier fixes what the right answer of this variant is, in every order.
-    launch = kernels.chain_launch(q, k, v, g, beta, s0, packed=False)
+    launch = gated_delta.chain_launch(q, k, v, g, beta, s0, packed=False)
     want = H.run(launch, source=good)
     for order in H.ORDERS[1:]:
         again = H.run(launch, source=good, order=order)
@@ -469,8 +470,8 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
         return nn.losses.cross_entropy(logits[:, :-1], tokens[:, 1:]).mean()
 
     want_v, want_g = nn.value_and_grad(model, loss)(model)
-    monkeypatch.setattr(kernels, "use_metal", lambda force_twin=False: not force_twin)
-    monkeypatch.setattr(kernels, "run_metal", _harness_as_custom_kernel)
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", _harness_as_custom_kernel)
     v, grads = nn.value_and_grad(model, loss)(model)
     assert abs(float(v) - float(want_v)) < 1e-5
     got, want = dict(tree_flatten(grads)), dict(tree_flatten(want_g))
@@ -480,11 +481,10 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
     for n in got:
         assert np.allclose(np.array(got[n]), np.array(want[n]), rtol=1e-3, atol=1e-5), n
     # The control: the kernel called without the twin's VJP fails as on a Mac.
-    def without_twin_vjp(kind, static, primals, extra=()):
-        launch = kernels._KINDS[kind][0](static, *primals, *extra)
-        return kernels.run_metal(launch)[:kernels._n_outputs(kind, static)]
+    def without_twin_vjp(launch, twin, static, primals, extra=(), n_out=1):
+        return metal.run_metal(launch(static, *primals, *extra))[:n_out]
 
-    monkeypatch.setattr(kernels, "_metal_or_twin", without_twin_vjp)
+    monkeypatch.setattr(metal, "run_with_twin_vjp", without_twin_vjp)
     with pytest.raises(RuntimeError, match="CustomKernel"):
         nn.value_and_grad(model, loss)(model)
 
@@ -497,22 +497,22 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
     conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
     w = mx.random.normal((70, 4, 1), key=mx.random.key(2))
     parents = [-1, 0, 0, 1, 2]
-    _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
 
     def total(outs):
         return sum(((o.astype(mx.float32) * (i + 1)) ** 2).sum() for i, o in enumerate(outs) if o is not None)
 
     cases = {
-        "chain": (lambda a, tw: total(kernels.gated_delta_chain(*a, mask, record=True, force_twin=tw)),
+        "chain": (lambda a, tw: total(gated_delta.gated_delta_chain(*a, mask, record=True, force_twin=tw)),
                   [q, k, v, g, beta, s0]),
-        "tree": (lambda a, tw: total(kernels.gated_delta_tree(*a, parents, record=True, force_twin=tw)),
+        "tree": (lambda a, tw: total(gated_delta.gated_delta_tree(*a, parents, record=True, force_twin=tw)),
                  [q, k, v, g, beta, s0]),
-        "rollback": (lambda a, tw: total([kernels.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
-        "conv": (lambda a, tw: total([kernels.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
+        "rollback": (lambda a, tw: total([gated_delta.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
+        "conv": (lambda a, tw: total([conv.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
     }
     want = {n: mx.grad(lambda *a, f=f: f(a, True), argnums=tuple(range(len(x))))(*x) for n, (f, x) in cases.items()}
-    monkeypatch.setattr(kernels, "use_metal", lambda force_twin=False: not force_twin)
-    monkeypatch.setattr(kernels, "run_metal", _harness_as_custom_kernel)
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", _harness_as_custom_kernel)
     for n, (f, x) in cases.items():
         got = mx.grad(lambda *a: f(a, False), argnums=tuple(range(len(x))))(*x)
         for i, (a, b) in enumerate(zip(got, want[n])):
@@ -531,18 +531,18 @@ def test_real_metal_kernels_match_twins(dtype):
         q, k, v, g, beta, s0 = inputs(1, 9, 2, 4, 64, 16, dtype)
         parents = TREES[1]
         for tree in (False, True):
-            f = kernels.gated_delta_tree if tree else kernels.gated_delta_chain
+            f = gated_delta.gated_delta_tree if tree else gated_delta.gated_delta_chain
             args = (q, k, v, g, beta, s0) + ((parents,) if tree else ())
             got = f(*args, record=True)
             want = f(*args, record=True, force_twin=True)
             for a, b in zip(got, want):
                 assert close(a, b, dtype)
-        _, _, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True)
-        assert close(kernels.gated_delta_rollback(s0, k, g, tape, 5),
-                     kernels.gated_delta_rollback(s0, k, g, tape, 5, force_twin=True), dtype)
+        _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True)
+        assert close(gated_delta.gated_delta_rollback(s0, k, g, tape, 5),
+                     gated_delta.gated_delta_rollback(s0, k, g, tape, 5, force_twin=True), dtype)
         conv_in = mx.random.normal((1, 12, 70)).astype(dtype)
         w = mx.random.normal((70, 4, 1)).astype(dtype)
-        assert close(kernels.causal_conv1d_silu(conv_in, w), kernels.causal_conv1d_silu(conv_in, w, force_twin=True), dtype)
+        assert close(conv.causal_conv1d_silu(conv_in, w), conv.causal_conv1d_silu(conv_in, w, force_twin=True), dtype)
 
 
 @pytest.mark.skipif(not mx.metal.is_available(),
@@ -551,22 +551,22 @@ def test_real_metal_kernels_match_twins(dtype):
 def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
     with mx.stream(mx.gpu):
         q, k, v, g, beta, s0 = inputs(1, 12, 2, 4, 128, 16, dtype, seed=4)
-        assert kernels.chain_launch(q, k, v, g, beta, s0).name == "gated_delta_packed"
-        want = kernels.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+        assert gated_delta.chain_launch(q, k, v, g, beta, s0).name == "gated_delta_packed"
+        want = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
         for packed in (True, False):
-            y, S, tape = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))
+            y, S, tape = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
             assert close(y, want[0], dtype) and close(S, want[1], dtype) and close(tape, want[2], dtype)
-            y2, S2, _ = kernels.run_metal(kernels.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed))
+            y2, S2, _ = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed))
             assert mx.array_equal(y, y2).item() and mx.array_equal(S, S2).item()
             n = 5
-            S_n = kernels.run_metal(kernels.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                                         packed=packed))[1]
-            R_n = kernels.run_metal(kernels.rollback_launch(s0, k, g, tape, range(n)))[0]
+            S_n = metal.run_metal(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
+                                                           packed=packed))[1]
+            R_n = metal.run_metal(gated_delta.rollback_launch(s0, k, g, tape, range(n)))[0]
             assert mx.array_equal(S_n, R_n).item()
         parents = random_tree(64, seed=2)
         q, k, v, g, beta, s0 = inputs(1, 64, 2, 4, 128, 16, dtype, seed=5)
-        got = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
-        want = kernels.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
+        got = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
         assert all(close(a, b, dtype) for a, b in zip(got, want))
 
 
@@ -609,12 +609,12 @@ def test_verify_rows_equal_single_steps_bit_for_bit(packed):
     order), and so is the state after them."""
     T = 6
     q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=8)
-    y, S, _ = H.run(kernels.chain_launch(q, k, v, g, beta, s0, packed=packed))
+    y, S, _ = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
     St = s0
     for t in range(T):
         sl = slice(t, t + 1)
-        yt, St, _ = H.run(kernels.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], St,
-                                               packed=packed))
+        yt, St, _ = H.run(gated_delta.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], St,
+                                                   packed=packed))
         assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t
     assert np.array_equal(bits(St), bits(S))
     if packed:
@@ -622,10 +622,10 @@ def test_verify_rows_equal_single_steps_bit_for_bit(packed):
     # Tree: each node's row is a single step from its parent's state.
     parents = TREES[1]
     q, k, v, g, beta, s0 = inputs(1, len(parents), 2, 4, 40, 8, mx.bfloat16, seed=9)
-    y, _, _ = H.run(kernels.tree_launch(q, k, v, g, beta, s0, parents))
+    y, _, _ = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, parents))
     states = {}
     for t, p in enumerate(parents):
         sl = slice(t, t + 1)
-        yt, states[t], _ = H.run(kernels.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
-                                                      s0 if p < 0 else states[p], packed=False))
+        yt, states[t], _ = H.run(gated_delta.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                                          s0 if p < 0 else states[p], packed=False))
         assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("clang.cindex", reason="the strict MSL check needs the libclang wheel (test extra)")
 
-from mlx_dflash import kernels  # noqa: E402
+from mlx_dflash.kernels import conv, gated_delta, metal  # noqa: E402
 
 import msl_check as M  # noqa: E402
 
@@ -39,15 +39,15 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
     q, k, v, g, beta, s0 = _inputs(B, T, Hk, Hv, Dk, Dv, dtype)
     out = {}
     for record in (True, False):
-        out[f"chain record={record}"] = kernels.chain_launch(q, k, v, g, beta, s0, record=record)
-        out[f"chain simd record={record}"] = kernels.chain_launch(q, k, v, g, beta, s0, record=record, packed=False)
-    out["rollback"] = kernels.rollback_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), range(max(T // 2, 1)))
+        out[f"chain record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record)
+        out[f"chain simd record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record, packed=False)
+    out["rollback"] = gated_delta.rollback_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), range(max(T // 2, 1)))
     C = 2 * Hk * Dk + Hv * Dv
-    out["conv"] = kernels.conv_launch(mx.zeros((B, 3 + T, C), dtype=dtype), mx.zeros((C, 4, 1), dtype=dtype),
-                                      kernels.conv_windows(list(range(-1, T - 1)), 4))
+    out["conv"] = conv.conv_launch(mx.zeros((B, 3 + T, C), dtype=dtype), mx.zeros((C, 4, 1), dtype=dtype),
+                                   conv.conv_windows(list(range(-1, T - 1)), 4))
     for n in budgets:
         tq, tk, tv, tg, tb, ts = _inputs(B, n, Hk, Hv, Dk, Dv, dtype)
-        out[f"tree {n}"] = kernels.tree_launch(tq, tk, tv, tg, tb, ts, _tree(n))
+        out[f"tree {n}"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, _tree(n))
     return out
 
 
@@ -89,16 +89,16 @@ def test_every_kernel_passes_at_the_test_shapes():
 
 def test_capture_is_the_wrapper_mlx_generates():
     q, k, v, g, beta, s0 = _inputs(1, 2, 1, 1, 4, 1, mx.bfloat16)
-    src = M.capture(kernels.chain_launch(q, k, v, g, beta, s0))
+    src = M.capture(gated_delta.chain_launch(q, k, v, g, beta, s0))
     assert "template <typename InT, typename StT, int Dk, int Dv, int Hk, int Hv, bool Record>" in src
     assert "const constant float* state_in [[buffer(5)]]" in src  # 4 elements: MLX binds it as constant
     assert "device float* state_out" in src and "[[host_name(" in src
-    assert kernels.metal_source("gated_delta_chain").strip() in src
+    assert metal.metal_source("gated_delta_chain").strip() in src
 
 
 def _tiny_chain():
     q, k, v, g, beta, s0 = _inputs(1, 2, 1, 1, 4, 1, mx.float32)
-    return M.capture(kernels.chain_launch(q, k, v, g, beta, s0, packed=False))
+    return M.capture(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=False))
 
 
 ANCHOR = "for (int t = 0; t < T; ++t) {"

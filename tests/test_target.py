@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash import kernels
+from mlx_dflash.kernels import fused_exp, gated_delta
 from mlx_dflash.models.qwen35 import Target
 
 from conftest import assert_cache_is_plain_forward
@@ -109,14 +109,14 @@ def test_gated_delta_matches_sequential_reference_and_rolls_back(T, masked):
     mask = None
     if masked:
         mask = mx.array([[t % 3 != 1 for t in range(T)]])
-    y, sT, tape = kernels.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True)
+    y, sT, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, mask, record=True)
     ry, rdelta, states = sequential_reference(q, k, v, g, beta, s0, None if mask is None else np.array(mask))
     keep = slice(None) if mask is None else np.array(mask)[0]
     np.testing.assert_allclose(np.array(y)[:, keep], ry[:, keep], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(tape), rdelta, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.array(sT), states[-1], rtol=1e-4, atol=1e-5)
     for n in range(T + 1):
-        got = kernels.gated_delta_rollback(s0, k, g, tape, n, mask)
+        got = gated_delta.gated_delta_rollback(s0, k, g, tape, n, mask)
         np.testing.assert_allclose(np.array(got), states[n], rtol=1e-4, atol=1e-5)
 
 
@@ -198,7 +198,7 @@ def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask)
         keep = np.arange(L)[None, :] <= np.arange(L - T, L)[:, None]
     else:
         keep = np.ones((T, L), dtype=bool)
-    got = kernels.attention(q, k, v, 0.125, mask, decode_block=True)
+    got = fused_exp.attention(q, k, v, 0.125, mask, decode_block=True)
     # Scores of a few hundred carry float32 rounding of ~1e-5 into the
     # weights: both kernels are that far from float64, and as close as that to each other.
     want = _reference_attention(q, k, v, 0.125, keep)
@@ -207,7 +207,7 @@ def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask)
     np.testing.assert_allclose(np.array(got), np.array(fast), rtol=1e-4, atol=1e-4)
     assert np.abs(np.array(got) - want).max() <= 1.5 * np.abs(np.array(fast) - want).max() + 1e-6
     # Outside a decode block (a prefill) it is mx.fast's, bit for bit: mlx-lm's numerics.
-    assert np.array_equal(np.array(kernels.attention(q, k, v, 0.125, mask)), np.array(fast))
+    assert np.array_equal(np.array(fused_exp.attention(q, k, v, 0.125, mask)), np.array(fast))
 
 
 def test_cpu_attention_is_finite_when_a_masked_score_is_far_above_the_kept_ones():
@@ -219,7 +219,7 @@ def test_cpu_attention_is_finite_when_a_masked_score_is_far_above_the_kept_ones(
     v = mx.random.normal((1, 2, L, 8), key=mx.random.key(0))
     for big in (88.7, 266.5):
         k_big = k.at[:, :, L - 1].add(big / 8 / 0.5)  # the last key: masked for all rows but the last
-        got = kernels.attention(q, k_big, v, 0.5, "causal", decode_block=True)
+        got = fused_exp.attention(q, k_big, v, 0.5, "causal", decode_block=True)
         assert np.isfinite(np.array(got)).all()
         want = mx.fast.scaled_dot_product_attention(q, k_big, v, scale=0.5, mask="causal")
         np.testing.assert_allclose(np.array(got)[:, :, :-1], np.array(want)[:, :, :-1], rtol=1e-5, atol=1e-6)
@@ -227,25 +227,25 @@ def test_cpu_attention_is_finite_when_a_masked_score_is_far_above_the_kept_ones(
 
 def test_cpu_attention_exp_is_within_one_ulp_of_exact():
     x = mx.array(np.linspace(-87.0, 0.0, 200001, dtype=np.float32))
-    p, bits = kernels._softmax_parts(x, mx.array(0.0), mx.ones(x.shape, dtype=mx.bool_))
+    p, bits = fused_exp._softmax_parts(x, mx.array(0.0), mx.ones(x.shape, dtype=mx.bool_))
     got = np.array(p * bits.view(mx.float32), dtype=np.float64)
     want = np.exp(np.array(x, dtype=np.float64))
     assert np.max(np.abs(got - want) / want) < 1.2e-7
 
 
 def test_fused_activations_are_within_two_ulp_of_exact():
-    """The verify block's SiLU / sigmoid on a CPU (kernels.fused_exp_for)."""
+    """The verify block's SiLU / sigmoid on a CPU (fused_exp.fused_exp_for)."""
     x = mx.array(np.linspace(-80.0, 80.0, 160001, dtype=np.float32))
     xd = np.array(x, dtype=np.float64)
     sig = 1.0 / (1.0 + np.exp(-xd))
-    got = np.array(kernels.sigmoid_fused(x), dtype=np.float64)
+    got = np.array(fused_exp.sigmoid_fused(x), dtype=np.float64)
     assert np.max(np.abs(got - sig) / sig) < 2.4e-7
-    got = np.array(kernels.silu_fused(x), dtype=np.float64)
+    got = np.array(fused_exp.silu_fused(x), dtype=np.float64)
     assert np.max(np.abs(got - xd * sig) / np.maximum(np.abs(xd * sig), 1e-30)) < 2.4e-7
     # Beyond the float range it saturates instead of overflowing.
-    big = np.array(kernels.exp_fused(mx.array([-200.0, 200.0])))
+    big = np.array(fused_exp.exp_fused(mx.array([-200.0, 200.0])))
     assert 0 <= big[0] < 1e-37 and np.isfinite(big[1]) and big[1] > 1e38
-    assert kernels.silu_fused(mx.array([1.0], dtype=mx.bfloat16)).dtype == mx.bfloat16
+    assert fused_exp.silu_fused(mx.array([1.0], dtype=mx.bfloat16)).dtype == mx.bfloat16
 
 
 def test_rollback_of_several_layers_at_once_equals_each_layer_alone():
@@ -259,11 +259,11 @@ def test_rollback_of_several_layers_at_once_equals_each_layer_alone():
                       mx.random.uniform(0.3, 1.0, (1, T, Hv), key=keys[2]),
                       mx.random.normal((1, T, Hv, Dv), key=keys[3])))
     for n in (0, 1, 4, T):
-        got = kernels.gated_delta_rollback_layers(tapes, n)
+        got = gated_delta.gated_delta_rollback_layers(tapes, n)
         for tape, g in zip(tapes, got):
-            np.testing.assert_allclose(np.array(g), np.array(kernels.gated_delta_rollback(*tape, n)),
+            np.testing.assert_allclose(np.array(g), np.array(gated_delta.gated_delta_rollback(*tape, n)),
                                        rtol=1e-6, atol=1e-6)
     # Layers of different shapes fall back to one call each.
     odd = (tapes[0][0][:, :2], tapes[0][1], tapes[0][2][..., :2], tapes[0][3][:, :, :2])
-    got = kernels.gated_delta_rollback_layers([tapes[1], odd], 4)
-    np.testing.assert_allclose(np.array(got[1]), np.array(kernels.gated_delta_rollback(*odd, 4)), rtol=1e-6, atol=1e-6)
+    got = gated_delta.gated_delta_rollback_layers([tapes[1], odd], 4)
+    np.testing.assert_allclose(np.array(got[1]), np.array(gated_delta.gated_delta_rollback(*odd, 4)), rtol=1e-6, atol=1e-6)

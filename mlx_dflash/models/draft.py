@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .. import kernels
+from ..kernels.fused_exp import attention, fused_exp_for, silu_fused
 from .qwen35 import array_offset_rope
 
 
@@ -161,7 +161,7 @@ class MLP(nn.Module):
 
     def __call__(self, x, fused_exp: bool = False):
         gate = self.gate_proj(x)
-        gate = kernels.silu_fused(gate) if fused_exp else nn.silu(gate)
+        gate = silu_fused(gate) if fused_exp else nn.silu(gate)
         return self.down_proj(gate * self.up_proj(x))
 
 
@@ -175,7 +175,7 @@ class DraftLayer(nn.Module):
 
     def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
         """Block rows h [..., B, H]; ``attend`` maps normed rows to attention
-        output; ``fused_exp``: the MLP's SiLU by kernels.silu_fused (proposals on a CPU)."""
+        output; ``fused_exp``: the MLP's SiLU by fused_exp.silu_fused (proposals on a CPU)."""
         h = h + attend(self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h), fused_exp)
 
@@ -495,7 +495,7 @@ class DFlashDraft(nn.Module):
                 q, kb, vb = self._fn(i, B, "pre")(h, pos)
                 # The block's rows go after the context's, as scratch (not held).
                 keys, values = cache.write(i, cache.rows, kb, vb)
-                out = kernels.attention(q, keys, values, attn.scale, mask, decode_block=True)
+                out = attention(q, keys, values, attn.scale, mask, decode_block=True)
                 h = self._fn(i, B, "post")(h, out)
                 continue
 
@@ -504,10 +504,10 @@ class DFlashDraft(nn.Module):
                 q = attn.rope(q, offset=anchor_pos)
                 kb, vb = attn.kv(x, anchor_pos)
                 keys, values = cache.write(i, cache.rows, kb, vb)
-                out = kernels.attention(q, keys, values, attn.scale, mask, decode_block=True)
+                out = attention(q, keys, values, attn.scale, mask, decode_block=True)
                 return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
 
-            h = layer(h, attend, kernels.fused_exp_for(True))
+            h = layer(h, attend, fused_exp_for(True))
         return self.norm(h[0])
 
     def _fn(self, i: int, B: int, kind: str):
@@ -516,7 +516,7 @@ class DFlashDraft(nn.Module):
         residual, MLP) the attention, for blocks of B rows; parameters read
         as inputs, so a draft being trained is seen as it is now."""
         fns = self.__dict__.setdefault("_compiled_fns", {})
-        fused = kernels.fused_exp_for(True)  # a proposal block: the fused SiLU on a CPU
+        fused = fused_exp_for(True)  # a proposal block: the fused SiLU on a CPU
         key = (i, B, kind, fused)
         if key not in fns:
             layer = self.layers[i]

@@ -11,8 +11,11 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from .. import kernels
 from ..cache import DeltaNetState, KVBuffer, TargetCache
+from ..ddtree import ancestor_matrix
+from ..kernels.conv import causal_conv1d_silu
+from ..kernels.fused_exp import fused_exp_for, row_exact, sigmoid_fused, silu_fused
+from ..kernels.gated_delta import gated_delta_chain, gated_delta_tree
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
@@ -27,7 +30,7 @@ def array_offset_rope(rope) -> bool:
 
 def tree_inputs(parents: Sequence[int]):
     """(depth [T], ancestor matrix [T, T]) of a verify tree, for the attention layers."""
-    anc = kernels.ancestor_matrix(parents)
+    anc = ancestor_matrix(parents)
     return anc.astype(mx.int32).sum(axis=1) - 1, anc
 
 
@@ -108,15 +111,15 @@ class Target:
 
     def _mlp(self, layer, x: mx.array, fused_exp: bool) -> mx.array:
         """The layer's MLP; ``fused_exp``: a dense SwiGLU's SiLU by
-        kernels.silu_fused (MoE blocks always run mlx-lm's)."""
+        fused_exp.silu_fused (MoE blocks always run mlx-lm's)."""
         mlp = layer.mlp
         if fused_exp and hasattr(mlp, "gate_proj"):
-            return mlp.down_proj(kernels.silu_fused(mlp.gate_proj(x)) * mlp.up_proj(x))
+            return mlp.down_proj(silu_fused(mlp.gate_proj(x)) * mlp.up_proj(x))
         return mlp(x)
 
     @staticmethod
     def _gate(out: mx.array, gate: mx.array, fused_exp: bool) -> mx.array:
-        return out * (kernels.sigmoid_fused(gate) if fused_exp else mx.sigmoid(gate))
+        return out * (sigmoid_fused(gate) if fused_exp else mx.sigmoid(gate))
 
     def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None, verify: bool = False) -> mx.array:
         B, T, _ = x.shape
@@ -137,7 +140,7 @@ class Target:
         else:
             out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return attn.o_proj(self._gate(out, gate, kernels.fused_exp_for(verify, x.dtype)))
+        return attn.o_proj(self._gate(out, gate, fused_exp_for(verify, x.dtype)))
 
     def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool, parents=None) -> mx.array:
         B, T, _ = x.shape
@@ -152,30 +155,30 @@ class Target:
         if conv_state is None:
             conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
         conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        fused = kernels.fused_exp_for(record, x.dtype)
-        conv_out = kernels.causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fused)
+        fused = fused_exp_for(record, x.dtype)
+        conv_out = causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fused)
         qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
         q = qc.reshape(B, T, Hk, Dk)
         k = kc.reshape(B, T, Hk, Dk)
         v = vc.reshape(B, T, Hv, Dv)
         q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-        beta = kernels.sigmoid_fused(b) if fused else mx.sigmoid(b)
+        beta = sigmoid_fused(b) if fused else mx.sigmoid(b)
         g = compute_g(la.A_log, a, la.dt_bias)
         ssm = st.ssm
         if ssm is None:
             ssm = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-        stepwise = record and kernels.row_exact(x.dtype)
+        stepwise = record and row_exact(x.dtype)
         if parents is None:
-            y, new_ssm, tape = kernels.gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
+            y, new_ssm, tape = gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
         else:
-            y, new_ssm, tape = kernels.gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record,
-                                                        stepwise=stepwise)
+            y, new_ssm, tape = gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record,
+                                                stepwise=stepwise)
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
         if fused:  # mlx-lm's gated RMSNorm, its SiLU fused
             f32 = mx.float32
-            out = (kernels.silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32))
+            out = (silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32))
             out = out.astype(y.dtype)
         else:
             out = la.norm(y, z)
@@ -201,7 +204,7 @@ class Target:
             else:
                 r = self._attention(layer.self_attn, x, c, tree, verify=record)
             h = h + r
-            h = h + self._mlp(layer, layer.post_attention_layernorm(h), kernels.fused_exp_for(record, h.dtype))
+            h = h + self._mlp(layer, layer.post_attention_layernorm(h), fused_exp_for(record, h.dtype))
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
@@ -236,7 +239,7 @@ class Target:
     def _fn(self, i: int, T: int, kind: str, record: bool, dtype):
         """Layer i's compiled piece for T rows: "linear" (a DeltaNet layer),
         "pre" / "post" (an attention layer's work before / after the KV attend)."""
-        fused = kernels.fused_exp_for(record, dtype)
+        fused = fused_exp_for(record, dtype)
         key = (i, T, kind, record, fused)
         fn = self._fns.get(key)
         if fn is not None:
