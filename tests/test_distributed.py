@@ -124,7 +124,7 @@ def _rank_main(args):
                 toks = []
                 stats[which] = GenerationStats()
                 for ts in generate_tokens(target, prompt, draft=draft, max_tokens=args.n, cache=cache,
-                                          sampler=Sampler(temp, seed=seed), stats=stats[which],
+                                          temperature=temp, seed=seed, stats=stats[which],
                                           eos_token_ids=[script[len(prompt) + eos_at]] if eos_at else (),
                                           **case):
                     toks.extend(ts)
