@@ -11,6 +11,11 @@ from typing import Optional, Tuple
 from .errors import DFlashError
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
 
+NOT_LOADED = object()  # validate() before the engine is loaded
+# The fields a server request may set (by the same name in its body).
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty",
+            "repetition_context_size", "seed", "accept_rule")
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -55,6 +60,16 @@ class GenerationConfig:
         """``config`` (default: the defaults) with keyword ``options`` overriding it."""
         return (config if config is not None else cls()).update(**options)
 
+    def with_request(self, request, max_tokens: int) -> "GenerationConfig":
+        """A copy with a server request's sampling fields (those it sets, by name) and ``max_tokens``."""
+        options = {"max_tokens": max_tokens}
+        for name in SAMPLING:
+            value = getattr(request, name, None)
+            if value is not None:
+                default = getattr(self, name)
+                options[name] = type(default)(value) if isinstance(default, (int, float)) else value
+        return self.update(**options)
+
     def sampler(self) -> Sampler:
         """The sampler these options describe. Greedy needs no seed: none is drawn
         (drawing one would move MLX's global random state)."""
@@ -62,11 +77,12 @@ class GenerationConfig:
         return Sampler(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
                        self.repetition_context_size, seed, min_tokens_to_keep=self.min_tokens_to_keep)
 
-    def validate(self, draft_block_size: Optional[int] = None) -> None:
+    def validate(self, draft=NOT_LOADED) -> None:
         """Every check of these options, raising :class:`DFlashError` naming the cause.
 
-        ``draft_block_size``: the largest block the draft that will run takes
-        (None: no draft is loaded).
+        ``draft``: the draft that will run (anything with ``block_size``, or that
+        block size as an int), None when no draft is loaded; left out (before
+        loading), the checks that need it wait for the decode loop's call.
         """
         from .cache import check_kv_bits
 
@@ -80,20 +96,22 @@ class GenerationConfig:
             raise DFlashError(
                 f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}")
         check_kv_bits(self.kv_bits)
-        if self.tree_budget < 0 or self.tree_topk < 1 or self.auto_tree < 0:
-            raise DFlashError(f"tree budget and auto tree must be >= 0 and tree top-k >= 1, got "
-                              f"{self.tree_budget}, {self.auto_tree}, {self.tree_topk}")
+        if self.tree_budget < 0 or self.auto_tree < 0:
+            raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {self.tree_budget} and "
+                              f"{self.auto_tree}")
+        if self.tree_topk < 1:
+            raise DFlashError(f"--tree-topk must be >= 1, got {self.tree_topk}")
         if self.auto_tree and self.tree_budget:
-            raise DFlashError("give a tree budget (a tree every cycle) or an auto tree (the policy's choice), "
+            raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), "
                               "not both")
         if self.draft_window is not None and min(self.draft_window) < 0:
             raise DFlashError("--draft-window and --draft-sink must be >= 0")
         if self.max_context is not None and self.max_context < 2:
             raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
-        if self.block_size is None or self.baseline:
+        if self.block_size is None or self.baseline or draft is NOT_LOADED:
             return
-        if draft_block_size is None:
+        if draft is None:
             raise DFlashError("a block size was given but no draft is loaded")
-        if not 2 <= self.block_size <= draft_block_size:
-            raise DFlashError(
-                f"--block-size must be in 2..{draft_block_size} for this draft, got {self.block_size}")
+        limit = draft if isinstance(draft, int) else draft.block_size
+        if not 2 <= self.block_size <= limit:
+            raise DFlashError(f"--block-size must be in 2..{limit} for this draft, got {self.block_size}")

@@ -428,7 +428,7 @@ def _generate_tokens(target, prompt, config=None, *, hooks: Optional[Hooks] = No
     hooks = hooks or Hooks()
     if c.baseline:
         draft = None
-    c.validate(draft.block_size if draft is not None else None)
+    c.validate(draft)
     policy = hooks.policy
     max_tokens, block_size = c.max_tokens, c.block_size
     tree_budget, auto_tree, kv_bits = c.tree_budget, c.auto_tree, c.kv_bits

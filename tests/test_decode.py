@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlx_dflash import tiny
-from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
+from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 

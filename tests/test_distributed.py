@@ -78,7 +78,6 @@ def _rank_main(args):
     from mlx_dflash import distributed
     from mlx_dflash.decode import GenerationStats, generate_tokens
     from mlx_dflash.loading import load_draft, load_target
-    from mlx_dflash.sampling import Sampler
 
     out = Path(args.out)
     stage = distributed.load(args.model, args.draft, dtype=mx.float32, timeout=args.timeout)

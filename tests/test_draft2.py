@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from mlx_dflash import tiny
-from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
+from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_draft
 from mlx_dflash.models.qwen35 import Target
