@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from .config import SAMPLING
 from .errors import DFlashError
 from .sampling import DEFAULT_ACCEPT_RULE
 
@@ -66,7 +67,8 @@ COMPILE_OPTION = typer.Option(
 
 
 # Generation options (GenerationConfig's fields, and the CLI's aliases of them): each
-# flag defined once; a command takes the ones it offers with @generation_options.
+# flag defined once; a command takes the ones it offers with @generation_options
+# (every sampling flag, config.SAMPLING, wherever it samples).
 # name -> (type, default, flags, help)
 GENERATION_FLAGS = {
     "max_tokens": (int, 256, ("--max-tokens", "-n"), "Most tokens to generate (EOS may stop earlier)."),
@@ -218,10 +220,9 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
 
 
 @app.command()
-@generation_options("max_tokens", "block_size", "num_draft_tokens", "baseline", "temperature", "top_p", "top_k",
-                    "min_p", "min_tokens_to_keep", "repetition_penalty", "repetition_context_size", "seed",
-                    "accept_rule", "tree_budget", "tree_topk", "auto_tree", "draft_window", "draft_sink",
-                    "prefill_chunk", "adaptive", "kv_bits", "profile")
+@generation_options("max_tokens", "block_size", "num_draft_tokens", "baseline", *SAMPLING, "tree_budget",
+                    "tree_topk", "auto_tree", "draft_window", "draft_sink", "prefill_chunk", "adaptive", "kv_bits",
+                    "profile")
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin."),
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
@@ -298,7 +299,7 @@ def generate(
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats = None
-    for r in stream_generate(engine, text, gen, chat_template=chat_template, system=system,
+    for r in stream_generate(engine, text, config=gen, chat_template=chat_template, system=system,
                              chat_template_config=template_kwargs, prefix_cache=pc):
         sys.stdout.write(r.text)
         sys.stdout.flush()
@@ -324,8 +325,7 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 
 
 @app.command()
-@generation_options("max_tokens", "block_size", "baseline", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "tree_budget", "auto_tree", max_tokens=512)
+@generation_options("max_tokens", "block_size", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512)
 def chat(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."),
@@ -628,8 +628,8 @@ def info(
 
 
 @app.command()
-@generation_options("max_tokens", "temperature", "top_p", "top_k", "min_p", "block_size", "tree_budget", "auto_tree",
-                    "prefill_chunk", max_tokens=512)
+@generation_options("max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk",
+                    max_tokens=512)
 def serve(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair "

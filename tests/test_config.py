@@ -83,3 +83,36 @@ def test_config_and_keywords_give_the_same_tokens(dense):
     # The loop validates the config against the draft it runs with.
     with pytest.raises(DFlashError, match="--block-size must be in 2..8 for this draft, got 9"):
         next(generate_tokens(target, PROMPT, cfg, draft=draft, block_size=9))
+
+
+def test_every_sampling_option_is_a_flag_of_every_command_that_samples():
+    from mlx_dflash import cli
+    from mlx_dflash.config import SAMPLING
+
+    assert set(SAMPLING) <= set(GenerationConfig.names())
+    for command in (cli.generate, cli.chat, cli.serve):
+        params = inspect.signature(command).parameters
+        for name in SAMPLING:
+            assert getattr(params[name].default, "help", ""), (command, name)  # a typer option with help text
+
+
+def test_cli_flags_become_one_config():
+    from mlx_dflash.cli import generation_config
+
+    gen = generation_config(dict(num_draft_tokens=3, draft_window=64, draft_sink=4, temperature=0.5))
+    assert gen == GenerationConfig(block_size=4, draft_window=(4, 64), temperature=0.5)
+    with pytest.raises(DFlashError, match="not both"):
+        generation_config(dict(num_draft_tokens=3, block_size=4))
+    with pytest.raises(DFlashError, match="--draft-window and --draft-sink must be >= 0"):
+        generation_config(dict(draft_window=-1))
+
+
+def test_server_request_sets_the_sampling_fields_it_names():
+    from types import SimpleNamespace
+
+    defaults = GenerationConfig(max_tokens=512, temperature=0.7, block_size=8, tree_budget=0)
+    req = SimpleNamespace(temperature=None, top_p=0.9, top_k=5, seed=3, repetition_penalty=None,
+                          block_size=2, max_tokens=99)  # not a sampling field: the server's stays
+    got = defaults.with_request(req, max_tokens=40)
+    assert got == GenerationConfig(max_tokens=40, temperature=0.7, top_p=0.9, top_k=5, seed=3, block_size=8)
+    assert isinstance(got.top_p, float)
