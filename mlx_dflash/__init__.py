@@ -8,6 +8,7 @@ from .api import (
     load,
     stream_generate,
 )
+from .config import GenerationConfig
 from .sampling import Sampler
 from .train import TrainConfig, train_draft
 from .decode import GenerationStats, generate_tokens
@@ -19,6 +20,7 @@ __all__ = [
     "ChatSession",
     "DFlashError",
     "Engine",
+    "GenerationConfig",
     "GenerationResponse",
     "GenerationResult",
     "GenerationStats",

@@ -3,16 +3,16 @@
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
+from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 from .loading import load_draft, load_target, load_tokenizer
 from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
-from .sampling import DEFAULT_ACCEPT_RULE, Sampler
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
@@ -131,33 +131,23 @@ class GenerationResult:
 def stream_generate(
     engine: Engine,
     prompt: Union[str, Sequence[int]],
+    config: Optional[GenerationConfig] = None,
     *,
-    max_tokens: int = 256,
-    block_size: Optional[int] = None,
-    baseline: bool = False,
     chat_template: bool = False,
     system: Optional[str] = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
     chat_template_config: Optional[dict] = None,
-    repetition_penalty: float = 1.0,
-    repetition_context_size: int = 20,
-    seed: Optional[int] = None,
-    tree_budget: int = 0,
-    tree_topk: int = 4,
-    auto_tree: int = 0,
-    draft_window: Optional[Tuple[int, int]] = None,
-    prefill_chunk: int = 512,
-    profile: bool = False,
-    adaptive: bool = True,
-    kv_bits: Optional[int] = None,
-    accept_rule: str = DEFAULT_ACCEPT_RULE,
     prefix_cache=None,
+    **options,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
+
+    ``config``: a :class:`~mlx_dflash.GenerationConfig`; keyword ``options``
+    (its field names: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+    ``min_p``, ``min_tokens_to_keep``, ``repetition_penalty``,
+    ``repetition_context_size``, ``seed``, ``block_size``, ``baseline``,
+    ``adaptive``, ``tree_budget``, ``tree_topk``, ``auto_tree``,
+    ``draft_window``, ``kv_bits``, ``prefill_chunk``, ``profile``,
+    ``accept_rule``, ``max_context``) override it.
 
     ``baseline=True`` (or an engine without a draft) decodes plainly through
     the same loop. At temperature 0 the tokens equal plain greedy decoding.
@@ -183,27 +173,18 @@ def stream_generate(
     ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
+    config = GenerationConfig.build(config, **options)
     ids = engine.encode(prompt, chat_template=chat_template, system=system,
                         chat_template_config=chat_template_config)
     if prefix_cache is not None:
         prefix_cache.bind(engine)
-    sampler = Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
-                      repetition_context_size, seed, min_tokens_to_keep=min_tokens_to_keep)
-    if prefill_chunk < 1:
-        raise DFlashError(f"prefill chunk must be positive, got {prefill_chunk}")
-    draft = None if baseline else engine.draft
-    if draft is None and block_size is not None and not baseline:
-        raise DFlashError("a block size was given but no draft is loaded")
     tok = engine.tokenizer
     detok = tok.detokenizer
     detok.reset()
     stats = GenerationStats()
     for tokens in generate_tokens(
-        engine.target, ids, draft=draft, max_tokens=max_tokens,
-        block_size=None if draft is None else block_size,
-        eos_token_ids=tok.eos_token_ids, sampler=sampler,
-        tree_budget=tree_budget, tree_topk=tree_topk, auto_tree=auto_tree, draft_window=draft_window, prefill_chunk=prefill_chunk, stats=stats,
-        profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule, prefix_cache=prefix_cache,
+        engine.target, ids, config, draft=engine.draft, eos_token_ids=tok.eos_token_ids, stats=stats,
+        prefix_cache=prefix_cache,
         prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
                          if prefix_cache is not None else None),
     ):
@@ -215,12 +196,13 @@ def stream_generate(
         yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
 
 
-def generate(engine: Engine, prompt: Union[str, Sequence[int]], **kwargs) -> GenerationResult:
+def generate(engine: Engine, prompt: Union[str, Sequence[int]], config: Optional[GenerationConfig] = None,
+             **kwargs) -> GenerationResult:
     """Generate to completion; returns text, token ids and stats.
 
-    Takes the keyword arguments of :func:`stream_generate`.
+    Takes the arguments of :func:`stream_generate`.
     """
-    return collect(stream_generate(engine, prompt, **kwargs))
+    return collect(stream_generate(engine, prompt, config, **kwargs))
 
 
 def collect(pieces) -> GenerationResult:

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from .config import SAMPLING
 from .errors import DFlashError
 from .sampling import DEFAULT_ACCEPT_RULE
 
@@ -63,9 +64,104 @@ COMPILE_OPTION = typer.Option(
     True, "--compile/--no-compile",
     help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
          "--no-compile runs plain MLX ops (for troubleshooting).")
-AUTO_TREE_OPTION = typer.Option(
-    0, "--auto-tree", help="Let the adaptive policy choose each cycle between a chain and a DDTree of this "
-                           "many draft nodes (from their measured costs and the tokens each commits); 0 = chains.")
+
+
+# Generation options (GenerationConfig's fields, and the CLI's aliases of them): each
+# flag defined once; a command takes the ones it offers with @generation_options
+# (every sampling flag, config.SAMPLING, wherever it samples).
+# name -> (type, default, flags, help)
+GENERATION_FLAGS = {
+    "max_tokens": (int, 256, ("--max-tokens", "-n"), "Most tokens to generate (EOS may stop earlier)."),
+    "block_size": (Optional[int], None, ("--block-size", "-b"),
+                   "Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
+    "num_draft_tokens": (Optional[int], None, ("--num-draft-tokens",),
+                         "mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one."),
+    "baseline": (bool, False, ("--baseline",), "Plain autoregressive decoding, no draft (for comparison)."),
+    "temperature": (float, 0.0, ("--temp",),
+                    "Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
+    "top_p": (float, 1.0, ("--top-p",), "Nucleus sampling mass (with --temp > 0)."),
+    "top_k": (int, 0, ("--top-k",), "Sample among the k most likely tokens; 0 = off."),
+    "min_p": (float, 0.0, ("--min-p",), "Drop tokens below min_p x the top probability; 0 = off."),
+    "min_tokens_to_keep": (int, 1, ("--min-tokens-to-keep",), "Tokens --min-p always keeps (the most likely ones)."),
+    "repetition_penalty": (float, 1.0, ("--repetition-penalty",),
+                           "Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
+    "repetition_context_size": (int, 20, ("--repetition-context-size",),
+                                "Tokens the repetition penalty looks back over."),
+    "seed": (Optional[int], None, ("--seed",), "Sampling seed. With --accept-rule equality the same seed gives "
+                                               "the same output in plain, chain and tree mode."),
+    "accept_rule": (str, DEFAULT_ACCEPT_RULE, ("--accept-rule",),
+                    "With --temp > 0 on a chain: 'speculative' samples the draft and keeps a token with "
+                    "probability min(1, p/q); 'equality' keeps a drafted token when it equals the target's own "
+                    "sample (same seed, same text in every mode). Both are exact; speculative keeps more drafts."),
+    "tree_budget": (int, 0, ("--tree-budget",),
+                    "Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
+    "tree_topk": (int, 4, ("--tree-topk",), "Candidate tokens per depth when building the tree."),
+    "auto_tree": (int, 0, ("--auto-tree",),
+                  "Let the adaptive policy choose each cycle between a chain and a DDTree of this many draft "
+                  "nodes (from their measured costs and the tokens each commits); 0 = chains."),
+    "draft_window": (int, 0, ("--draft-window",),
+                     "Keep only this many recent context positions in the draft cache (plus --draft-sink first "
+                     "ones); 0 = the draft's own: its sliding window when every layer slides, else keep all."),
+    "draft_sink": (int, 16, ("--draft-sink",), "First context positions always kept with --draft-window."),
+    "prefill_chunk": (int, 512, ("--prefill-chunk",), "Prompt tokens per prefill forward."),
+    "adaptive": (bool, True, ("--adaptive/--no-adaptive",),
+                 "Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
+                 "down to plain steps when drafting does not pay (costs measured once per machine and model, "
+                 "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's "
+                 "block."),
+    "kv_bits": (Optional[int], None, ("--kv-bits",),
+                "Store the target's attention K/V quantized to 8 or 4 bits (group size 64, K Hadamard-rotated). "
+                "Saves memory on long contexts; changes the target slightly."),
+    "profile": (bool, False, ("--profile",),
+                "Synchronise after each phase so --verbose splits the time per cycle into draft / verify / "
+                "rollback (a little slower)."),
+}
+
+
+def generation_options(*names: str, **defaults):
+    """Give a command the generation flags ``names`` (``defaults`` overrides theirs);
+    the command receives them as one :class:`GenerationConfig` in its ``gen`` parameter."""
+    import functools
+    import inspect
+
+    def wrap(fn):
+        sig = inspect.signature(fn)
+        extra = []
+        for n in names:
+            kind, default, flags, text = GENERATION_FLAGS[n]
+            default = defaults.get(n, default)
+            extra.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
+                                           default=typer.Option(default, *flags, help=text)))
+
+        @functools.wraps(fn)
+        def command(**kw):
+            return fn(gen=generation_config({n: kw.pop(n) for n in names}), **kw)
+
+        command.__signature__ = sig.replace(
+            parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
+        return command
+
+    return wrap
+
+
+def generation_config(flags: dict):
+    """The GenerationConfig of a command's generation flags (aliases resolved)."""
+    from .config import GenerationConfig
+
+    flags = dict(flags)
+    ndt = flags.pop("num_draft_tokens", None)
+    if ndt is not None:
+        if flags.get("block_size") is not None:
+            raise DFlashError("give --block-size or --num-draft-tokens, not both")
+        flags["block_size"] = ndt + 1
+    window, sink = flags.pop("draft_window", 0), flags.pop("draft_sink", 16)
+    if window < 0 or sink < 0:
+        raise DFlashError("--draft-window and --draft-sink must be >= 0")
+    if window:
+        flags["draft_window"] = (sink, window)
+    gen = GenerationConfig(**flags)
+    gen.validate()  # before loading anything; the draft's block limit once it is loaded
+    return gen
 
 
 HUB_IDS = ("a Hugging Face id (org/name or org/name@revision; a GGUF repo's file as org/name:QUANT "
@@ -85,13 +181,6 @@ def _say_draft_hint(engine, baseline: bool = False) -> None:
 
     if engine.draft is None and not baseline and engine.suggested_drafts:
         typer.echo(f"mlx-dflash: {draft_hint(engine.suggested_drafts)} (pass it with -d)", err=True)
-
-
-def _check_trees(tree_budget: int, auto_tree: int) -> None:
-    if tree_budget < 0 or auto_tree < 0:
-        raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {tree_budget} and {auto_tree}")
-    if tree_budget and auto_tree:
-        raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
 
 
 def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> str:
@@ -131,6 +220,9 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
 
 
 @app.command()
+@generation_options("max_tokens", "block_size", "num_draft_tokens", "baseline", *SAMPLING, "tree_budget",
+                    "tree_topk", "auto_tree", "draft_window", "draft_sink", "prefill_chunk", "adaptive", "kv_bits",
+                    "profile")
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin."),
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
@@ -143,11 +235,6 @@ def generate(
         help="DFlash draft folder (z-lab format), draft GGUF, or Hugging Face id (e.g. z-lab/Qwen3.5-9B-DFlash). "
              "Default: the embedded draft with the embedded target; none (plain decoding, naming the published "
              "draft when one fits) with another --model."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate (EOS may stop earlier)."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
-    num_draft_tokens: Optional[int] = typer.Option(
-        None, "--num-draft-tokens", help="mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one."),
     chat_template: Optional[bool] = typer.Option(
         None, "--chat-template/--no-chat-template",
         help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one)."),
@@ -160,49 +247,10 @@ def generate(
         None, "--system", "--system-prompt", help="System message (with the chat template)."),
     extra_eos_token: Optional[List[str]] = typer.Option(
         None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."),
-    baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft (for comparison)."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
-    min_tokens_to_keep: int = typer.Option(
-        1, "--min-tokens-to-keep", help="Tokens --min-p always keeps (the most likely ones)."),
-    repetition_penalty: float = typer.Option(
-        1.0, "--repetition-penalty", help="Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
-    repetition_context_size: int = typer.Option(20, "--repetition-context-size", help="Tokens the repetition penalty looks back over."),
-    seed: Optional[int] = typer.Option(
-        None, "--seed", help="Sampling seed. With --accept-rule equality the same seed gives the same output "
-                             "in plain, chain and tree mode."),
-    accept_rule: str = typer.Option(
-        DEFAULT_ACCEPT_RULE, "--accept-rule", help="With --temp > 0 on a chain: 'speculative' samples the draft "
-                                             "and keeps a token with probability min(1, p/q); 'equality' keeps a "
-                                             "drafted token when it equals the target's own sample (same seed, same "
-                                             "text in every mode). Both are exact; speculative keeps more drafts."),
-    tree_budget: int = typer.Option(
-        0, "--tree-budget", help="Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
-    tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth when building the tree."),
-    auto_tree: int = AUTO_TREE_OPTION,
-    draft_window: int = typer.Option(
-        0, "--draft-window", help="Keep only this many recent context positions in the draft cache "
-                                  "(plus --draft-sink first ones); 0 = the draft's own: its "
-                                  "sliding window when every layer slides, else keep all."),
-    draft_sink: int = typer.Option(16, "--draft-sink", help="First context positions always kept with --draft-window."),
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
-    adaptive: bool = typer.Option(
-        True, "--adaptive/--no-adaptive",
-        help="Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
-             "down to plain steps when drafting does not pay (costs measured once per machine and model, "
-             "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's block."),
-    kv_bits: Optional[int] = typer.Option(
-        None, "--kv-bits", help="Store the target's attention K/V quantized to 8 or 4 bits (group size 64, "
-                                "K Hadamard-rotated). Saves memory on long contexts; changes the target slightly."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."),
-    profile: bool = typer.Option(
-        False, "--profile", help="Synchronise after each phase so --verbose splits the time per cycle into "
-                                 "draft / verify / rollback (a little slower)."),
     pipeline: bool = typer.Option(
         False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
                                   "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
@@ -216,10 +264,10 @@ def generate(
     prompt_cache_bytes: Optional[int] = typer.Option(
         None, "--prompt-cache-bytes",
         help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+    gen=None,
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import load, stream_generate
-    from .cache import check_kv_bits
 
     stage = None
     if pipeline and prompt_cache_file:
@@ -233,16 +281,6 @@ def generate(
             stage.serve()  # this rank's layers, until rank 0 is done
             return
     text = _read_prompt(prompt, prompt_opt)
-    check_kv_bits(kv_bits)
-    _check_trees(tree_budget, auto_tree)
-    if max_tokens < 1:
-        raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
-    if draft_window < 0 or draft_sink < 0:
-        raise DFlashError("--draft-window and --draft-sink must be >= 0")
-    if num_draft_tokens is not None:
-        if block_size is not None:
-            raise DFlashError("give --block-size or --num-draft-tokens, not both")
-        block_size = num_draft_tokens + 1
     if ignore_chat_template:
         if chat_template:
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
@@ -250,7 +288,8 @@ def generate(
     template_kwargs = _template_config(chat_template_config)
     engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype),
                                                          draft_quantize=draft_quantize, compile=compile_)
-    _say_draft_hint(engine, baseline)
+    _say_draft_hint(engine, gen.baseline)
+    gen.validate(engine.draft)
     for tok in extra_eos_token or ():
         try:
             engine.tokenizer.add_eos_token(tok)
@@ -258,21 +297,10 @@ def generate(
             raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
-    use_draft = engine.draft is not None and not baseline
-    if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
-        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats = None
-    for r in stream_generate(
-        engine, text, max_tokens=max_tokens, block_size=block_size if use_draft else None,
-        baseline=baseline, chat_template=chat_template, system=system,
-        temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, min_tokens_to_keep=min_tokens_to_keep,
-        chat_template_config=template_kwargs, repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size, seed=seed,
-        tree_budget=tree_budget if use_draft else 0, tree_topk=tree_topk, auto_tree=auto_tree if use_draft else 0,
-        draft_window=(draft_sink, draft_window) if draft_window else None,
-        prefill_chunk=prefill_chunk, profile=profile, adaptive=adaptive, kv_bits=kv_bits, accept_rule=accept_rule,
-        prefix_cache=pc,
-    ):
+    for r in stream_generate(engine, text, config=gen, chat_template=chat_template, system=system,
+                             chat_template_config=template_kwargs, prefix_cache=pc):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         stats = r.stats
@@ -281,8 +309,8 @@ def generate(
     if pc is not None:
         pc.save(prompt_cache_file)
     if verbose and stats is not None:
-        mode = "dflash" if use_draft else "baseline (plain decoding)"
-        typer.echo(_stats_table(stats, mode, profile, compiled=engine.target.compiled), err=True)
+        mode = "dflash" if engine.draft is not None and not gen.baseline else "baseline (plain decoding)"
+        typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
 
 
 def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
@@ -297,6 +325,7 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 
 
 @app.command()
+@generation_options("max_tokens", "block_size", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512)
 def chat(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."),
@@ -304,16 +333,6 @@ def chat(
         None, "--draft", "-d", help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
                                     "with the embedded target."),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
-    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens per reply."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="Tokens verified per cycle (default: the draft's)."),
-    baseline: bool = typer.Option(False, "--baseline", help="Plain autoregressive decoding, no draft."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (with --temp > 0)."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens; 0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top probability; 0 = off."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Sampling seed."),
-    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
-    auto_tree: int = AUTO_TREE_OPTION,
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
@@ -323,6 +342,7 @@ def chat(
         None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."),
     prompt_cache_bytes: Optional[int] = typer.Option(
         None, "--prompt-cache-bytes", help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+    gen=None,
 ):
     """Chat in the terminal; each turn restores the conversation so far from the prefix cache.
 
@@ -331,20 +351,12 @@ def chat(
     from .api import load
     from .session import ChatSession
 
-    if max_tokens < 1:
-        raise DFlashError(f"--max-tokens must be positive, got {max_tokens}")
-    _check_trees(tree_budget, auto_tree)
     engine = load(model, draft, dtype=_dtype(dtype), compile=compile_)
-    _say_draft_hint(engine, baseline)
-    use_draft = engine.draft is not None and not baseline
-    if block_size is not None and use_draft and not 2 <= block_size <= engine.draft.block_size:
-        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    _say_draft_hint(engine, gen.baseline)
+    gen.validate(engine.draft)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
     session = ChatSession(engine, system=system, prefix_cache=pc,
                           chat_template_config=_template_config(chat_template_config))
-    kw = dict(max_tokens=max_tokens, block_size=block_size if use_draft else None, baseline=baseline,
-              temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
-              tree_budget=tree_budget if use_draft else 0, auto_tree=auto_tree if use_draft else 0)
     typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
     while True:
         try:
@@ -371,7 +383,7 @@ def chat(
             continue
         stats = None
         try:
-            for r in session.stream(line, **kw):
+            for r in session.stream(line, gen):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 stats = r.stats
@@ -462,6 +474,7 @@ def train_draft_cmd(
 
 
 @app.command()
+@generation_options("block_size", "tree_topk", "adaptive")
 def bench(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF or Hugging Face id (default: the embedded pair)."),
@@ -471,7 +484,6 @@ def bench(
         None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up: tok/s is the median run, a speedup the median of the per-repeat ratios to the reference."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", "-b", help="DFlash block size (default: the draft's)."),
     chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
                                        help="Wrap prompts in the tokenizer's chat template (when it has one)."),
     out: Path = typer.Option(Path("bench/results"), "--out", help="Folder for NAME.json, NAME.md and NAME.png."),
@@ -481,13 +493,10 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
-    tree_topk: int = typer.Option(4, "--tree-topk", help="Candidate tokens per depth for the tree."),
     context: Optional[List[int]] = typer.Option(
         None, "--context", help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
                                 "tokens of Python's argparse.py that end where the longest row ends, so every row "
                                 "continues the same text), generating the first --max-tokens."),
-    adaptive: bool = typer.Option(True, "--adaptive/--no-adaptive",
-                                  help="DFlash picks each cycle's width from measured costs (see generate --help)."),
     pipeline: bool = typer.Option(
         False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
                                   "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
@@ -497,6 +506,7 @@ def bench(
     draft2: Optional[Path] = typer.Option(
         None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
                                "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
+    gen=None,
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
     from plain decoding's (agreement with mlx-lm is reported, not required)."""
@@ -524,8 +534,8 @@ def bench(
     typer.echo(f"BLAS: {blas.describe()}", err=True)
     engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype), compile=compile_)
     _say_draft_hint(engine)
-    if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
-        raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+    if engine.draft is not None:
+        gen.validate(engine.draft)
     second = None
     if draft2 is not None:
         import mlx.core as mx
@@ -535,12 +545,11 @@ def bench(
         # as load() does for the first: the embedded pair runs in float32
         second = load_draft(_local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
         second.compiled = compile_
-        if block_size is not None and not 2 <= block_size <= second.block_size:
-            raise DFlashError(f"--block-size must be in 2..{second.block_size} for --draft2, got {block_size}")
-    res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=block_size,
-                    chat_template=chat_template, tree_budget=tree_budget, tree_topk=tree_topk,
+        gen.validate(second)
+    res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=gen.block_size,
+                    chat_template=chat_template, tree_budget=tree_budget, tree_topk=gen.tree_topk,
                     log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2,
-                    contexts=context or (), adaptive=adaptive)
+                    contexts=context or (), adaptive=gen.adaptive)
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -619,6 +628,8 @@ def info(
 
 
 @app.command()
+@generation_options("max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk",
+                    max_tokens=512)
 def serve(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair "
@@ -634,19 +645,9 @@ def serve(
     model_name: Optional[str] = typer.Option(
         None, "--model-name", help="Model id clients send and /v1/models lists (default: the --model "
                                    "argument, or 'mlx-dflash' for the embedded pair)."),
-    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Default most tokens per reply when a request gives none."),
-    temp: float = typer.Option(0.0, "--temp", help="Default temperature when a request gives none (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass when a request gives none."),
-    top_k: int = typer.Option(0, "--top-k", help="Default top-k when a request gives none; 0 = off."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p when a request gives none; 0 = off."),
-    block_size: Optional[int] = typer.Option(
-        None, "--block-size", "-b", help="Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
-    tree_budget: int = typer.Option(0, "--tree-budget", help="Verify a DDTree of this many draft nodes; 0 = chain."),
-    auto_tree: int = AUTO_TREE_OPTION,
     draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill forward."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
     timeout: float = typer.Option(
         600.0, "--timeout", help="Seconds a request may take from arrival (queue + generation) before it is stopped."),
@@ -666,8 +667,11 @@ def serve(
     pipeline_timeout: float = typer.Option(
         60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
                                          "a generation before ending every rank with an error."),
+    gen=None,
 ):
-    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic (/v1/messages) APIs."""
+    """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic (/v1/messages) APIs.
+
+    The generation options are the defaults of requests that do not set their own."""
     import json
 
     from .api import load
@@ -676,11 +680,10 @@ def serve(
 
     if not 0 < port < 65536:
         raise DFlashError(f"--port must be in 1..65535, got {port}")
-    if max_tokens < 1 or max_queue < 1 or timeout <= 0 or max_body_mb <= 0 or prefill_chunk < 1:
-        raise DFlashError("--max-tokens, --max-queue, --timeout, --max-body-mb and --prefill-chunk must be positive")
+    if max_queue < 1 or timeout <= 0 or max_body_mb <= 0:
+        raise DFlashError("--max-queue, --timeout and --max-body-mb must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
-    _check_trees(tree_budget, auto_tree)
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
     try:
@@ -689,16 +692,11 @@ def serve(
         raise DFlashError(f"--chat-template-args is not valid JSON: {e}") from None
     if not isinstance(template_args, dict):
         raise DFlashError("--chat-template-args must be a JSON object")
-    from .sampling import Sampler
-
-    Sampler(temp, top_p, top_k, min_p, seed=0)  # range checks before loading anything
     mid, aliases = model_names(model)
     settings = Settings(
         model_id=model_name or mid, aliases=aliases if model_name is None else (mid, *aliases),
         api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
-        timeout=timeout, max_tokens=max_tokens, temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p,
-        block_size=block_size, tree_budget=tree_budget, auto_tree=auto_tree, prefill_chunk=prefill_chunk,
-        chat_template_args=template_args, prompt_cache=not no_prompt_cache and not pipeline,
+        timeout=timeout, generation=gen, chat_template_args=template_args, prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
     )
     dt = _dtype(dtype)
@@ -746,8 +744,7 @@ def serve(
         engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize,
                                                              compile=compile_)
         _say_draft_hint(engine)
-        if block_size is not None and engine.draft is not None and not 2 <= block_size <= engine.draft.block_size:
-            raise DFlashError(f"--block-size must be in 2..{engine.draft.block_size} for this draft, got {block_size}")
+        gen.validate(engine.draft)
         return engine
 
     run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)

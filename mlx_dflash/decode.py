@@ -13,11 +13,12 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from . import ddtree
+from .config import GenerationConfig
 from .errors import DFlashError
 from .ddtree import path_rows as kernels_path
 from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, load_costs
-from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler, speculative_rule
+from .sampling import Sampler, speculative_rule
 
 
 @dataclass
@@ -368,103 +369,93 @@ class Decoder:
             yield out
 
 
+@dataclass
+class Hooks:
+    """Stand-ins for the loop's own pieces, so tests can drive it with scripted ones."""
+
+    acceptance: Callable[[List[int], List[int]], int] = longest_match  # the chain acceptance rule
+    spec_rule: Callable = speculative_rule  # the speculative acceptance rule
+    policy: Optional[Policy] = None  # widths per cycle (default: made from the config)
+    sampler: Optional[Sampler] = None  # default: made from the config
+
+    @classmethod
+    def take(cls, options: dict) -> "Hooks":
+        """Hooks out of a keyword dict (removed from it), the rest being config options."""
+        return cls(**{k: options.pop(k) for k in cls.__dataclass_fields__ if k in options})
+
+
 def generate_tokens(
     target,
     prompt: Sequence[int],
+    config: Optional[GenerationConfig] = None,
     *,
     draft=None,
-    max_tokens: int = 256,
-    block_size: Optional[int] = None,
     eos_token_ids: Sequence[int] = (),
-    sampler: Optional[Sampler] = None,
-    tree_budget: int = 0,
-    tree_topk: int = 4,
-    auto_tree: int = 0,
-    draft_window=None,
-    prefill_chunk: int = 512,
-    max_context: Optional[int] = None,
     stats: Optional[GenerationStats] = None,
     cache=None,
-    acceptance: Callable[[List[int], List[int]], int] = longest_match,
-    profile: bool = False,
-    adaptive: bool = True,
-    policy: Optional[Policy] = None,
-    kv_bits: Optional[int] = None,
-    accept_rule: str = DEFAULT_ACCEPT_RULE,
-    spec_rule=speculative_rule,
     prefix_cache=None,
     prefix_boundary: Optional[int] = None,
+    **options,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
 
+    ``config``: a :class:`~mlx_dflash.config.GenerationConfig` (default: its
+    defaults); keyword ``options`` (its field names) override it.
     ``draft``: a bound DFlash draft (or anything with ``target_layer_ids``,
     ``block_size``, ``make_cache(window)`` and ``__call__(features, anchor,
-    anchor_pos, block_size, cache) -> logits [B-1, V]``); None = plain decoding.
-    ``sampler``: a :class:`Sampler` (default greedy). Every emitted token is the
-    target's own pick for its position, so the output equals plain decoding
-    with the same sampler and seed. ``tree_budget`` > 0 verifies a DDTree of
-    that many nodes (``tree_topk`` candidates per depth) instead of a chain.
-    ``adaptive`` (default): with a draft and neither ``block_size`` nor
-    ``tree_budget`` given, a :class:`policy.Policy` picks each cycle's width
-    from the pair's measured costs (cached per machine) and the acceptance
-    seen so far, down to plain steps when drafting does not pay; ``policy``
-    passes one explicitly. ``block_size`` / ``tree_budget`` pin the width.
-    ``auto_tree`` > 0 lets the adaptive policy also choose, cycle by cycle,
-    a DDTree of that many draft nodes over a chain (see ``Policy``).
-    ``kv_bits`` 8 or 4: quantized attention KV (when no ``cache`` is given).
+    anchor_pos, block_size, cache) -> logits [B-1, V]``); None (or
+    ``baseline``) = plain decoding. Every emitted token is the target's own
+    pick for its position, so the output equals plain decoding with the same
+    sampling options and seed. See ``GenerationConfig`` and
+    :func:`mlx_dflash.stream_generate` for what each option does.
+    ``stats``: a :class:`GenerationStats` filled live.
     ``cache``: an empty ``target.make_cache()`` to use (and inspect afterwards);
     it ends holding the prompt and every emitted token but the last.
-    ``acceptance``: the chain acceptance rule (a test hook; keep the default).
-    ``profile``: synchronise after each phase so ``stats`` splits the time
-    into draft / verify / rollback (slower; without it the device work of a
-    cycle is queued as one graph and ``verify_time`` holds nearly all of it).
-    ``accept_rule`` at temperature > 0 on a chain (default
-    ``sampling.DEFAULT_ACCEPT_RULE``): "equality" (the draft's greedy block;
-    a token is kept when it equals the target's own keyed sample, so every
-    mode gives the same text for a seed) or "speculative" (the draft samples
-    its block from its proposal q; a token is kept with probability
-    min(1, p/q), the first rejected row resamples from the residual: the
-    target's distribution, typically more tokens kept, but the text depends
-    on the mode). ``spec_rule``: that rule (a test hook).
     ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
     longest cached prefix of the prompt from and to snapshot into
     (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
     """
+    yield from _generate_tokens(target, prompt, config, draft=draft, eos_token_ids=eos_token_ids, stats=stats,
+                                cache=cache, prefix_cache=prefix_cache, prefix_boundary=prefix_boundary,
+                                **options)
+
+
+def _generate_tokens(target, prompt, config=None, *, hooks: Optional[Hooks] = None, draft=None,
+                     eos_token_ids=(), stats=None, cache=None, prefix_cache=None, prefix_boundary=None,
+                     **options) -> Iterator[List[int]]:
+    """:func:`generate_tokens` with ``hooks`` (tests call this directly)."""
+    c = GenerationConfig.build(config, **options)
+    hooks = hooks or Hooks()
+    if c.baseline:
+        draft = None
+    c.validate(draft)
+    policy = hooks.policy
+    max_tokens, block_size = c.max_tokens, c.block_size
+    tree_budget, auto_tree, kv_bits = c.tree_budget, c.auto_tree, c.kv_bits
     stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
-    max_context = max_context or target.max_context
+    max_context = c.max_context or target.max_context
     if not prompt:
         raise DFlashError("empty prompt: give at least one token")
-    if max_tokens < 1:
-        raise DFlashError(f"max_tokens must be positive, got {max_tokens}")
     if len(prompt) >= max_context:
         raise DFlashError(
             f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
         )
-    if accept_rule not in ACCEPT_RULES:
-        raise DFlashError(f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {accept_rule!r}")
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))
     if prefix_cache is not None and (kv_bits or getattr(cache, "kv_bits", None)):
         # Snapshots copy float KV rows; quantized rows are not snapshotted yet.
         raise DFlashError("the prefix cache does not work with a quantized KV cache (--kv-bits) yet")
-    if tree_budget < 0 or tree_topk < 1 or auto_tree < 0:
-        raise DFlashError(f"tree budget and auto tree must be >= 0 and tree top-k >= 1, got {tree_budget}, "
-                          f"{auto_tree}, {tree_topk}")
-    if auto_tree and tree_budget:
-        raise DFlashError("give a tree budget (a tree every cycle) or an auto tree (the policy's choice), not both")
-    sampler = sampler or Sampler(0.0, seed=0)
-    spec = accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
+    sampler = hooks.sampler or c.sampler()
+    spec = c.accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     if draft is not None:
         limit = draft.block_size
-        if block_size is not None and not 2 <= block_size <= limit:
-            raise DFlashError(f"block size must be in 2..{limit} for this draft, got {block_size}")
         if policy is None:
             # The speculative rule's text depends on what was drafted, so widths
             # chosen from timings would make a seed's text vary run to run: it
             # keeps the full block (greedy and the equality rule do not depend on it).
-            pinned = block_size is not None or tree_budget > 0 or not adaptive or spec
+            pinned = block_size is not None or tree_budget > 0 or not c.adaptive or spec
             # Measured (once per machine and model) before this generation's
             # cache exists: a pipeline-split target has one live cache at a time.
             bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
@@ -483,9 +474,9 @@ def generate_tokens(
     stats.accept_hist = [0] * (max(block_size, tree_budget + 1, auto_tree + 1) + 1)
     mx.reset_peak_memory()
 
-    dcache = draft.make_cache(draft_window) if draft is not None else None
+    dcache = draft.make_cache(c.draft_window) if draft is not None else None
     d = Decoder(target, cache, draft, dcache, sampler, stats, set(eos_token_ids), max_tokens, max_context,
-                profile, acceptance, tree_topk, spec, spec_rule)
+                c.profile, hooks.acceptance, c.tree_topk, spec, hooks.spec_rule)
     d.history = list(prompt)
     tic = time.perf_counter()
     prefix_run = None
@@ -493,12 +484,12 @@ def generate_tokens(
         # The draft consumes the prompt's features during this prefill.
         logits, prefix_run = prefix_cache.prefill(
             target, prompt, cache, draft=draft, dcache=dcache, capture=d.capture,
-            chunk_size=prefill_chunk, boundary=prefix_boundary, stats=stats)
+            chunk_size=c.prefill_chunk, boundary=prefix_boundary, stats=stats)
     else:
         # Features only of the rows the draft's window will read.
         skip = getattr(dcache, "skip", None)
         first = skip(len(prompt)) if skip is not None else 0
-        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=prefill_chunk,
+        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=c.prefill_chunk,
                                        capture_from=first)
         d.add_features(feats)
     d.anchor = int(sampler(logits, [len(prompt)], [d.history] if sampler.needs_context else None)[0].item())
@@ -509,7 +500,7 @@ def generate_tokens(
         return
     d.tic = time.perf_counter()
     try:
-        yield from _loop(d, policy, profile)
+        yield from _loop(d, policy, c.profile)
     except GeneratorExit:  # closed early: snapshot what is committed
         if prefix_run is not None:
             prefix_run.finish(d.history, d.pending_features())

@@ -46,6 +46,23 @@ class Sampler:
     def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                  repetition_penalty: float = 1.0, repetition_context_size: int = 20,
                  seed: Optional[int] = None, *, min_tokens_to_keep: int = 1):
+        self.check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size,
+                   min_tokens_to_keep)
+        self.temperature = temperature
+        self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
+        self.min_tokens_to_keep = min_tokens_to_keep
+        self.repetition_penalty = repetition_penalty
+        self.repetition_context_size = repetition_context_size
+        self._penalty = (make_repetition_penalty(repetition_penalty, repetition_context_size)
+                         if repetition_penalty != 1.0 else None)
+        if seed is None:
+            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self.seed = seed
+
+    @staticmethod
+    def check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size,
+              min_tokens_to_keep) -> None:
+        """The ranges of the sampling options (the one place they are checked)."""
         if temperature < 0:
             raise DFlashError(f"temperature must be >= 0, got {temperature}")
         if not 0.0 <= top_p <= 1.0:
@@ -60,16 +77,6 @@ class Sampler:
             raise DFlashError(f"repetition penalty must be positive, got {repetition_penalty}")
         if repetition_context_size < 1:
             raise DFlashError("repetition context size must be positive")
-        self.temperature = temperature
-        self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
-        self.min_tokens_to_keep = min_tokens_to_keep
-        self.repetition_penalty = repetition_penalty
-        self.repetition_context_size = repetition_context_size
-        self._penalty = (make_repetition_penalty(repetition_penalty, repetition_context_size)
-                         if repetition_penalty != 1.0 else None)
-        if seed is None:
-            seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
-        self.seed = seed
 
     @property
     def greedy(self) -> bool:

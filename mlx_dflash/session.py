@@ -3,6 +3,7 @@
 from typing import Iterator, List, Optional
 
 from .api import Engine, GenerationResponse, GenerationResult, stream_generate
+from .config import GenerationConfig
 from .errors import DFlashError
 from .prefix import PrefixCache
 
@@ -47,9 +48,9 @@ class ChatSession:
                 return self._ids + list(tok.encode(full[len(prev):], add_special_tokens=False))
         return list(tok.encode(full, add_special_tokens=False))
 
-    def stream(self, text: str, **kwargs) -> Iterator[GenerationResponse]:
-        """Send a user message; yield the reply as it is generated. Takes the
-        keyword arguments of :func:`mlx_dflash.stream_generate`."""
+    def stream(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> Iterator[GenerationResponse]:
+        """Send a user message; yield the reply as it is generated. Takes a
+        :class:`GenerationConfig` and/or the keyword arguments of :func:`mlx_dflash.stream_generate`."""
         if not text.strip():
             raise DFlashError("empty message: give some text")
         for k in ("chat_template", "system", "prefix_cache", "chat_template_config"):
@@ -58,7 +59,7 @@ class ChatSession:
         ids = self._prompt(text)
         reply = []
         try:
-            for r in stream_generate(self.engine, ids, prefix_cache=self.prefix_cache,
+            for r in stream_generate(self.engine, ids, config, prefix_cache=self.prefix_cache,
                                      chat_template_config=self.chat_template_config, **kwargs):
                 reply.extend(r.tokens)
                 self.stats = r.stats
@@ -73,10 +74,10 @@ class ChatSession:
                               {"role": "assistant", "content": content}]
             self._ids = ids + reply
 
-    def send(self, text: str, **kwargs) -> GenerationResult:
+    def send(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> GenerationResult:
         """Send a user message; return the whole reply."""
         tokens, pieces, stats = [], [], None
-        for r in self.stream(text, **kwargs):
+        for r in self.stream(text, config, **kwargs):
             tokens.extend(r.tokens)
             pieces.append(r.text)
             stats = r.stats

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlx_dflash import tiny
-from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 
@@ -51,7 +51,7 @@ class ScriptedDraft:
 def run(target, prompt, n, **kw):
     stats = GenerationStats()
     out = []
-    for toks in generate_tokens(target, prompt, max_tokens=n, stats=stats, **kw):
+    for toks in _generate_tokens(target, prompt, max_tokens=n, stats=stats, hooks=Hooks.take(kw), **kw):
         out.extend(toks)
     return out, stats
 
@@ -178,9 +178,9 @@ def test_bad_arguments(dense):
         run(target, [], 4)
     with pytest.raises(DFlashError, match="max_tokens"):
         run(target, [1, 2], 0)
-    with pytest.raises(DFlashError, match="block size"):
+    with pytest.raises(DFlashError, match="block-size must be in 2..16"):
         run(target, [1, 2], 4, draft=draft, block_size=17)
-    with pytest.raises(DFlashError, match="block size"):
+    with pytest.raises(DFlashError, match="block-size must be in 2..16"):
         run(target, [1, 2], 4, draft=draft, block_size=1)
     with pytest.raises(DFlashError, match="context limit"):
         run(target, list(range(50)), 4, max_context=50)

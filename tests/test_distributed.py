@@ -78,7 +78,6 @@ def _rank_main(args):
     from mlx_dflash import distributed
     from mlx_dflash.decode import GenerationStats, generate_tokens
     from mlx_dflash.loading import load_draft, load_target
-    from mlx_dflash.sampling import Sampler
 
     out = Path(args.out)
     stage = distributed.load(args.model, args.draft, dtype=mx.float32, timeout=args.timeout)
@@ -124,7 +123,7 @@ def _rank_main(args):
                 toks = []
                 stats[which] = GenerationStats()
                 for ts in generate_tokens(target, prompt, draft=draft, max_tokens=args.n, cache=cache,
-                                          sampler=Sampler(temp, seed=seed), stats=stats[which],
+                                          temperature=temp, seed=seed, stats=stats[which],
                                           eos_token_ids=[script[len(prompt) + eos_at]] if eos_at else (),
                                           **case):
                     toks.extend(ts)

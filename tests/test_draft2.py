@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from mlx_dflash import tiny
-from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_draft
 from mlx_dflash.models.qwen35 import Target
@@ -290,7 +290,7 @@ def random_v2(target_cfg, target, seed, tmp_path, **kw):
 def run(target, prompt, n, **kw):
     stats = GenerationStats()
     out = []
-    for toks in generate_tokens(target, prompt, max_tokens=n, stats=stats, **kw):
+    for toks in _generate_tokens(target, prompt, max_tokens=n, stats=stats, hooks=Hooks.take(kw), **kw):
         out.extend(toks)
     return out, stats
 

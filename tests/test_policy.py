@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mlx_dflash import tiny
-from mlx_dflash.decode import GenerationStats, generate_tokens
+from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
@@ -217,7 +217,7 @@ def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
 def run(target, n, **kw):
     stats = GenerationStats()
     out = []
-    for toks in generate_tokens(target, PROMPT, max_tokens=n, stats=stats, **kw):
+    for toks in _generate_tokens(target, PROMPT, max_tokens=n, stats=stats, hooks=Hooks.take(kw), **kw):
         out.extend(toks)
     return out, stats
 

@@ -111,12 +111,15 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     import inspect
 
     import mlx_dflash
-    from mlx_dflash import api, cli, tiny
+    from mlx_dflash import cli, tiny
+    from mlx_dflash.config import GenerationConfig
     from mlx_dflash.decode import generate_tokens
     from mlx_dflash.sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE
 
     assert DEFAULT_ACCEPT_RULE in ACCEPT_RULES
-    for fn in (generate_tokens, api.stream_generate, cli.generate):
+    # The decode loop and the API take it from the config.
+    assert GenerationConfig().accept_rule == DEFAULT_ACCEPT_RULE
+    for fn in (cli.generate,):
         default = inspect.signature(fn).parameters["accept_rule"].default
         assert getattr(default, "default", default) == DEFAULT_ACCEPT_RULE, fn  # typer: an OptionInfo
 
@@ -131,7 +134,7 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
 
     def loop(seed, **rule):
         return [t for ts in generate_tokens(eng.target, ids, draft=eng.draft, max_tokens=24, block_size=8,
-                                            sampler=Sampler(1.0, seed=seed), **rule) for t in ts]
+                                            temperature=1.0, seed=seed, **rule) for t in ts]
 
     # A seed where the two rules write different text, so "the same output" means "the same rule".
     seed = next(s for s in range(20) if loop(s, accept_rule=DEFAULT_ACCEPT_RULE) != loop(s, accept_rule=other))

@@ -165,8 +165,7 @@ async def messages(request: Request):
     server.check_model(req.model)
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     ids, thinking, tools = _prompt(server, req)
-    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
-    job = server.submit(ids, max_tokens, sampling, req.stop_sequences or [], _template_kwargs(req))
+    job = server.submit(ids, server.config(req, max_tokens), req.stop_sequences or [], _template_kwargs(req))
     parser = OutputParser(reasoning=thinking, tools=tools)
     mid, model = "msg_" + uuid.uuid4().hex[:24], server.settings.model_id
 

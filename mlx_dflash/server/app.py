@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
 from ..errors import DFlashError
-from ..sampling import Sampler
+from ..config import GenerationConfig
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
 from .worker import Job, QueueFull, Worker
@@ -32,15 +32,8 @@ class Settings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_queue: int = 64
     timeout: float = 600.0
-    max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    block_size: Optional[int] = None
-    tree_budget: int = 0
-    auto_tree: int = 0
-    prefill_chunk: int = 512
+    # Every request's options unless it sets its own sampling fields and max_tokens.
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(max_tokens=512))
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prompt_cache: bool = True
     prompt_cache_bytes: Optional[int] = None  # None: the prefix cache's default budget
@@ -110,7 +103,7 @@ class Server:
                            param="model", code="model_not_found")
 
     def check_max_tokens(self, n: Optional[int], param: str) -> int:
-        n = self.settings.max_tokens if n is None else n
+        n = self.settings.generation.max_tokens if n is None else n
         if not 1 <= n <= self.max_context:
             raise APIError(400, f"'{param}' must be in 1..{self.max_context}, got {n}", param=param)
         return n
@@ -122,22 +115,14 @@ class Server:
             raise APIError(400, f"prompt has {len(ids)} tokens; the context limit is {self.max_context}",
                            code="context_length_exceeded")
 
-    def sampling(self, *, temperature=None, top_p=None, top_k=None, min_p=None, seed=None,
-                 repetition_penalty=None) -> Dict[str, Any]:
-        s = self.settings
-        kw = dict(
-            temperature=s.temperature if temperature is None else float(temperature),
-            top_p=s.top_p if top_p is None else float(top_p),
-            top_k=s.top_k if top_k is None else int(top_k),
-            min_p=s.min_p if min_p is None else float(min_p),
-            repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
-        )
-        try:  # the sampler's own range checks, with a fixed seed so no device work happens here
-            Sampler(kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"], kw["repetition_penalty"], seed=0)
-        except DFlashError as e:
+    def config(self, request, max_tokens: int) -> GenerationConfig:
+        """The server's generation options with a request's on top (by field name), checked."""
+        try:
+            gen = self.settings.generation.with_request(request, max_tokens)
+            gen.validate()
+        except (DFlashError, TypeError, ValueError) as e:
             raise APIError(400, str(e)) from None
-        kw["seed"] = seed
-        return kw
+        return gen
 
     # --- prompts -------------------------------------------------------------------
     def render_chat(self, messages: List[dict], tools: Optional[List[dict]],
@@ -174,16 +159,14 @@ class Server:
         return ids
 
     # --- running ---------------------------------------------------------------------
-    def submit(self, ids: List[int], max_tokens: int, sampling: Dict[str, Any], stops: Sequence[str],
+    def submit(self, ids: List[int], config: GenerationConfig, stops: Sequence[str],
                template_kwargs: Optional[Dict[str, Any]] = None) -> Job:
         """Queue a generation; ``template_kwargs`` (a chat request's) let the prefix cache find
         the prompt's stable boundary as this request's template renders it."""
         s = self.settings
-        gen = dict(max_tokens=max_tokens, prefill_chunk=s.prefill_chunk, **sampling)
+        gen = dict(config=config)
         if template_kwargs is not None:
             gen["chat_template_config"] = self.template_args(template_kwargs)
-        if self.engine.draft is not None:
-            gen.update(block_size=s.block_size, tree_budget=s.tree_budget, auto_tree=s.auto_tree)
         if not self.worker.alive:
             raise APIError(503, "the generation thread has stopped; restart the server")
         job = Job(ids, gen, list(stops), s.timeout, asyncio.get_running_loop())

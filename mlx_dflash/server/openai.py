@@ -171,9 +171,7 @@ async def _collect(server: Server, request: Request, job, parser: Optional[Outpu
 
 
 def _start(server: Server, ids, req, max_tokens: int, template_kwargs=None):
-    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, repetition_penalty=req.repetition_penalty)
-    return server.submit(ids, max_tokens, sampling, _stops(req.stop), template_kwargs)
+    return server.submit(ids, server.config(req, max_tokens), _stops(req.stop), template_kwargs)
 
 
 @router.post("/v1/chat/completions")

@@ -281,9 +281,8 @@ async def responses(request: Request):
     tools = _tools(req)
     kwargs = _template_kwargs(req)
     ids, thinking = server.render_chat(template_messages(req), tools, kwargs)
-    sampling = server.sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                               seed=req.seed, repetition_penalty=req.repetition_penalty)
-    job = server.submit(ids, max_tokens, sampling, [], kwargs)
+    gen = server.config(req, max_tokens)
+    job = server.submit(ids, gen, [], kwargs)
     parser = OutputParser(reasoning=thinking, tools=tools)
     rid, created, model = "resp_" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
@@ -294,7 +293,7 @@ async def responses(request: Request):
             "output": output, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "temperature": gen.temperature, "top_p": gen.top_p,
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,

@@ -1,0 +1,117 @@
+"""One generation's options (sampling, speculation, limits) and their checks.
+
+The Python API, the CLI and the server all build a :class:`GenerationConfig`
+and the decode loop validates it once against the draft it runs with; a new
+option is a field here (and, for the command line, a flag in cli.py's group).
+"""
+
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Tuple
+
+from .errors import DFlashError
+from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
+
+NOT_LOADED = object()  # validate() before the engine is loaded
+# The fields a server request may set (by the same name in its body).
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty",
+            "repetition_context_size", "seed", "accept_rule")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    # --- sampling (mlx-lm's names; temperature 0 = greedy) ---
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 20
+    seed: Optional[int] = None
+    accept_rule: str = DEFAULT_ACCEPT_RULE
+    # --- speculation ---
+    block_size: Optional[int] = None  # None: the draft's (or the adaptive policy's choice)
+    baseline: bool = False  # plain decoding even when a draft is loaded
+    adaptive: bool = True
+    tree_budget: int = 0
+    tree_topk: int = 4
+    auto_tree: int = 0
+    draft_window: Optional[Tuple[int, int]] = None  # (sink, window) of the draft cache
+    kv_bits: Optional[int] = None  # the target's attention KV for this generation
+    prefill_chunk: int = 512
+    profile: bool = False
+    # --- limits ---
+    max_tokens: int = 256
+    max_context: Optional[int] = None  # None: the target's
+
+    @classmethod
+    def names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def update(self, **options) -> "GenerationConfig":
+        """A copy with ``options`` set; an unknown name is an error (not silently dropped)."""
+        unknown = sorted(set(options) - set(self.names()))
+        if unknown:
+            raise DFlashError(f"unknown generation option(s): {', '.join(unknown)}")
+        return replace(self, **options) if options else self
+
+    @classmethod
+    def build(cls, config: Optional["GenerationConfig"] = None, **options) -> "GenerationConfig":
+        """``config`` (default: the defaults) with keyword ``options`` overriding it."""
+        return (config if config is not None else cls()).update(**options)
+
+    def with_request(self, request, max_tokens: int) -> "GenerationConfig":
+        """A copy with a server request's sampling fields (those it sets, by name) and ``max_tokens``."""
+        options = {"max_tokens": max_tokens}
+        for name in SAMPLING:
+            value = getattr(request, name, None)
+            if value is not None:
+                default = getattr(self, name)
+                options[name] = type(default)(value) if isinstance(default, (int, float)) else value
+        return self.update(**options)
+
+    def sampler(self) -> Sampler:
+        """The sampler these options describe. Greedy needs no seed: none is drawn
+        (drawing one would move MLX's global random state)."""
+        seed = 0 if self.seed is None and self.temperature == 0 else self.seed
+        return Sampler(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                       self.repetition_context_size, seed, min_tokens_to_keep=self.min_tokens_to_keep)
+
+    def validate(self, draft=NOT_LOADED) -> None:
+        """Every check of these options, raising :class:`DFlashError` naming the cause.
+
+        ``draft``: the draft that will run (anything with ``block_size``, or that
+        block size as an int), None when no draft is loaded; left out (before
+        loading), the checks that need it wait for the decode loop's call.
+        """
+        from .cache import check_kv_bits
+
+        Sampler.check(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
+                      self.repetition_context_size, self.min_tokens_to_keep)
+        if self.max_tokens < 1:
+            raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")
+        if self.prefill_chunk < 1:
+            raise DFlashError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        if self.accept_rule not in ACCEPT_RULES:
+            raise DFlashError(
+                f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}")
+        check_kv_bits(self.kv_bits)
+        if self.tree_budget < 0 or self.auto_tree < 0:
+            raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {self.tree_budget} and "
+                              f"{self.auto_tree}")
+        if self.tree_topk < 1:
+            raise DFlashError(f"--tree-topk must be >= 1, got {self.tree_topk}")
+        if self.auto_tree and self.tree_budget:
+            raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), "
+                              "not both")
+        if self.draft_window is not None and min(self.draft_window) < 0:
+            raise DFlashError("--draft-window and --draft-sink must be >= 0")
+        if self.max_context is not None and self.max_context < 2:
+            raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
+        if self.block_size is None or self.baseline or draft is NOT_LOADED:
+            return
+        if draft is None:
+            raise DFlashError("a block size was given but no draft is loaded")
+        limit = draft if isinstance(draft, int) else draft.block_size
+        if not 2 <= self.block_size <= limit:
+            raise DFlashError(f"--block-size must be in 2..{limit} for this draft, got {self.block_size}")
