@@ -15,7 +15,6 @@ import mlx.core as mx
 from . import ddtree
 from .config import GenerationConfig
 from .errors import DFlashError
-from .ddtree import path_rows as kernels_path
 from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, load_costs
 from .sampling import Sampler, speculative_rule
@@ -271,7 +270,7 @@ class Decoder:
             # Each row's penalty context includes the drafts before it: read them first.
             drafted = prop.drafted.tolist() if prop.drafted is not None else []
             block = tree.tokens if tree is not None else [self.anchor] + drafted
-            rows = ([kernels_path(parents, i) for i in range(len(block))] if tree is not None
+            rows = ([ddtree.path_rows(parents, i) for i in range(len(block))] if tree is not None
                     else [list(range(i + 1)) for i in range(len(block))])
             tail = self.history[-self.sampler.repetition_context_size:]
             contexts = [tail + [block[j] for j in r[1:]] for r in rows]
