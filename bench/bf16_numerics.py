@@ -41,7 +41,8 @@ def block_rounding(T=150, seed=0):
     head) that differ between the closed form and the per-token recurrence."""
     mx.random.seed(seed)
     Hk, Hv, Dk, Dv = 1, 3, 128, 128
-    q = mx.random.normal((1, T, Hk, Dk)); k = mx.random.normal((1, T, Hk, Dk))
+    q = mx.random.normal((1, T, Hk, Dk))
+    k = mx.random.normal((1, T, Hk, Dk))
     q = (q / mx.linalg.norm(q, axis=-1, keepdims=True) * Dk**-0.5).astype(mx.bfloat16)
     k = (k / mx.linalg.norm(k, axis=-1, keepdims=True)).astype(mx.bfloat16)
     v = mx.random.normal((1, T, Hv, Dv)).astype(mx.bfloat16)

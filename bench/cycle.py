@@ -15,7 +15,6 @@ arrays); its share of a cycle is reported. Writes bench/results/cycle-<model>.md
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -127,7 +126,7 @@ def measure(name, target, draft, reps, ctx_len=128, gen_tokens=64):
 
     res = {}
     modes = (("baseline", None, None), ("dflash", draft, 16), ("adaptive", draft, None))
-    for r in range(3):  # the modes take turns; each keeps its fastest run
+    for _ in range(3):  # the modes take turns; each keeps its fastest run
         for mode, d, B in modes:
             st = GenerationStats()
             out = []

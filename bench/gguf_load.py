@@ -24,8 +24,8 @@ RESULTS = ROOT / "bench" / "results"
 def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from gguf import GGMLQuantizationType as Q
-
     from gguf_writer import convert_hf_to_gguf
+
     from mlx_dflash import tiny
 
     heads = hidden // 128

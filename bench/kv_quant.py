@@ -45,7 +45,7 @@ def main():
         return out, st, cache.kv_nbytes() / cache.offset * 1000
 
     rows = {}
-    for rep in range(2):
+    for _ in range(2):
         for bits in (None, 8, 4):
             for mode, d in (("plain", None), ("dflash", e.draft)):
                 out, st, per_k = run(bits, d)

@@ -16,7 +16,6 @@ Deterministic for a given Python version (fixed seeds, sorted inputs).
 
 import argparse
 import json
-import math
 import random
 import shutil
 import sys

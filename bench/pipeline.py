@@ -218,7 +218,7 @@ def main():
     t = terms
     md += ["", f"Stages (layers, first stage first): {t['bounds']} (rank 1 runs the first, rank 0 the last "
            "with norm, head and draft).", "",
-           "| per forward | T = 1 (plain token) | T = %d (verify block) |" % B, "|---|---:|---:|",
+           f"| per forward | T = 1 (plain token) | T = {B} (verify block) |", "|---|---:|---:|",
            f"| rank 1 stage alone: its layers, fresh cache (ms) | {t['stage1_alone_ms'][1]:.2f} | "
            f"{t['stage1_alone_ms'][B]:.2f} |",
            f"| rank 0 stage alone: its layers + norm + head, fresh cache (ms) | {t['rank0_stage_ms'][1]:.2f} | "

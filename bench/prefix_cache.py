@@ -29,7 +29,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def sources(n_chars, skip=0):
     """Deterministic Python text: stdlib sources, in a fixed order."""
-    import difflib, json as js, shlex, textwrap, fractions, string, calendar, pprint
+    import calendar
+    import difflib
+    import fractions
+    import json as js
+    import pprint
+    import shlex
+    import string
+    import textwrap
 
     text = "".join(inspect.getsource(m) for m in (textwrap, difflib, shlex, fractions, string, calendar, pprint, js.decoder))
     return text[skip: skip + n_chars]

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -243,7 +242,7 @@ def main():
     md.append("")
     out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))
-    for s, _, e in runs:
+    for _s, _, e in runs:
         if e:
             print(f"{len(e)} errors, first: {e[0]}", file=sys.stderr)
 

@@ -9,7 +9,6 @@ bench/results/tree-sweep.md.
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 from mlx_dflash import blas

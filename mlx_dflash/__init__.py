@@ -9,12 +9,12 @@ from .api import (
     stream_generate,
 )
 from .config import GenerationConfig
-from .sampling import Sampler
-from .train import TrainConfig, train_draft
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
 from .prefix import PrefixCache
+from .sampling import Sampler
 from .session import ChatSession
+from .train import TrainConfig, train_draft
 
 __all__ = [
     "ChatSession",

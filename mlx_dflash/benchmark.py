@@ -13,8 +13,6 @@ speedup is the median of per-repeat ratios (see :func:`paired_speedup`).
 import json
 import platform
 import statistics
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -189,7 +187,7 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     results = []
     for group in groups:
         fns = {}
-        for i, (name, ids, n) in enumerate(group):
+        for i, (_name, ids, n) in enumerate(group):
             row_fns = mode_fns(ids, n)
             fns.update({(i, m): row_fns[m] for m in modes})
         runs = _interleaved_runs(fns, repeats)

@@ -8,10 +8,10 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from .errors import DFlashError
 from .kernels.conv import conv_state_rollback
 from .kernels.fused_exp import attention, row_exact
 from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_layers
-from .errors import DFlashError
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size

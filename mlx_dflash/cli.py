@@ -273,7 +273,8 @@ def generate(
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
     if pipeline:
-        from .distributed import load as load_stage, stream_generate  # noqa: F811 (rank 0 drives the pipeline)
+        from .distributed import load as load_stage  # noqa: F811 (rank 0 drives the pipeline)
+        from .distributed import stream_generate
 
         stage = load_stage(_local(model), _local(draft), dtype=_dtype(dtype), draft_quantize=draft_quantize,
                            timeout=pipeline_timeout, compile=compile_)
@@ -704,7 +705,8 @@ def serve(
     if pipeline:
         import os
 
-        from .distributed import load as load_stage, stream_generate as pipe_generate
+        from .distributed import load as load_stage
+        from .distributed import stream_generate as pipe_generate
 
         stage = load_stage(_local(model), _local(draft), dtype=dt, draft_quantize=draft_quantize,
                            timeout=pipeline_timeout, compile=compile_)

@@ -101,8 +101,17 @@ def _draft_fit(draft: Path, target) -> str:
 def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
     from collections import Counter
 
-    from .loading.gguf import (default_dtype, eog_token_ids, mlx_form, field, gguf_config, gguf_draft_config,
-                               is_gguf_draft, lazy_target, open_gguf)
+    from .loading.gguf import (
+        default_dtype,
+        eog_token_ids,
+        field,
+        gguf_config,
+        gguf_draft_config,
+        is_gguf_draft,
+        lazy_target,
+        mlx_form,
+        open_gguf,
+    )
 
     reader = open_gguf(p)
     types = Counter()

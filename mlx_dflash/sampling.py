@@ -13,7 +13,6 @@ and a token is kept with probability min(1, p/q).
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
-
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_repetition_penalty
 
 from .errors import DFlashError

@@ -14,10 +14,9 @@ head's loss); its convolutions start as the identity.
 
 import hashlib
 import json
-import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -28,7 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import DFlashError
-from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden, train_logits
+from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
 
 @dataclass

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import mlx.core as mx
 import numpy as np
@@ -85,7 +85,7 @@ def generate(source: str, launch) -> str:
         loads.append(f"  g_in[{i}] = read_file(argv[{i + 8}]);")
     n_in = len(launch.inputs)
     stores = []
-    for j, (name, shape, dtype) in enumerate(launch.outputs):
+    for j, (name, _shape, dtype) in enumerate(launch.outputs):
         ct = CTYPES[dtype]
         params.append(f"device {ct}* {name}")
         args.append(f"reinterpret_cast<{ct}*>(g_out[{j}].data())")
@@ -197,7 +197,7 @@ def run(launch, source: str = None, order: str = "forward") -> List[mx.array]:
     exe = build(source, launch)
     with tempfile.TemporaryDirectory() as d:
         files = []
-        for i, (name, a) in enumerate(launch.inputs):
+        for i, (_name, a) in enumerate(launch.inputs):
             p = Path(d) / f"in{i}"
             p.write_bytes(_to_bytes(a) if isinstance(a, mx.array) else np.int32(int(a)).tobytes())
             files.append(str(p))

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_prefix import engines  # noqa: F401  (the fixture)
 
 import mlx_dflash
 from mlx_dflash import tiny
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.prefix import PrefixCache
-
-from test_prefix import engines  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 

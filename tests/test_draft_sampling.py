@@ -7,13 +7,12 @@ temperature would pass every decode-level test that checks only the output."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_draft2 import random_v2
+from test_tree_sampling import chi2_fails
 
 from mlx_dflash import tiny
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.sampling import Sampler
-
-from test_draft2 import random_v2
-from test_tree_sampling import chi2_fails
 
 ANCHOR, POS, B = 17, 12, 4
 

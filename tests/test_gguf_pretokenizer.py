@@ -7,6 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import reference_greedy
+from gguf_writer import convert_hf_to_gguf
+from test_gguf import add_mtp, mlx_lm_model
 
 import mlx_dflash
 from mlx_dflash import tiny
@@ -14,10 +17,6 @@ from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_tokenizer
 from mlx_dflash.loading.gguf import open_gguf, write_tokenizer
-
-from conftest import reference_greedy
-from gguf_writer import convert_hf_to_gguf
-from test_gguf import add_mtp, mlx_lm_model
 
 # The split patterns as the models' tokenizer.json files write them (GPT-2's
 # is ByteLevel's built-in regex, so it has no pattern here).

@@ -8,13 +8,13 @@ within a small fraction of the file's own quantization error for Q6_K."""
 import json
 from pathlib import Path
 
+import make_quant_fixtures as fx
 import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-import make_quant_fixtures as fx
 from mlx_dflash.cli import main
 from mlx_dflash.decode import generate_tokens
 from mlx_dflash.loading.gguf import load_gguf_target

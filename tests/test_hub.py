@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf_writer import convert_hf_to_gguf
 
 from mlx_dflash import tiny
 from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
-from gguf_writer import convert_hf_to_gguf
 
 PROMPT = "def fibonacci(n):"
 

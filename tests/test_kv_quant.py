@@ -5,6 +5,7 @@ memory, and bad values rejected."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_decode import ScriptedDraft
 
 from mlx_dflash import tiny
 from mlx_dflash.cache import KVBuffer, QuantizedKVBuffer
@@ -12,8 +13,6 @@ from mlx_dflash.cli import main
 from mlx_dflash.decode import GenerationStats, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
-
-from test_decode import ScriptedDraft
 
 PROMPT = [3, 17, 250, 9, 41, 77, 5]
 N = 40

@@ -9,6 +9,7 @@ wraps them against a strict MSL front end.
 import subprocess
 from pathlib import Path
 
+import metal_harness as H
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -17,8 +18,6 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash import ddtree
 from mlx_dflash.kernels import conv, gated_delta, metal
-
-import metal_harness as H
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("clang.cindex", reason="the strict MSL check needs the libclang wheel (test extra)")
 
-from mlx_dflash.kernels import conv, gated_delta, metal  # noqa: E402
-
 import msl_check as M  # noqa: E402
+
+from mlx_dflash.kernels import conv, gated_delta, metal  # noqa: E402
 
 DTYPES = [mx.bfloat16, mx.float16, mx.float32]
 

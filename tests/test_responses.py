@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 from openai.types.responses import Response
+from test_server import KEY, QUESTION, WEATHER_TOOL, ServerProcess, _rig_tool_model
 
 import mlx_dflash
 from mlx_dflash.server.tools import split_output
-from test_server import KEY, QUESTION, WEATHER_TOOL, ServerProcess, _rig_tool_model
 
 FN_TOOL = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's flat function tool
 FACTS = "Reply in one short line."

@@ -3,11 +3,10 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import assert_cache_is_plain_forward
 
 from mlx_dflash.kernels import fused_exp, gated_delta
 from mlx_dflash.models.qwen35 import Target
-
-from conftest import assert_cache_is_plain_forward
 
 
 def test_logits_match_mlx_lm_after_chunked_prefill_and_decode(any_model):
@@ -155,11 +154,10 @@ def test_bf16_plain_greedy_equals_mlx_lm_generate(bf16_converted):
     200 tokens. (Longer prompts can part: README, 'Numerics'.)"""
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
+    from test_decode import PROMPTS
 
     from mlx_dflash.decode import generate_tokens
     from mlx_dflash.loading import load_target
-
-    from test_decode import PROMPTS
 
     for path in bf16_converted:
         ref_model, _ = load_model(path)

@@ -10,7 +10,7 @@ import pytest
 import mlx_dflash
 from mlx_dflash import tiny
 from mlx_dflash.cli import main
-from mlx_dflash.models.draft import training_mask, train_logits
+from mlx_dflash.models.draft import train_logits, training_mask
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.train import TrainConfig, train_draft
 

@@ -5,14 +5,13 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from mlx_dflash import ddtree, tiny
-from mlx_dflash.decode import GenerationStats, generate_tokens, longest_match
-from mlx_dflash.models.qwen35 import Target
-from mlx_dflash.sampling import Sampler
-
 from conftest import assert_cache_is_plain_forward, reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
+
+from mlx_dflash import ddtree, tiny
+from mlx_dflash.decode import longest_match
+from mlx_dflash.models.qwen35 import Target
+from mlx_dflash.sampling import Sampler
 
 N = 24
 

@@ -14,7 +14,6 @@ elementwise passes instead.
 
 import mlx.core as mx
 
-
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split: n * _LN2_HI is exact
 _EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
              1.6666665459e-1, 5.0000001201e-1)  # e^r = 1 + r + r^2 * poly(r)

@@ -17,7 +17,7 @@ token (per-position capture) and no re-run of the projections (recompute).
 Rolling back to the whole block keeps the forward's own final state.
 """
 
-from functools import lru_cache
+from functools import cache
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -251,14 +251,14 @@ def gated_delta_rollback(
     return _rollback_twin(state0, k, g, delta, n, mask)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rollback_compiled(n: int):
     """The twin rollback for a chain, compiled per n (a verify's one-line
     rollback is a dozen small ops: fused, they cost a fraction)."""
     return mx.compile(lambda state0, k, g, delta: _rollback_twin(state0, k, g, delta, n))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _replay_compiled(n: int):
     return mx.compile(lambda state0, k, g, delta: _replay(state0, k, g, delta, n))
 
@@ -276,7 +276,7 @@ def gated_delta_rollback_layers(tapes: Sequence[Tuple[mx.array, mx.array, mx.arr
     return _rollback_layers_compiled(int(n), len(tapes))(*(x for tape in tapes for x in tape))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rollback_layers_compiled(n: int, count: int):
     def run(*xs):
         state0, k, g, delta = (mx.concatenate(xs[i::4], axis=0) for i in range(4))

@@ -13,7 +13,7 @@ GPU path too.
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Callable, List, Tuple
 
@@ -42,7 +42,7 @@ def use_metal(force_twin: bool = False) -> bool:
     return (not force_twin) and mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compiled(name: str, inputs: Tuple[str, ...], outputs: Tuple[str, ...]):
     return mx.fast.metal_kernel(
         name=f"dflash_{name}", input_names=list(inputs), output_names=list(outputs),

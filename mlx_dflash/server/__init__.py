@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from .app import Settings, create_app, Server
+from .app import Server, Settings, create_app
 from .metrics import Metrics
 from .worker import Worker
 

@@ -13,8 +13,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ValidationError
 
-from ..errors import DFlashError
 from ..config import GenerationConfig
+from ..errors import DFlashError
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
 from .worker import Job, QueueFull, Worker

@@ -102,7 +102,7 @@ class Worker:
                  generate_fn: Optional[Callable] = None, prompt_cache_bytes: Optional[int] = None,
                  prompt_cache: bool = True):
         self._load = load_engine
-        self._q: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=max_queue)
+        self._q: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self.metrics = metrics
         self.engine = None
         self.prefix_cache = None
