@@ -21,7 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft2", type=Path, default=ROOT / "bench" / "drafts" / "dflash2", help="a second draft folder for the embedded target")
+    ap.add_argument(
+        "--draft2",
+        type=Path,
+        default=ROOT / "bench" / "drafts" / "dflash2",
+        help="a second draft folder for the embedded target",
+    )
     ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -47,11 +52,15 @@ def main():
                 for dname, d in drafts.items():
                     eng.draft = d
                     for rule in rules:
-                        r = mlx_dflash.generate(eng, text, max_tokens=args.max_tokens, temperature=T, seed=seed,
-                                                accept_rule=rule)
+                        r = mlx_dflash.generate(
+                            eng, text, max_tokens=args.max_tokens, temperature=T, seed=seed, accept_rule=rule
+                        )
                         rows.setdefault((dname, T, rule), []).append((r.stats.tau, r.stats.decode_tps))
-                print(f"{name} T={T} seed={seed}: " + ", ".join(
-                    f"{k[0]}/{k[2]} tau {v[-1][0]:.2f}" for k, v in rows.items() if k[1] == T), flush=True)
+                print(
+                    f"{name} T={T} seed={seed}: "
+                    + ", ".join(f"{k[0]}/{k[2]} tau {v[-1][0]:.2f}" for k, v in rows.items() if k[1] == T),
+                    flush=True,
+                )
     lines = [
         "# Acceptance at temperature > 0: equality vs speculative-sampling rule",
         "",
@@ -63,8 +72,10 @@ def main():
         "|---|---:|---|---:|---:|",
     ]
     for (dname, T, rule), v in sorted(rows.items()):
-        lines.append(f"| {dname} | {T} | {rule} | {statistics.mean(t for t, _ in v):.2f} | "
-                     f"{statistics.mean(s for _, s in v):.1f} |")
+        lines.append(
+            f"| {dname} | {T} | {rule} | {statistics.mean(t for t, _ in v):.2f} | "
+            f"{statistics.mean(s for _, s in v):.1f} |"
+        )
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {args.out}", file=sys.stderr)

@@ -52,8 +52,9 @@ def block_rounding(T=150, seed=0):
     y, S, _ = gated_delta.gated_delta_chain(q, k, v, g, beta, S0, force_twin=True)
     ys, St = [], S0
     for t in range(T):
-        yt, St, _ = gated_delta.gated_delta_chain(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                                                  beta[:, t:t + 1], St, force_twin=True)
+        yt, St, _ = gated_delta.gated_delta_chain(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], St, force_twin=True
+        )
         ys.append(yt)
     yseq = mx.concatenate(ys, axis=1)
     frac = (y != yseq).astype(mx.float32).mean().item()
@@ -81,9 +82,11 @@ class ScriptedDraft:
         return mx.array(logits)
 
 
-SPEC_KINDS = {"bf16": dict(dtype="bfloat16"),
-              "4-bit": dict(quantize=True, q_bits=4, q_group_size=32, dtype="bfloat16"),
-              "8-bit": dict(quantize=True, q_bits=8, q_group_size=32, dtype="float16")}
+SPEC_KINDS = {
+    "bf16": dict(dtype="bfloat16"),
+    "4-bit": dict(quantize=True, q_bits=4, q_group_size=32, dtype="bfloat16"),
+    "8-bit": dict(quantize=True, q_bits=8, q_group_size=32, dtype="float16"),
+}
 SPEC_PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300, 17, 45, 201, 3, 9]]
 
 
@@ -104,8 +107,11 @@ def spec_vs_plain(root, tok):
             for i, prompt in enumerate(SPEC_PROMPTS):
                 plain = [t for ts in generate_tokens(target, prompt, max_tokens=N) for t in ts]
                 seq = prompt + plain
-                for mode, kw in (("chain, oracle", dict(block_size=8)), ("chain, partly right", dict(block_size=8)),
-                                 ("tree 10", dict(tree_budget=10, tree_topk=2))):
+                for mode, kw in (
+                    ("chain, oracle", dict(block_size=8)),
+                    ("chain, partly right", dict(block_size=8)),
+                    ("tree 10", dict(tree_budget=10, tree_topk=2)),
+                ):
                     draft = ScriptedDraft(seq, target.vocab_size, seed=1 if "partly" in mode else None)
                     got = [t for ts in generate_tokens(target, prompt, max_tokens=N, draft=draft, **kw) for t in ts]
                     rows.append((kind, "MoE" if moe else "dense", i, mode, first_diff(plain, got)))
@@ -140,30 +146,35 @@ def main():
     shutil.rmtree(root, ignore_errors=True)
     frac, sdiff = block_rounding()
     fmt = lambda x: "-" if x is None else str(x)
-    lines = [
-        "# bf16: plain greedy vs mlx_lm.generate",
-        "",
-        f"Tiny dense targets (`tiny.target_config()`, seeds {', '.join(map(str, SEEDS))}) converted by "
-        f"`mlx_lm.convert --dtype bfloat16`; random prompts; {N} greedy tokens; CPU. First differing "
-        "output token, `-` = all equal.",
-        "",
-        "| seed | prompt tokens | default prefill | --prefill-chunk 1 |",
-        "|---:|---:|---:|---:|",
-    ] + [f"| {s} | {L} | {fmt(a)} | {fmt(b)} |" for s, L, a, b in rows] + [
-        "",
-        f"One 150-token DeltaNet block in bf16 (3 value heads of 128 x 128): {frac:.2%} of the bf16 outputs "
-        f"differ by rounding between the closed form and the per-token recurrence (state max abs diff "
-        f"{sdiff:.2e}).",
-        "",
-        "## Speculative vs plain greedy, half precision",
-        "",
-        f"Converted by `mlx_lm.convert` (bf16; `-q` 4-bit and 8-bit, group 32); {N} tokens; block 8. "
-        "First token where chain / tree output differs from plain greedy output, `-` = all equal. "
-        "(No bf16 MoE: MLX's CPU `gather_mm` runs in float32 only.)",
-        "",
-        "| weights | target | prompt | mode | first difference |",
-        "|---|---|---:|---|---:|",
-    ] + [f"| {k} | {t} | {i} | {m} | {fmt(d)} |" for k, t, i, m, d in spec]
+    lines = (
+        [
+            "# bf16: plain greedy vs mlx_lm.generate",
+            "",
+            f"Tiny dense targets (`tiny.target_config()`, seeds {', '.join(map(str, SEEDS))}) converted by "
+            f"`mlx_lm.convert --dtype bfloat16`; random prompts; {N} greedy tokens; CPU. First differing "
+            "output token, `-` = all equal.",
+            "",
+            "| seed | prompt tokens | default prefill | --prefill-chunk 1 |",
+            "|---:|---:|---:|---:|",
+        ]
+        + [f"| {s} | {L} | {fmt(a)} | {fmt(b)} |" for s, L, a, b in rows]
+        + [
+            "",
+            f"One 150-token DeltaNet block in bf16 (3 value heads of 128 x 128): {frac:.2%} of the bf16 outputs "
+            f"differ by rounding between the closed form and the per-token recurrence (state max abs diff "
+            f"{sdiff:.2e}).",
+            "",
+            "## Speculative vs plain greedy, half precision",
+            "",
+            f"Converted by `mlx_lm.convert` (bf16; `-q` 4-bit and 8-bit, group 32); {N} tokens; block 8. "
+            "First token where chain / tree output differs from plain greedy output, `-` = all equal. "
+            "(No bf16 MoE: MLX's CPU `gather_mm` runs in float32 only.)",
+            "",
+            "| weights | target | prompt | mode | first difference |",
+            "|---|---|---:|---|---:|",
+        ]
+        + [f"| {k} | {t} | {i} | {m} | {fmt(d)} |" for k, t, i, m, d in spec]
+    )
     out = Path(__file__).parent / "results" / "bf16-numerics.md"
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")

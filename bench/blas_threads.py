@@ -35,8 +35,10 @@ def main():
     from mlx_dflash.benchmark import _run_engine, _run_mlx_lm, context_prompt, read_prompts
 
     e = mlx_dflash.load()
-    prompts = {"code_class": e.encode(read_prompts()["code_class"], chat_template=True),
-               "context_3072": context_prompt(e, 3072)}
+    prompts = {
+        "code_class": e.encode(read_prompts()["code_class"], chat_template=True),
+        "context_3072": context_prompt(e, 3072),
+    }
     all_cores = blas.cores()
     counts = sorted({blas.decode_threads(), all_cores})
 
@@ -83,8 +85,11 @@ def main():
             a, b = med[(name, mode, hi)], med[(name, mode, lo)]
             unit = " (ms, whole prompt)" if mode == "prefill" else ""
             lines.append(f"| {name} | {mode}{unit} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
-    lines += ["", "A ratio above 1: fewer threads ran faster. The command line sets "
-              f"{blas.decode_threads()} thread(s) here (blas.decode_threads: the cores less one)."]
+    lines += [
+        "",
+        "A ratio above 1: fewer threads ran faster. The command line sets "
+        f"{blas.decode_threads()} thread(s) here (blas.decode_threads: the cores less one).",
+    ]
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "blas-threads.md").write_text(text)

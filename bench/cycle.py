@@ -40,14 +40,23 @@ def medium_pair(tmp):
     from mlx_dflash.models.qwen35 import Target
 
     cfg = tiny.target_config(
-        vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=128, intermediate_size=3072,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128,
-        linear_value_head_dim=128, full_attention_interval=4,
+        vocab_size=32000,
+        hidden_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        intermediate_size=3072,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        full_attention_interval=4,
     )
     target = Target(tiny.build_target(cfg, seed=0))
-    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                             head_dim=128, intermediate_size=3072)
+    dcfg = tiny.draft_config(
+        cfg, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=3072
+    )
     draft = tiny.build_draft(dcfg, seed=1).bind(target)
     return target, draft
 
@@ -168,9 +177,10 @@ def write(name, rows, res, same, params, reps):
     ]
     for mode, label in (("baseline", "baseline"), ("dflash", "dflash (B=16 pinned)"), ("adaptive", "dflash adaptive")):
         st = res[mode][0]
-        lines.append(f"| {label} | {st.decode_tps:.1f} | {st.tau:.2f} | {st.cycles} | "
-                     f"{st.decode_time / st.cycles * 1e3:.2f} | "
-                     + " ".join(f"{w}:{c}" for w, c in st.widths.items()) + " |")
+        lines.append(
+            f"| {label} | {st.decode_tps:.1f} | {st.tau:.2f} | {st.cycles} | "
+            f"{st.decode_time / st.cycles * 1e3:.2f} | " + " ".join(f"{w}:{c}" for w, c in st.widths.items()) + " |"
+        )
     cyc = st_d.decode_time / st_d.cycles
     fwd = rows["T_draft(16)"] + rows["T_verify(16)"]
     lines += [
@@ -192,8 +202,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="embedded,medium", help="comma list of: embedded, medium")
     ap.add_argument("--reps", type=int, default=10, help="timed repeats per term (median)")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"],
-                    help="Linux: preload OpenBLAS (auto = when installed)")
+    ap.add_argument(
+        "--blas",
+        default="auto",
+        choices=["auto", "openblas", "bundled"],
+        help="Linux: preload OpenBLAS (auto = when installed)",
+    )
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     print(f"BLAS: {blas.describe()}", flush=True)

@@ -30,17 +30,26 @@ def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
 
     heads = hidden // 128
     cfg = tiny.target_config(
-        vocab_size=32000, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(heads // 4, 1), head_dim=128, intermediate_size=hidden * 3,
-        linear_num_key_heads=max(heads // 2, 1), linear_num_value_heads=heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, full_attention_interval=4,
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=128,
+        intermediate_size=hidden * 3,
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_num_value_heads=heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        full_attention_interval=4,
     )
     model = tiny.build_target(cfg, seed=0)
     q = getattr(Q, qtype)
     hf = tiny.save_hf(model, cfg, path.parent / "hf")
     del model
-    convert_hf_to_gguf(hf, path, lambda name, w: Q.Q8_0 if "token_embd" in name or "output." in name else q,
-                       tokenizer=False)
+    convert_hf_to_gguf(
+        hf, path, lambda name, w: Q.Q8_0 if "token_embd" in name or "output." in name else q, tokenizer=False
+    )
     return cfg
 
 
@@ -67,8 +76,17 @@ def child(path: str) -> None:
     params = get_total_parameters(target.model)
     nbytes = sum(v.nbytes for _, v in __import__("mlx.utils").utils.tree_flatten(target.model.parameters()))
     rss = _peak_rss_gb()
-    print(json.dumps({"seconds": dt, "params": params, "mlx_bytes": nbytes, "peak_rss_gb": rss,
-                      "mlx_peak_gb": mx.get_peak_memory() / 1e9}))
+    print(
+        json.dumps(
+            {
+                "seconds": dt,
+                "params": params,
+                "mlx_bytes": nbytes,
+                "peak_rss_gb": rss,
+                "mlx_peak_gb": mx.get_peak_memory() / 1e9,
+            }
+        )
+    )
 
 
 def main():
@@ -89,15 +107,19 @@ def main():
         if r.returncode:
             sys.exit(r.stderr)
         res = json.loads(r.stdout.strip().splitlines()[-1])
-        line = (f"| {args.hidden} x {args.layers} layers | {args.type} (+Q8_0 embeddings) | {res['params'] / 1e6:.0f} M | "
-                f"{path.stat().st_size / 1e9:.2f} GB | {res['mlx_bytes'] / 1e9:.2f} GB | {res['seconds']:.1f} s | "
-                f"{res['peak_rss_gb']:.2f} GB | {res['mlx_peak_gb']:.2f} GB |")
+        line = (
+            f"| {args.hidden} x {args.layers} layers | {args.type} (+Q8_0 embeddings) | {res['params'] / 1e6:.0f} M | "
+            f"{path.stat().st_size / 1e9:.2f} GB | {res['mlx_bytes'] / 1e9:.2f} GB | {res['seconds']:.1f} s | "
+            f"{res['peak_rss_gb']:.2f} GB | {res['mlx_peak_gb']:.2f} GB |"
+        )
     print(line)
     out = RESULTS / "gguf-load.md"
     if not out.exists():
-        out.write_text("# GGUF load: time and peak memory (Linux CPU, fresh process)\n\n"
-                       "| model | GGUF types | parameters | file | loaded MLX weights | load time | peak RSS | MLX peak |\n"
-                       "|---|---|---:|---:|---:|---:|---:|---:|\n")
+        out.write_text(
+            "# GGUF load: time and peak memory (Linux CPU, fresh process)\n\n"
+            "| model | GGUF types | parameters | file | loaded MLX weights | load time | peak RSS | MLX peak |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|\n"
+        )
     with open(out, "a") as f:
         f.write(line + "\n")
 

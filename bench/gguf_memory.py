@@ -37,10 +37,19 @@ def build(d: Path, hidden: int, layers: int, vocab: int) -> dict:
 
     heads = hidden // 128
     cfg = tiny.target_config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(heads // 4, 1), head_dim=128, intermediate_size=hidden * 3,
-        linear_num_key_heads=max(heads // 2, 1), linear_num_value_heads=heads, linear_key_head_dim=128,
-        linear_value_head_dim=128, full_attention_interval=4)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=128,
+        intermediate_size=hidden * 3,
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_num_value_heads=heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        full_attention_interval=4,
+    )
     cfg["torch_dtype"] = "bfloat16"  # as Qwen3.5 checkpoints ship
     tok = tiny.build_tokenizer(d / "tok", vocab_size=512)
     model = tiny.build_target(cfg, seed=0, dtype=mx.bfloat16)
@@ -65,8 +74,17 @@ def build(d: Path, hidden: int, layers: int, vocab: int) -> dict:
     times["dflash-from-gguf"] = time.perf_counter() - t
     t = time.perf_counter()
     try:  # everything 4-bit, as mlx-lm's conversion has it
-        main(["convert", str(d / "model-Q4_K_M.gguf"), str(d / "dflash-from-gguf-all-4bit"),
-              "--bits", "Q6_K=4", "--bits", "Q8_0=4"])
+        main(
+            [
+                "convert",
+                str(d / "model-Q4_K_M.gguf"),
+                str(d / "dflash-from-gguf-all-4bit"),
+                "--bits",
+                "Q6_K=4",
+                "--bits",
+                "Q8_0=4",
+            ]
+        )
     except SystemExit as e:
         if e.code not in (0, None):
             raise
@@ -90,11 +108,23 @@ def child(path: str, tokens: int, dtype: str) -> None:
     t = time.perf_counter()
     res = mlx_dflash.generate(eng, [1, 5, 9, 33, 71, 100, 4, 8], max_tokens=tokens, baseline=True)
     gen_s = time.perf_counter() - t
-    dtypes = sorted({str(v.dtype).split(".")[-1] for k, v in params.items() if not k.endswith("weight")
-                     or v.dtype != mx.uint32})
-    print(json.dumps({"load_s": load_s, "weights_bytes": weights, "load_peak": load_peak,
-                      "gen_peak": mx.get_peak_memory(), "tokens": len(res.tokens), "dtypes": dtypes, "gen_s": gen_s,
-                      "active": mx.get_active_memory()}))
+    dtypes = sorted(
+        {str(v.dtype).split(".")[-1] for k, v in params.items() if not k.endswith("weight") or v.dtype != mx.uint32}
+    )
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "weights_bytes": weights,
+                "load_peak": load_peak,
+                "gen_peak": mx.get_peak_memory(),
+                "tokens": len(res.tokens),
+                "dtypes": dtypes,
+                "gen_s": gen_s,
+                "active": mx.get_active_memory(),
+            }
+        )
+    )
 
 
 def disk(p: Path) -> int:
@@ -116,11 +146,19 @@ def main():
     with tempfile.TemporaryDirectory() as td:
         d = Path(td)
         times = build(d, args.hidden, args.layers, args.vocab)
-        runs = [("mlx-lm-4bit", ""), ("dflash-from-gguf", ""), ("dflash-from-gguf-all-4bit", ""),
-                ("model-Q4_K_M.gguf", ""), ("model-Q4_K_M.gguf", "float32")]
+        runs = [
+            ("mlx-lm-4bit", ""),
+            ("dflash-from-gguf", ""),
+            ("dflash-from-gguf-all-4bit", ""),
+            ("model-Q4_K_M.gguf", ""),
+            ("model-Q4_K_M.gguf", "float32"),
+        ]
         for name, dt in runs:
-            r = subprocess.run([sys.executable, __file__, "--child", str(d / name), "--tokens", str(args.tokens),
-                                "--child-dtype", dt], capture_output=True, text=True)
+            r = subprocess.run(
+                [sys.executable, __file__, "--child", str(d / name), "--tokens", str(args.tokens), "--child-dtype", dt],
+                capture_output=True,
+                text=True,
+            )
             if r.returncode:
                 sys.exit(r.stderr)
             res = json.loads(r.stdout.strip().splitlines()[-1])
@@ -141,10 +179,11 @@ def main():
         "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, size, res, conv in rows:
-        lines.append(f"| {name} | {size / gb:.1f} | {res['weights_bytes'] / gb:.1f} | {', '.join(res['dtypes'])} | "
-                     f"{res['load_peak'] / gb:.1f} | {res['gen_peak'] / gb:.1f} | {res['load_s']:.2f} | "
-                     f"{res['gen_s']:.1f} | "
-                     + (f"{conv:.1f} |" if conv is not None else "- |"))
+        lines.append(
+            f"| {name} | {size / gb:.1f} | {res['weights_bytes'] / gb:.1f} | {', '.join(res['dtypes'])} | "
+            f"{res['load_peak'] / gb:.1f} | {res['gen_peak'] / gb:.1f} | {res['load_s']:.2f} | "
+            f"{res['gen_s']:.1f} | " + (f"{conv:.1f} |" if conv is not None else "- |")
+        )
     lines += [
         "",
         "Reading it: the GGUF path holds more bytes than mlx-lm's 4-bit folder because llama.cpp's Q4_K_M keeps",

@@ -59,8 +59,18 @@ def old_requantized(deq_path, q_path):
         b = old_bits(t)
         gs = 64 if w.shape[-1] % 64 == 0 else 32
         q, s, z = mx.quantize(w, group_size=gs, bits=b)
-        updates.append((k, mx.dequantize(q, s.astype(mx.float16).astype(mx.float32),
-                                         z.astype(mx.float16).astype(mx.float32), group_size=gs, bits=b)))
+        updates.append(
+            (
+                k,
+                mx.dequantize(
+                    q,
+                    s.astype(mx.float16).astype(mx.float32),
+                    z.astype(mx.float16).astype(mx.float32),
+                    group_size=gs,
+                    bits=b,
+                ),
+            )
+        )
     target.model.load_weights(updates, strict=False)
     return target
 
@@ -106,10 +116,13 @@ def main():
         src = load_gguf_target(src_path, dtype=mx.float32)[0]
         ls = logits(src)
         files = {name: fx.fixture(name) for name in fx.FTYPES}
-        for name, ftype in (EXTRA.items() if a.llama_python else ()):
+        for name, ftype in EXTRA.items() if a.llama_python else ():
             files[name] = Path(tmp) / f"{name}.gguf"
-            subprocess.run([a.llama_python, "-c", fx.QUANTIZE, str(src_path), str(files[name]), str(ftype), "0"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [a.llama_python, "-c", fx.QUANTIZE, str(src_path), str(files[name]), str(ftype), "0"],
+                check=True,
+                capture_output=True,
+            )
         for name, path in files.items():
             deq_path = dequantized_gguf(path, Path(tmp) / f"{name}-deq.gguf")
             f = load_gguf_target(deq_path, dtype=mx.float32)[0]
@@ -122,51 +135,62 @@ def main():
             types_seen.update(kinds)
             own, added, added_old = rms(lf - ls), rms(lq - lf), rms(lo - lf)
             p, po = parts_at(gq, gf), parts_at(go, gf)
-            rows.append(f"| {name} | {', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))} | {own:.4f} | "
-                        f"{added:.2e} ({added / own:.3f} of own) | {np.abs(lq - lf).max():.2e} | "
-                        f"{'equal' if p is None else f'token {p}'} | {added_old:.4f} ({added_old / own:.2f}) | "
-                        f"{'equal' if po is None else f'token {po}'} |")
+            rows.append(
+                f"| {name} | {', '.join(f'{k} x{v}' for k, v in sorted(kinds.items()))} | {own:.4f} | "
+                f"{added:.2e} ({added / own:.3f} of own) | {np.abs(lq - lf).max():.2e} | "
+                f"{'equal' if p is None else f'token {p}'} | {added_old:.4f} ({added_old / own:.2f}) | "
+                f"{'equal' if po is None else f'token {po}'} |"
+            )
             default, dcfg = load_gguf_target(path)
             file_bytes = sum(int(t.n_bytes) for t in r.tensors)
-            mem.append(f"| {name} | {file_bytes / 1e6:.3f} MB | {nbytes(default.model) / 1e6:.3f} MB "
-                       f"({nbytes(default.model) / file_bytes:.2f}x) | {dcfg['torch_dtype']} |")
+            mem.append(
+                f"| {name} | {file_bytes / 1e6:.3f} MB | {nbytes(default.model) / 1e6:.3f} MB "
+                f"({nbytes(default.model) / file_bytes:.2f}x) | {dcfg['torch_dtype']} |"
+            )
     per_type = []
     for t in list(dict.fromkeys(sorted(types_seen) + ["Q4_1", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "MXFP4"])):
         block, size = GGML_QUANT_SIZES[getattr(GGMLQuantizationType, t)]
         form = mlx_form(t)
         bits = default_bits(t)
         scale_bits = 8 if t == "MXFP4" else (16 if t in FP16_SCALED else 32) * 2
-        per_type.append(f"| {t} | {size * 8 / block:.4g} | {form} | {bits + scale_bits / 32:.4g} | "
-                        f"{(bits + scale_bits / 32) / (size * 8 / block):.2f}x |")
+        per_type.append(
+            f"| {t} | {size * 8 / block:.4g} | {form} | {bits + scale_bits / 32:.4g} | "
+            f"{(bits + scale_bits / 32) / (size * 8 / block):.2f}x |"
+        )
     out = ROOT / "bench" / "results" / "gguf-quant.md"
-    out.write_text("\n".join([
-        "# Quantized GGUF weights as the file holds them",
-        "",
-        f"`python bench/gguf_quant.py{' --llama-python PY' if a.llama_python else ''}`: the llama.cpp-made "
-        "fixtures in tests/data (tiny qwen35, hidden 256; tests/data/README.md)"
-        + (f", and the same source quantized by llama.cpp to {', '.join(EXTRA)}" if a.llama_python else "") + ".",
-        "Float32, a prompt of 16 tokens. *Own*: RMS logit difference of the file's exact",
-        "dequantization vs the unquantized source. *Added*: the engine on the quantized file vs on an F32 GGUF",
-        "holding gguf-py's exact dequantization of it. *Old*: the earlier loader's requantization (group 64,",
-        "8 bits for Q5/Q6/Q8, else 4, fp16 scales). Greedy: 64 tokens vs the dequantized file's.",
-        "",
-        "| file | quantized tensors | own | added (now) | max abs (now) | greedy (now) | added (old) | greedy (old) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-        *rows,
-        "",
-        "## Memory: loaded MLX weights (default float type) vs the file's tensor bytes",
-        "",
-        "| file | file tensors | MLX weights | float type |",
-        "|---|---:|---:|---|",
-        *mem,
-        "",
-        "## Bits per weight by type (group 32; scales and biases counted)",
-        "",
-        "| GGUF type | file bpw | MLX form | MLX bpw | MLX / file |",
-        "|---|---:|---|---:|---:|",
-        *per_type,
-        "",
-    ]))
+    out.write_text(
+        "\n".join(
+            [
+                "# Quantized GGUF weights as the file holds them",
+                "",
+                f"`python bench/gguf_quant.py{' --llama-python PY' if a.llama_python else ''}`: the llama.cpp-made "
+                "fixtures in tests/data (tiny qwen35, hidden 256; tests/data/README.md)"
+                + (f", and the same source quantized by llama.cpp to {', '.join(EXTRA)}" if a.llama_python else "")
+                + ".",
+                "Float32, a prompt of 16 tokens. *Own*: RMS logit difference of the file's exact",
+                "dequantization vs the unquantized source. *Added*: the engine on the quantized file vs on an F32 GGUF",
+                "holding gguf-py's exact dequantization of it. *Old*: the earlier loader's requantization (group 64,",
+                "8 bits for Q5/Q6/Q8, else 4, fp16 scales). Greedy: 64 tokens vs the dequantized file's.",
+                "",
+                "| file | quantized tensors | own | added (now) | max abs (now) | greedy (now) | added (old) | greedy (old) |",
+                "|---|---|---:|---:|---:|---:|---:|---:|",
+                *rows,
+                "",
+                "## Memory: loaded MLX weights (default float type) vs the file's tensor bytes",
+                "",
+                "| file | file tensors | MLX weights | float type |",
+                "|---|---:|---:|---|",
+                *mem,
+                "",
+                "## Bits per weight by type (group 32; scales and biases counted)",
+                "",
+                "| GGUF type | file bpw | MLX form | MLX bpw | MLX / file |",
+                "|---|---:|---|---:|---:|",
+                *per_type,
+                "",
+            ]
+        )
+    )
     print(out.read_text())
 
 

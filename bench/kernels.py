@@ -59,18 +59,21 @@ def main():
         r = {"T": T}
         if metal:
             r["metal"] = timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True), args.reps)
-            r["metal, no tape (prefill)"] = timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0)[:2],
-                                                   args.reps)
-        r["twin"] = timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)[:2],
-                           args.reps)
+            r["metal, no tape (prefill)"] = timeit(
+                lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0)[:2], args.reps
+            )
+        r["twin"] = timeit(
+            lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)[:2], args.reps
+        )
         if metal:  # mlx-lm's real Metal kernel (mlx-lm's own dispatch would pick it on the GPU)
             r["mlx-lm metal kernel"] = timeit(lambda: gated_delta_kernel(q, k, v, g, beta, s0), args.reps)
         else:  # without Metal mlx-lm has only its sequential ops
             r["sequential ops (mlx-lm)"] = timeit(lambda: gated_delta_ops(q, k, v, g, beta, s0), args.reps)
         _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
         n = max(T // 2, 1)
-        r["rollback twin (T/2)"] = timeit(lambda: gated_delta.gated_delta_rollback(s0, k, g, tape, n, force_twin=True),
-                                         args.reps)
+        r["rollback twin (T/2)"] = timeit(
+            lambda: gated_delta.gated_delta_rollback(s0, k, g, tape, n, force_twin=True), args.reps
+        )
         if metal:
             r["rollback metal (T/2)"] = timeit(lambda: gated_delta.gated_delta_rollback(s0, k, g, tape, n), args.reps)
         rows.append(r)

@@ -70,10 +70,15 @@ def main():
         dout, st_d, _ = rows[(bits, "dflash")]
         first = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
         equal = sum(a == b for a, b in zip(out, ref)) / max(len(ref), 1)
-        lines.append(f"| {'float32' if bits is None else f'{bits}-bit'} | {per_k / 1024:.1f} KiB | {st_p.decode_tps:.1f} | "
-                     f"{st_d.decode_tps:.1f} | {dout == out} | {'none' if first is None else first} | {equal:.1%} |")
-    lines += ["", "Bytes count the attention layers' K/V rows held (packed values, scales and biases for the "
-              "quantized ones); the DeltaNet layers' state is fixed-size and not included."]
+        lines.append(
+            f"| {'float32' if bits is None else f'{bits}-bit'} | {per_k / 1024:.1f} KiB | {st_p.decode_tps:.1f} | "
+            f"{st_d.decode_tps:.1f} | {dout == out} | {'none' if first is None else first} | {equal:.1%} |"
+        )
+    lines += [
+        "",
+        "Bytes count the attention layers' K/V rows held (packed values, scales and biases for the "
+        "quantized ones); the DeltaNet layers' state is fixed-size and not included.",
+    ]
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv-quant.md").write_text(text)

@@ -47,19 +47,28 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "mac-check.json"), help="JSON report path")
     args = ap.parse_args()
     if not apple_silicon():
-        print(f"error: bench/mac_check.py needs Apple silicon (macOS on arm64 with a Metal GPU); this is "
-              f"{platform.system()} {platform.machine()}. On Linux, CI runs the Metal sources in "
-              f"tests/metal_harness.py and the strict MSL check instead.", file=sys.stderr)
+        print(
+            f"error: bench/mac_check.py needs Apple silicon (macOS on arm64 with a Metal GPU); this is "
+            f"{platform.system()} {platform.machine()}. On Linux, CI runs the Metal sources in "
+            f"tests/metal_harness.py and the strict MSL check instead.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     sys.path.insert(0, str(ROOT))
     import mlx.core as mx
 
     mx.set_default_device(mx.gpu)
-    report = {"machine": {"platform": platform.platform(), "machine": platform.machine(),
-                          "mlx": mx.__version__, "device": str(mx.default_device()),
-                          "device_info": {k: str(v) for k, v in
-                                          (getattr(mx, "device_info", None) or mx.metal.device_info)().items()}},
-              "checks": {}, "timings_ms": []}
+    report = {
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "device_info": {k: str(v) for k, v in (getattr(mx, "device_info", None) or mx.metal.device_info)().items()},
+        },
+        "checks": {},
+        "timings_ms": [],
+    }
 
     def check(name, fn):
         t = time.perf_counter()
@@ -114,9 +123,21 @@ def _verify_rows():
 
 
 def _pytest():
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_metal_kernels.py", "tests/test_msl_strict.py",
-                        "tests/test_compiled.py"],
-                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "tests/test_metal_kernels.py",
+            "tests/test_msl_strict.py",
+            "tests/test_compiled.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     tail = "\n".join(r.stdout.strip().splitlines()[-15:])
     if r.returncode != 0:
         raise RuntimeError(tail + r.stderr[-2000:])
@@ -127,8 +148,8 @@ def _qwen_inputs(T, dtype, Hk=16, Hv=48, D=128, seed=0):
     import mlx.core as mx
 
     ks = mx.random.split(mx.random.key(seed), 6)
-    q = (mx.random.normal((1, T, Hk, D), key=ks[0]) * D ** -0.5).astype(dtype)
-    k = (mx.random.normal((1, T, Hk, D), key=ks[1]) * D ** -0.5).astype(dtype)
+    q = (mx.random.normal((1, T, Hk, D), key=ks[0]) * D**-0.5).astype(dtype)
+    k = (mx.random.normal((1, T, Hk, D), key=ks[1]) * D**-0.5).astype(dtype)
     v = mx.random.normal((1, T, Hv, D), key=ks[2]).astype(dtype)
     g = mx.random.uniform(0.5, 1.0, (1, T, Hv), key=ks[3])
     beta = mx.random.uniform(0.0, 1.0, (1, T, Hv), key=ks[4])
@@ -194,8 +215,9 @@ def _tree_and_rollback():
         q, k, v, g, beta, s0 = _qwen_inputs(16, mx.bfloat16, seed=3)
         tape = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))[2]
         n = 7
-        S_n = metal.run_metal(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                                       packed=packed))[1]
+        S_n = metal.run_metal(
+            gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0, packed=packed)
+        )[1]
         R_n = metal.run_metal(gated_delta.rollback_launch(s0, k, g, tape, range(n)))[0]
         if not mx.array_equal(S_n, R_n).item():
             raise AssertionError(f"packed={packed}: rollback differs from the forward state")
@@ -242,14 +264,17 @@ def _timings(report, reps):
     for T in (1, 16, 64, 512):
         q, k, v, g, beta, s0 = _qwen_inputs(T, mx.bfloat16, seed=T)
         run = metal.run_metal
-        r = {"T": T,
-             "ours packed": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False))[:2], reps),
-             "ours packed + tape": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0))[:3], reps),
-             "ours simd": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False,
-                                                                       packed=False))[:2], reps),
-             "mlx-lm kernel": _timeit(lambda: gd.gated_delta_kernel(q, k, v, g, beta, s0), reps),
-             "mlx-lm unpacked kernel": _timeit(lambda: gd.gated_delta_kernel_unpacked(q, k, v, g, beta, s0), reps),
-             "twin": _timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, force_twin=True)[:2], reps)}
+        r = {
+            "T": T,
+            "ours packed": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False))[:2], reps),
+            "ours packed + tape": _timeit(lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0))[:3], reps),
+            "ours simd": _timeit(
+                lambda: run(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False, packed=False))[:2], reps
+            ),
+            "mlx-lm kernel": _timeit(lambda: gd.gated_delta_kernel(q, k, v, g, beta, s0), reps),
+            "mlx-lm unpacked kernel": _timeit(lambda: gd.gated_delta_kernel_unpacked(q, k, v, g, beta, s0), reps),
+            "twin": _timeit(lambda: gated_delta.gated_delta_chain(q, k, v, g, beta, s0, force_twin=True)[:2], reps),
+        }
         report["timings_ms"].append(r)
     return "see timings_ms"
 

@@ -32,8 +32,12 @@ SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip"
 
 def stdlib_sources(limit_bytes: int):
     base = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in base.rglob("*.py") if not any(s in p.relative_to(base).parts[0] for s in SKIP)
-                   and not any(part.startswith("test") for part in p.relative_to(base).parts))
+    files = sorted(
+        p
+        for p in base.rglob("*.py")
+        if not any(s in p.relative_to(base).parts[0] for s in SKIP)
+        and not any(part.startswith("test") for part in p.relative_to(base).parts)
+    )
     texts, total = [], 0
     for f in files:
         t = f.read_text(encoding="utf-8", errors="replace")
@@ -48,9 +52,17 @@ def target_config():
     from mlx_dflash import tiny
 
     cfg = tiny.target_config(
-        vocab_size=2048, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, intermediate_size=768, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        vocab_size=2048,
+        hidden_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
         full_attention_interval=4,
     )
     cfg["eos_token_id"] = cfg["text_config"]["eos_token_id"] = 2
@@ -69,13 +81,21 @@ def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=1e-3, log=print):
     model = tiny.build_target(cfg, seed=0)
     # Start from plain norms (1.0), as a real init would.
     from mlx.utils import tree_flatten
-    model.load_weights([(k, mx.ones_like(v)) for k, v in tree_flatten(model.parameters())
-                        if k.endswith("norm.weight") and "linear_attn.norm" not in k], strict=False)
+
+    model.load_weights(
+        [
+            (k, mx.ones_like(v))
+            for k, v in tree_flatten(model.parameters())
+            if k.endswith("norm.weight") and "linear_attn.norm" not in k
+        ],
+        strict=False,
+    )
     target = Target(model)
     data = np.array(ids, dtype=np.int32)
     warm = 50
     sched = optim.join_schedules(
-        [optim.linear_schedule(lr * 0.01, lr, warm), optim.cosine_decay(lr, max(steps - warm, 1), lr * 0.1)], [warm])
+        [optim.linear_schedule(lr * 0.01, lr, warm), optim.cosine_decay(lr, max(steps - warm, 1), lr * 0.1)], [warm]
+    )
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.1)
 
     def loss_fn(x):
@@ -105,16 +125,25 @@ def main():
     ap.add_argument("--target-lr", type=float, default=1e-3)
     ap.add_argument("--draft-steps", type=int, default=3000)
     ap.add_argument("--prompts", type=int, default=4000)
-    ap.add_argument("--seq-len", type=int, default=160,
-                    help="draft training sequence (prompt + continuation); also the draft's context window")
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=160,
+        help="draft training sequence (prompt + continuation); also the draft's context window",
+    )
     ap.add_argument("--corpus-mb", type=float, default=4.0)
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
-    ap.add_argument("--draft-only", action="store_true",
-                    help="keep OUT/target (already trained) and rebuild only the draft")
+    ap.add_argument(
+        "--draft-only", action="store_true", help="keep OUT/target (already trained) and rebuild only the draft"
+    )
     ap.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"], help="draft architecture")
-    ap.add_argument("--feature-cache", type=Path, default=None,
-                    help="cache the generated continuations and features here (reused by a rerun "
-                         "with the same prompts, e.g. for the other --arch)")
+    ap.add_argument(
+        "--feature-cache",
+        type=Path,
+        default=None,
+        help="cache the generated continuations and features here (reused by a rerun "
+        "with the same prompts, e.g. for the other --arch)",
+    )
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     log = lambda s: print(s, flush=True)
@@ -175,12 +204,24 @@ def main():
     pfile.write_text("\n".join(json.dumps({"text": p}) for p in prompts) + "\n")
     pjsonl = work / "prompts.jsonl"
     pfile.rename(pjsonl)
-    tc = TrainConfig(block_size=16, num_layers=2, target_layer_ids=[1, 3, 5, 7], seq_len=args.seq_len,
-                     gen_tokens=args.seq_len, batch_size=8,
-                     blocks_per_seq=8, steps=args.draft_steps, lr=1e-3, warmup=50, checkpoint_every=0,
-                     log_every=100, arch=args.arch)
-    summary = train_draft(tdir, work / "draft", generate_from=pjsonl, config=tc, log=log,
-                          feature_cache=args.feature_cache)
+    tc = TrainConfig(
+        block_size=16,
+        num_layers=2,
+        target_layer_ids=[1, 3, 5, 7],
+        seq_len=args.seq_len,
+        gen_tokens=args.seq_len,
+        batch_size=8,
+        blocks_per_seq=8,
+        steps=args.draft_steps,
+        lr=1e-3,
+        warmup=50,
+        checkpoint_every=0,
+        log_every=100,
+        arch=args.arch,
+    )
+    summary = train_draft(
+        tdir, work / "draft", generate_from=pjsonl, config=tc, log=log, feature_cache=args.feature_cache
+    )
     dw = mx.load(str(work / "draft" / "model.safetensors"))  # float16 on disk, like the target
     mx.save_safetensors(str(work / "draft" / "model.safetensors"), {k: v.astype(mx.float16) for k, v in dw.items()})
     pjsonl.unlink()
@@ -191,14 +232,25 @@ def main():
     if args.draft_only:  # the target (and its build record) is the one already there
         old = json.loads((args.out / "BUILD.json").read_text()) if (args.out / "BUILD.json").exists() else {}
         target_info = {k: old.get(k) for k in target_info}
-    (work / "BUILD.json").write_text(json.dumps({
-        "python": sys.version.split()[0], **target_info,
-        "draft_arch": args.arch, "draft_steps": args.draft_steps, "prompts": len(prompts), "draft_minutes": round((t2 - t1) / 60, 1),
-        "draft_seq_len": args.seq_len, "draft_target_layer_ids": tc.target_layer_ids,
-        "blas": blas.describe(),
-        "draft_final_loss": summary["final_loss"], "draft_final_acc": summary["final_acc"],
-        "note": "the draft rebuilt with --draft-only" if args.draft_only else "one full run",
-    }, indent=1))
+    (work / "BUILD.json").write_text(
+        json.dumps(
+            {
+                "python": sys.version.split()[0],
+                **target_info,
+                "draft_arch": args.arch,
+                "draft_steps": args.draft_steps,
+                "prompts": len(prompts),
+                "draft_minutes": round((t2 - t1) / 60, 1),
+                "draft_seq_len": args.seq_len,
+                "draft_target_layer_ids": tc.target_layer_ids,
+                "blas": blas.describe(),
+                "draft_final_loss": summary["final_loss"],
+                "draft_final_acc": summary["final_acc"],
+                "note": "the draft rebuilt with --draft-only" if args.draft_only else "one full run",
+            },
+            indent=1,
+        )
+    )
     if args.out.exists():
         shutil.rmtree(args.out)
     work.rename(args.out)

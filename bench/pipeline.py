@@ -45,11 +45,16 @@ def _run(target, draft, ids, n, eos, block_size=None):
 
     st = GenerationStats()
     toks = []
-    for t in generate_tokens(target, ids, draft=draft, max_tokens=n, eos_token_ids=eos, stats=st,
-                             block_size=block_size):
+    for t in generate_tokens(
+        target, ids, draft=draft, max_tokens=n, eos_token_ids=eos, stats=st, block_size=block_size
+    ):
         toks.extend(t)
-    return toks, {"decode_tps": st.decode_tps, "tau": st.tau, "cycles": st.cycles,
-                  "ms_per_cycle": st.decode_time / max(st.cycles, 1) * 1e3}
+    return toks, {
+        "decode_tps": st.decode_tps,
+        "tau": st.tau,
+        "cycles": st.cycles,
+        "ms_per_cycle": st.decode_time / max(st.cycles, 1) * 1e3,
+    }
 
 
 def child(args):
@@ -61,6 +66,7 @@ def child(args):
     from mlx_dflash.cache import TargetCache
 
     prompts = json.loads(Path(args.prompts_json).read_text())
+
     def stage_ms(t):
         """This rank's stage alone (fresh cache, synchronised) while the other waits in a barrier."""
         out = {}
@@ -84,10 +90,17 @@ def child(args):
             alone = stage_ms(stage.target)  # rank 0 waits in the barrier meanwhile
             stage.link.barrier()
             stage.link.barrier()  # rank 0 times its stage
-            Path(args.json + f".rank{stage.rank}").write_text(json.dumps(
-                {"rank": stage.rank, "layers": stage.layers, "alone_ms": alone,
-                 "busy_ms": {T: b[1] / b[0] * 1e3 for T, b in w.busy.items()},
-                 "forwards": {T: b[0] for T, b in w.busy.items()}}))
+            Path(args.json + f".rank{stage.rank}").write_text(
+                json.dumps(
+                    {
+                        "rank": stage.rank,
+                        "layers": stage.layers,
+                        "alone_ms": alone,
+                        "busy_ms": {T: b[1] / b[0] * 1e3 for T, b in w.busy.items()},
+                        "forwards": {T: b[0] for T, b in w.busy.items()},
+                    }
+                )
+            )
             return
         engine = stage.engine
     eos = engine.tokenizer.eos_token_ids
@@ -123,8 +136,9 @@ def child(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts")
-    ap.add_argument("--names", default="code_class,doc_read_file,prose_comment",
-                    help="Comma list of prompt names (file stems).")
+    ap.add_argument(
+        "--names", default="code_class,doc_read_file,prose_comment", help="Comma list of prompt names (file stems)."
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -180,8 +194,9 @@ def main():
             for toks, _ in rs:
                 if toks != ref:
                     raise SystemExit(f"LOSSLESSNESS FAILURE: {kind} {m} differs from single plain on {name}")
-            row[f"{kind}-{m}"] = {k: statistics.median(s[k] for _, s in rs)
-                                  for k in ("decode_tps", "tau", "ms_per_cycle")}
+            row[f"{kind}-{m}"] = {
+                k: statistics.median(s[k] for _, s in rs) for k in ("decode_tps", "tau", "ms_per_cycle")
+            }
         rows.append(row)
     B = runs["pipeline"][0]["block_size"]
 
@@ -197,39 +212,57 @@ def main():
         "round_trip_ms": med("round_trip_ms"),
         "bounds": runs["pipeline"][0]["layers"]["bounds"],
     }
-    res = {"machine": f"{platform.platform()} ({platform.machine()})", "blas": env.get("LD_PRELOAD", "bundled"),
-           "max_tokens": args.max_tokens, "repeats": args.repeats, "load_avg_at_starts": loads,
-           "rows": rows, "terms": terms}
+    res = {
+        "machine": f"{platform.platform()} ({platform.machine()})",
+        "blas": env.get("LD_PRELOAD", "bundled"),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "load_avg_at_starts": loads,
+        "rows": rows,
+        "terms": terms,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pipeline-embedded.json").write_text(json.dumps(res, indent=1))
-    md = [f"# Pipeline over loopback: embedded pair, {args.max_tokens} tokens",
-          "", f"`python bench/pipeline.py` on {res['machine']}, BLAS {res['blas']}; "
-          f"median of {args.repeats} repeats, single process and pipeline runs alternating; "
-          f"load average at the starts {min(loads):.1f}-{max(loads):.1f}. Every mode produced identical tokens.",
-          "", "| prompt | single plain tok/s | single dflash tok/s (tau) | 2-stage plain tok/s | "
-          "2-stage dflash tok/s (tau) | 2-stage dflash vs 2-stage plain | 2-stage dflash vs single plain |",
-          "|---|---:|---:|---:|---:|---:|---:|"]
+    md = [
+        f"# Pipeline over loopback: embedded pair, {args.max_tokens} tokens",
+        "",
+        f"`python bench/pipeline.py` on {res['machine']}, BLAS {res['blas']}; "
+        f"median of {args.repeats} repeats, single process and pipeline runs alternating; "
+        f"load average at the starts {min(loads):.1f}-{max(loads):.1f}. Every mode produced identical tokens.",
+        "",
+        "| prompt | single plain tok/s | single dflash tok/s (tau) | 2-stage plain tok/s | "
+        "2-stage dflash tok/s (tau) | 2-stage dflash vs 2-stage plain | 2-stage dflash vs single plain |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         sp, sd = r["single-plain"], r["single-dflash"]
         pp, pd = r["pipeline-plain"], r["pipeline-dflash"]
-        md.append(f"| {r['prompt']} | {sp['decode_tps']:.1f} | {sd['decode_tps']:.1f} ({sd['tau']:.2f}) | "
-                  f"{pp['decode_tps']:.1f} | {pd['decode_tps']:.1f} ({pd['tau']:.2f}) | "
-                  f"{pd['decode_tps'] / pp['decode_tps']:.2f}x | {pd['decode_tps'] / sp['decode_tps']:.2f}x |")
+        md.append(
+            f"| {r['prompt']} | {sp['decode_tps']:.1f} | {sd['decode_tps']:.1f} ({sd['tau']:.2f}) | "
+            f"{pp['decode_tps']:.1f} | {pd['decode_tps']:.1f} ({pd['tau']:.2f}) | "
+            f"{pd['decode_tps'] / pp['decode_tps']:.2f}x | {pd['decode_tps'] / sp['decode_tps']:.2f}x |"
+        )
     t = terms
-    md += ["", f"Stages (layers, first stage first): {t['bounds']} (rank 1 runs the first, rank 0 the last "
-           "with norm, head and draft).", "",
-           f"| per forward | T = 1 (plain token) | T = {B} (verify block) |", "|---|---:|---:|",
-           f"| rank 1 stage alone: its layers, fresh cache (ms) | {t['stage1_alone_ms'][1]:.2f} | "
-           f"{t['stage1_alone_ms'][B]:.2f} |",
-           f"| rank 0 stage alone: its layers + norm + head, fresh cache (ms) | {t['rank0_stage_ms'][1]:.2f} | "
-           f"{t['rank0_stage_ms'][B]:.2f} |",
-           f"| rank 1 stage in generation: embed + its layers, message in to hidden out (ms) | "
-           f"{t['stage1_ms'][1]:.2f} | {t['stage1_ms'][B]:.2f} |",
-           f"| rank 0 wait: send the ids, receive rank 1's hidden states (ms) | {t['wait_ms'][1]:.2f} | "
-           f"{t['wait_ms'][B]:.2f} |",
-           f"| of which link + messaging (wait - rank 1 stage) (ms) | {t['wait_ms'][1] - t['stage1_ms'][1]:.2f} | "
-           f"{t['wait_ms'][B] - t['stage1_ms'][B]:.2f} |",
-           "", f"An empty message round the ring (2 hops): {t['round_trip_ms']:.2f} ms."]
+    md += [
+        "",
+        f"Stages (layers, first stage first): {t['bounds']} (rank 1 runs the first, rank 0 the last "
+        "with norm, head and draft).",
+        "",
+        f"| per forward | T = 1 (plain token) | T = {B} (verify block) |",
+        "|---|---:|---:|",
+        f"| rank 1 stage alone: its layers, fresh cache (ms) | {t['stage1_alone_ms'][1]:.2f} | "
+        f"{t['stage1_alone_ms'][B]:.2f} |",
+        f"| rank 0 stage alone: its layers + norm + head, fresh cache (ms) | {t['rank0_stage_ms'][1]:.2f} | "
+        f"{t['rank0_stage_ms'][B]:.2f} |",
+        f"| rank 1 stage in generation: embed + its layers, message in to hidden out (ms) | "
+        f"{t['stage1_ms'][1]:.2f} | {t['stage1_ms'][B]:.2f} |",
+        f"| rank 0 wait: send the ids, receive rank 1's hidden states (ms) | {t['wait_ms'][1]:.2f} | "
+        f"{t['wait_ms'][B]:.2f} |",
+        f"| of which link + messaging (wait - rank 1 stage) (ms) | {t['wait_ms'][1] - t['stage1_ms'][1]:.2f} | "
+        f"{t['wait_ms'][B] - t['stage1_ms'][B]:.2f} |",
+        "",
+        f"An empty message round the ring (2 hops): {t['round_trip_ms']:.2f} ms.",
+    ]
     (args.out / "pipeline-embedded.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

@@ -38,8 +38,10 @@ def sources(n_chars, skip=0):
     import string
     import textwrap
 
-    text = "".join(inspect.getsource(m) for m in (textwrap, difflib, shlex, fractions, string, calendar, pprint, js.decoder))
-    return text[skip: skip + n_chars]
+    text = "".join(
+        inspect.getsource(m) for m in (textwrap, difflib, shlex, fractions, string, calendar, pprint, js.decoder)
+    )
+    return text[skip : skip + n_chars]
 
 
 def fork(pc):
@@ -70,32 +72,54 @@ def chat_bench(engine, turns, reply, reps, log):
 
     pc = PrefixCache()
     chat = mlx_dflash.ChatSession(engine, system="Python standard library study notes.", prefix_cache=pc)
-    asks = ["\n\ndef test_parse():", "\n\nclass Reader:", "\n\ndef main(argv=None):",
-            "\n\nif __name__ == '__main__':", "\n\ndef _check(value, kind):"]
+    asks = [
+        "\n\ndef test_parse():",
+        "\n\nclass Reader:",
+        "\n\ndef main(argv=None):",
+        "\n\nif __name__ == '__main__':",
+        "\n\ndef _check(value, kind):",
+    ]
     rows = []
     for t in range(turns):
         user = sources(4800, skip=20000) if t == 0 else asks[(t - 1) % len(asks)]
         pre = fork(pc)
         warm = chat.send(user, max_tokens=reply)
         ids = chat._ids[: warm.stats.prompt_tokens]
-        warms = [warm] + [mlx_dflash.generate(engine, ids, max_tokens=1, prefix_cache=fork(pre))
-                          for _ in range(reps - 1)]
+        warms = [warm] + [
+            mlx_dflash.generate(engine, ids, max_tokens=1, prefix_cache=fork(pre)) for _ in range(reps - 1)
+        ]
         cold, colds = cold_runs(engine, ids, reply, reps)
         if cold.tokens != warm.tokens:
             raise SystemExit(f"turn {t + 1}: restored output differs from cold")
         s, c = warm.stats, cold.stats
-        rows.append(dict(turn=t + 1, prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
-                         prefilled_warm=s.prompt_tokens - s.cached_tokens, prefilled_cold=c.prompt_tokens,
-                         ttft_cold_ms=med_ttft(colds), ttft_warm_ms=med_ttft(warms),
-                         snapshots=len(pc), snapshot_mb=pc.nbytes / 1e6,
-                         tau_cold=c.tau, tau_warm=s.tau))
+        rows.append(
+            dict(
+                turn=t + 1,
+                prompt_tokens=s.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                prefilled_warm=s.prompt_tokens - s.cached_tokens,
+                prefilled_cold=c.prompt_tokens,
+                ttft_cold_ms=med_ttft(colds),
+                ttft_warm_ms=med_ttft(warms),
+                snapshots=len(pc),
+                snapshot_mb=pc.nbytes / 1e6,
+                tau_cold=c.tau,
+                tau_warm=s.tau,
+            )
+        )
         rows[-1]["ratio"] = rows[-1]["ttft_warm_ms"] / rows[-1]["ttft_cold_ms"]
         log(f"chat turn {t + 1}: {rows[-1]}")
     return rows
 
 
-TASKS = ["def parse_config(path):", "class LRUCache:", "def merge_sorted(a, b):",
-         "import argparse\n\ndef main():", "def tokenize(text):", "class Matrix:"]
+TASKS = [
+    "def parse_config(path):",
+    "class LRUCache:",
+    "def merge_sorted(a, b):",
+    "import argparse\n\ndef main():",
+    "def tokenize(text):",
+    "class Matrix:",
+]
 
 
 def agent_prompts(engine):
@@ -121,14 +145,24 @@ def agent_bench(engine, prompts, cold, rung_interval, reps, log):
     for i, ids in enumerate(prompts):
         pre = fork(pc)
         warm = mlx_dflash.generate(engine, ids, max_tokens=16, prefix_cache=pc)
-        warms = [warm] + [mlx_dflash.generate(engine, ids, max_tokens=1, prefix_cache=fork(pre))
-                          for _ in range(reps - 1)]
+        warms = [warm] + [
+            mlx_dflash.generate(engine, ids, max_tokens=1, prefix_cache=fork(pre)) for _ in range(reps - 1)
+        ]
         if warm.tokens != cold[i][0]:
             raise SystemExit(f"agent request {i + 1}: restored output differs from cold")
         s = warm.stats
-        rows.append(dict(request=i + 1, prompt_tokens=s.prompt_tokens, cached_tokens=s.cached_tokens,
-                         ttft_cold_ms=cold[i][1], ttft_warm_ms=med_ttft(warms),
-                         ratio=med_ttft(warms) / cold[i][1], snapshots=len(pc), snapshot_mb=pc.nbytes / 1e6))
+        rows.append(
+            dict(
+                request=i + 1,
+                prompt_tokens=s.prompt_tokens,
+                cached_tokens=s.cached_tokens,
+                ttft_cold_ms=cold[i][1],
+                ttft_warm_ms=med_ttft(warms),
+                ratio=med_ttft(warms) / cold[i][1],
+                snapshots=len(pc),
+                snapshot_mb=pc.nbytes / 1e6,
+            )
+        )
         log(f"agent R={rung_interval} request {i + 1}: {rows[-1]}")
     return rows
 
@@ -142,8 +176,9 @@ def rung_cost(engine, rung_interval, n_tokens=3000, reps=2):
     ids = engine.encode(sources(12000, skip=40000), chat_template=False)[:n_tokens]
     with_pc, without = [], []
     for _ in range(reps):
-        with_pc.append(mlx_dflash.generate(engine, ids, max_tokens=1,
-                                           prefix_cache=PrefixCache(rung_interval=rung_interval)))
+        with_pc.append(
+            mlx_dflash.generate(engine, ids, max_tokens=1, prefix_cache=PrefixCache(rung_interval=rung_interval))
+        )
         without.append(mlx_dflash.generate(engine, ids, max_tokens=1))
     return med_ttft(with_pc), med_ttft(without)
 
@@ -181,17 +216,29 @@ def main():
         rows = agent_bench(engine, prompts, cold, R, args.reps, log)
         with_pc, without = rung_cost(engine, R)
         later = rows[1:]
-        sweep.append(dict(rung_interval=R, mean_cached=statistics.mean(r["cached_tokens"] for r in later),
-                          mean_ratio=statistics.mean(r["ratio"] for r in later),
-                          snapshot_mb=rows[-1]["snapshot_mb"], snapshots=rows[-1]["snapshots"],
-                          cold_ttft_3k_with_rungs_ms=with_pc, cold_ttft_3k_no_cache_ms=without,
-                          rung_overhead=with_pc / without - 1))
+        sweep.append(
+            dict(
+                rung_interval=R,
+                mean_cached=statistics.mean(r["cached_tokens"] for r in later),
+                mean_ratio=statistics.mean(r["ratio"] for r in later),
+                snapshot_mb=rows[-1]["snapshot_mb"],
+                snapshots=rows[-1]["snapshots"],
+                cold_ttft_3k_with_rungs_ms=with_pc,
+                cold_ttft_3k_no_cache_ms=without,
+                rung_overhead=with_pc / without - 1,
+            )
+        )
         if R == default_rung:
             agent = rows
         log(f"rungs {sweep[-1]}")
     agent = agent or rows
-    res = dict(machine=f"{platform.system()} {platform.machine()}", blas=blas.describe(),
-               chat=chat, agent=agent, rung_sweep=sweep)
+    res = dict(
+        machine=f"{platform.system()} {platform.machine()}",
+        blas=blas.describe(),
+        chat=chat,
+        agent=agent,
+        rung_sweep=sweep,
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix-cache.json").write_text(json.dumps(res, indent=1))
     last = chat[-1]
@@ -206,23 +253,59 @@ def main():
         f"## Chat: {args.turns} turns (a pasted file, then short follow-ups), replies of up to "
         f"{args.reply} tokens, history to {last['prompt_tokens']} tokens",
         "",
-        table(chat, ["turn", "prompt_tokens", "cached_tokens", "prefilled_warm", "ttft_cold_ms", "ttft_warm_ms",
-                     "ratio", "snapshots", "snapshot_mb", "tau_cold", "tau_warm"]),
+        table(
+            chat,
+            [
+                "turn",
+                "prompt_tokens",
+                "cached_tokens",
+                "prefilled_warm",
+                "ttft_cold_ms",
+                "ttft_warm_ms",
+                "ratio",
+                "snapshots",
+                "snapshot_mb",
+                "tau_cold",
+                "tau_warm",
+            ],
+        ),
         "",
         f"Warm TTFT at {last['prompt_tokens']} tokens: {last['ratio'] * 100:.1f}% of cold (goal <= 15%).",
         "",
         f"## Agent replay: one long system prompt, varied user turns (rung interval {default_rung}, the default for this model)",
         "",
-        table(agent, ["request", "prompt_tokens", "cached_tokens", "ttft_cold_ms", "ttft_warm_ms", "ratio",
-                      "snapshots", "snapshot_mb"]),
+        table(
+            agent,
+            [
+                "request",
+                "prompt_tokens",
+                "cached_tokens",
+                "ttft_cold_ms",
+                "ttft_warm_ms",
+                "ratio",
+                "snapshots",
+                "snapshot_mb",
+            ],
+        ),
         "",
         "## Rung interval",
         "",
         "Agent replay per interval (requests 2-6), and the cold TTFT of a 3000-token prompt with "
         "a prefix cache taking rungs at that interval vs no cache (median of 2, alternating).",
         "",
-        table(sweep, ["rung_interval", "mean_cached", "mean_ratio", "snapshots", "snapshot_mb",
-                      "cold_ttft_3k_with_rungs_ms", "cold_ttft_3k_no_cache_ms", "rung_overhead"]),
+        table(
+            sweep,
+            [
+                "rung_interval",
+                "mean_cached",
+                "mean_ratio",
+                "snapshots",
+                "snapshot_mb",
+                "cold_ttft_3k_with_rungs_ms",
+                "cold_ttft_3k_no_cache_ms",
+                "rung_overhead",
+            ],
+        ),
         "",
     ]
     (RESULTS / "prefix-cache.md").write_text("\n".join(md))

@@ -56,8 +56,18 @@ def _free_port():
 
 def start_server(args, prompt_cache: bool = True):
     port = _free_port()
-    cmd = [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(port), "--log-level", "warning",
-           "--max-queue", str(max(64, args.concurrency))] + ([] if prompt_cache else ["--no-prompt-cache"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_dflash",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-queue",
+        str(max(64, args.concurrency)),
+    ] + ([] if prompt_cache else ["--no-prompt-cache"])
     if args.model:
         cmd += ["--model", args.model]
     if args.draft:
@@ -85,8 +95,14 @@ def start_server(args, prompt_cache: bool = True):
 
 def one_request(url, headers, model, messages, max_tokens):
     """Stream one chat completion; returns (ttft, latency, text, usage)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     tic = time.perf_counter()
     ttft, text, usage = None, [], None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
@@ -142,12 +158,21 @@ def run_once(args, prompt_cache: bool):
                         errors.append(str(e))
                     return
                 with lock:
-                    results.append({"client": c, "turn": len(messages) // 2, "ttft": ttft, "latency": lat,
-                                    "prompt_tokens": usage["prompt_tokens"],
-                                    "completion_tokens": usage["completion_tokens"],
-                                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]})
-                messages += [{"role": "assistant", "content": text},
-                             {"role": "user", "content": f"\n# step {len(messages) // 2}\n"}]
+                    results.append(
+                        {
+                            "client": c,
+                            "turn": len(messages) // 2,
+                            "ttft": ttft,
+                            "latency": lat,
+                            "prompt_tokens": usage["prompt_tokens"],
+                            "completion_tokens": usage["completion_tokens"],
+                            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                        }
+                    )
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": f"\n# step {len(messages) // 2}\n"},
+                ]
 
         threads = [threading.Thread(target=client, args=(c,)) for c in range(args.concurrency)]
         for t in threads:
@@ -170,18 +195,29 @@ def run_once(args, prompt_cache: bool):
     d_cycles = after["mlx_dflash_decode_cycles_total"] - before["mlx_dflash_decode_cycles_total"]
     summary = {
         "prompt_cache": prompt_cache if not args.url else "as the server runs",
-        "requests": len(results), "errors": len(errors), "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "wall_s": wall,
-        "ttft_p50_s": _pct(ttfts, 50), "ttft_p95_s": _pct(ttfts, 95),
-        "latency_p50_s": _pct(lats, 50), "latency_p95_s": _pct(lats, 95),
-        "completion_tokens": gen, "tokens_per_s": gen / wall if wall else 0.0,
-        "prompt_tokens": prompt, "cached_tokens": cached,
+        "requests": len(results),
+        "errors": len(errors),
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "wall_s": wall,
+        "ttft_p50_s": _pct(ttfts, 50),
+        "ttft_p95_s": _pct(ttfts, 95),
+        "latency_p50_s": _pct(lats, 50),
+        "latency_p95_s": _pct(lats, 95),
+        "completion_tokens": gen,
+        "tokens_per_s": gen / wall if wall else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
         "prefix_hit_rate_tokens": cached / prompt if prompt else 0.0,
         "prefix_hit_rate_requests": (sum(r["cached_tokens"] > 0 for r in later) / len(later)) if later else 0.0,
         "cycles": d_cycles,
         # tokens committed by verify cycles (each request's first token comes from prefill)
-        "tau": (after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"]
-                - len(results)) / d_cycles if d_cycles else 0.0,
+        "tau": (
+            after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"] - len(results)
+        )
+        / d_cycles
+        if d_cycles
+        else 0.0,
     }
     return summary, results, errors
 
@@ -197,10 +233,16 @@ def main():
     ap.add_argument("-c", "--concurrency", type=int, default=4, help="Concurrent clients (default 4).")
     ap.add_argument("--max-tokens", type=int, default=48, help="max_tokens per request (default 48).")
     ap.add_argument("--time-limit", type=float, default=600, help="Start no request after this many seconds.")
-    ap.add_argument("--compare-no-cache", action="store_true",
-                    help="Also run the same load on a server started with --no-prompt-cache.")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve-load"),
-                    help="Output path without extension (.md and .json are written).")
+    ap.add_argument(
+        "--compare-no-cache",
+        action="store_true",
+        help="Also run the same load on a server started with --no-prompt-cache.",
+    )
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "bench" / "results" / "serve-load"),
+        help="Output path without extension (.md and .json are written).",
+    )
     args = ap.parse_args()
     if not 1 <= args.concurrency <= args.requests <= 10_000:
         raise SystemExit("need 1 <= concurrency <= requests <= 10000")
@@ -214,13 +256,22 @@ def main():
         runs.append(run_once(args, False))
     where = args.url or f"a server started here on {args.model or 'the embedded pair'}"
     blas = getattr(args, "blas", "BLAS of the running server not known")
-    cmd = f"python bench/serve_load.py -n {args.requests} -c {args.concurrency} --max-tokens {args.max_tokens}" + \
-        (" --compare-no-cache" if args.compare_no_cache else "")
+    cmd = f"python bench/serve_load.py -n {args.requests} -c {args.concurrency} --max-tokens {args.max_tokens}" + (
+        " --compare-no-cache" if args.compare_no_cache else ""
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"command": cmd, "server": where, "blas": blas,
-         "runs": [{"summary": s, "requests": r, "errors": e} for s, r, e in runs]}, indent=2))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "command": cmd,
+                "server": where,
+                "blas": blas,
+                "runs": [{"summary": s, "requests": r, "errors": e} for s, r, e in runs],
+            },
+            indent=2,
+        )
+    )
     md = [
         "# serve load",
         "",
@@ -238,7 +289,8 @@ def main():
             f"| {s['requests']} | {s['errors']} | {s['wall_s']:.1f} | {s['ttft_p50_s']:.3f} | {s['ttft_p95_s']:.3f} | "
             f"{s['latency_p50_s']:.2f} | {s['latency_p95_s']:.2f} | {s['tokens_per_s']:.1f} | "
             f"{s['prompt_tokens']} | {s['cached_tokens']} | {s['prefix_hit_rate_tokens']:.1%} | "
-            f"{s['prefix_hit_rate_requests']:.0%} | {s['tau']:.2f} |")
+            f"{s['prefix_hit_rate_requests']:.0%} | {s['tau']:.2f} |"
+        )
     md.append("")
     out.with_suffix(".md").write_text("\n".join(md))
     print("\n".join(md))

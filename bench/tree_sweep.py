@@ -35,9 +35,16 @@ def main():
     def run(prompt, budget, topk, draft):
         st = GenerationStats()
         out = []
-        for t in generate_tokens(eng.target, prompt, draft=draft, max_tokens=args.max_tokens,
-                                 tree_budget=budget, tree_topk=topk, stats=st,
-                                 eos_token_ids=eng.tokenizer.eos_token_ids):
+        for t in generate_tokens(
+            eng.target,
+            prompt,
+            draft=draft,
+            max_tokens=args.max_tokens,
+            tree_budget=budget,
+            tree_topk=topk,
+            stats=st,
+            eos_token_ids=eng.tokenizer.eos_token_ids,
+        ):
             out.extend(t)
         return out, st
 
@@ -56,10 +63,15 @@ def main():
         name = "chain (B=16)" if budget == 0 else f"tree budget {budget}, top-{topk}"
         rows.append((name, statistics.median(tps), statistics.median(taus), statistics.median(sizes)))
         print(rows[-1], flush=True)
-    lines = ["# Chain vs tree on the embedded pair", "",
-             f"- BLAS: {blas.describe()}; {len(ids)} prompts from mlx_dflash/bench_prompts, {args.max_tokens} tokens, "
-             f"median of {args.repeats} runs per prompt; tokens identical to plain decoding in every run", "",
-             "| mode | decode tok/s | tau | tokens verified per cycle |", "|---|---:|---:|---:|"]
+    lines = [
+        "# Chain vs tree on the embedded pair",
+        "",
+        f"- BLAS: {blas.describe()}; {len(ids)} prompts from mlx_dflash/bench_prompts, {args.max_tokens} tokens, "
+        f"median of {args.repeats} runs per prompt; tokens identical to plain decoding in every run",
+        "",
+        "| mode | decode tok/s | tau | tokens verified per cycle |",
+        "|---|---:|---:|---:|",
+    ]
     lines += [f"| {n} | {t:.1f} | {a:.2f} | {s:.1f} |" for n, t, a, s in rows]
     out = ROOT / "bench" / "results" / "tree-sweep.md"
     out.write_text("\n".join(lines) + "\n")

@@ -31,8 +31,14 @@ class Engine:
     # Loaded without a draft: the published DFlash draft(s) that fit the target (hub ids).
     suggested_drafts: List[str] = field(default_factory=list)
 
-    def encode(self, prompt: Union[str, Sequence[int]], *, chat_template: bool = False,
-               system: Optional[str] = None, chat_template_config: Optional[dict] = None) -> List[int]:
+    def encode(
+        self,
+        prompt: Union[str, Sequence[int]],
+        *,
+        chat_template: bool = False,
+        system: Optional[str] = None,
+        chat_template_config: Optional[dict] = None,
+    ) -> List[int]:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
         with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
@@ -45,8 +51,11 @@ class Engine:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})
+                )
+            )
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
 
 
@@ -174,8 +183,7 @@ def stream_generate(
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
     config = GenerationConfig.build(config, **options)
-    ids = engine.encode(prompt, chat_template=chat_template, system=system,
-                        chat_template_config=chat_template_config)
+    ids = engine.encode(prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config)
     if prefix_cache is not None:
         prefix_cache.bind(engine)
     tok = engine.tokenizer
@@ -183,10 +191,16 @@ def stream_generate(
     detok.reset()
     stats = GenerationStats()
     for tokens in generate_tokens(
-        engine.target, ids, config, draft=engine.draft, eos_token_ids=tok.eos_token_ids, stats=stats,
+        engine.target,
+        ids,
+        config,
+        draft=engine.draft,
+        eos_token_ids=tok.eos_token_ids,
+        stats=stats,
         prefix_cache=prefix_cache,
-        prefix_boundary=(prefix_cache.stable_boundary(tok, ids, chat_template_config)
-                         if prefix_cache is not None else None),
+        prefix_boundary=(
+            prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
+        ),
     ):
         for t in tokens:
             if t not in tok.eos_token_ids:
@@ -196,8 +210,9 @@ def stream_generate(
         yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
 
 
-def generate(engine: Engine, prompt: Union[str, Sequence[int]], config: Optional[GenerationConfig] = None,
-             **kwargs) -> GenerationResult:
+def generate(
+    engine: Engine, prompt: Union[str, Sequence[int]], config: Optional[GenerationConfig] = None, **kwargs
+) -> GenerationResult:
     """Generate to completion; returns text, token ids and stats.
 
     Takes the arguments of :func:`stream_generate`.

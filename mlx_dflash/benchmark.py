@@ -70,34 +70,56 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
 
     toks, last = [], None
     mx.reset_peak_memory()
-    for r in stream_generate(engine.target.model, engine.tokenizer, mx.array(ids),
-                             max_tokens=max_tokens, sampler=make_sampler(0.0)):
+    for r in stream_generate(
+        engine.target.model, engine.tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=make_sampler(0.0)
+    ):
         toks.append(int(r.token))
         last = r
     return toks, {
-        "decode_tps": last.generation_tps, "prefill_tps": last.prompt_tps,
+        "decode_tps": last.generation_tps,
+        "prefill_tps": last.prompt_tps,
         "peak_memory": last.peak_memory,
     }
 
 
-def _run_engine(engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4,
-                profile=False, adaptive=True):
+def _run_engine(
+    engine, ids: List[int], max_tokens: int, draft, block_size, tree_budget=0, tree_topk=4, profile=False, adaptive=True
+):
     st = GenerationStats()
     toks: List[int] = []
-    for t in generate_tokens(engine.target, ids, draft=draft, max_tokens=max_tokens,
-                             block_size=block_size, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st,
-                             tree_budget=tree_budget, tree_topk=tree_topk, profile=profile, adaptive=adaptive):
+    for t in generate_tokens(
+        engine.target,
+        ids,
+        draft=draft,
+        max_tokens=max_tokens,
+        block_size=block_size,
+        eos_token_ids=engine.tokenizer.eos_token_ids,
+        stats=st,
+        tree_budget=tree_budget,
+        tree_topk=tree_topk,
+        profile=profile,
+        adaptive=adaptive,
+    ):
         toks.extend(t)
     c = max(st.cycles, 1)
     return toks, {
-        "decode_tps": st.decode_tps, "prefill_tps": st.prefill_tps, "peak_memory": st.peak_memory,
-        "tau": st.tau, "accept_hist": st.accept_hist, "cycles": st.cycles,
-        "cycle_commits": st.cycle_commits, "depth_acceptance": st.depth_acceptance,
-        "mean_tree_size": st.mean_tree_size, "widths": st.widths, "policy": st.policy,
+        "decode_tps": st.decode_tps,
+        "prefill_tps": st.prefill_tps,
+        "peak_memory": st.peak_memory,
+        "tau": st.tau,
+        "accept_hist": st.accept_hist,
+        "cycles": st.cycles,
+        "cycle_commits": st.cycle_commits,
+        "depth_acceptance": st.depth_acceptance,
+        "mean_tree_size": st.mean_tree_size,
+        "widths": st.widths,
+        "policy": st.policy,
         "ms_per_cycle_timed": st.decode_time / c * 1e3,
         "ms_per_cycle": {
-            "draft": st.draft_time / c * 1e3, "verify": st.verify_time / c * 1e3,
-            "rollback": st.rollback_time / c * 1e3, "other": st.other_time / c * 1e3,
+            "draft": st.draft_time / c * 1e3,
+            "verify": st.verify_time / c * 1e3,
+            "rollback": st.rollback_time / c * 1e3,
+            "other": st.other_time / c * 1e3,
         },
     }
 
@@ -140,10 +162,23 @@ def paired_speedup(tps: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(a / b if b else 0.0 for a, b in zip(tps, base))
 
 
-def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (128, 512),
-              repeats: int = 3, block_size: Optional[int] = None, chat_template: bool = True,
-              tree_budget: int = 0, tree_topk: int = 4, log=print, pipeline: bool = False,
-              draft2=None, draft2_path=None, contexts: Sequence[int] = (), adaptive: bool = True) -> dict:
+def run_bench(
+    engine,
+    prompts: Dict[str, str],
+    *,
+    max_tokens: Sequence[int] = (128, 512),
+    repeats: int = 3,
+    block_size: Optional[int] = None,
+    chat_template: bool = True,
+    tree_budget: int = 0,
+    tree_topk: int = 4,
+    log=print,
+    pipeline: bool = False,
+    draft2=None,
+    draft2_path=None,
+    contexts: Sequence[int] = (),
+    adaptive: bool = True,
+) -> dict:
     """Run every (prompt, length, mode); modes: mlx-lm, baseline, dflash (chain)
     and, with ``tree_budget`` > 0, dflash-tree; with ``draft2`` (a second
     loaded draft, e.g. a DFlash 2 head) also dflash2: a chain on that draft.
@@ -155,12 +190,14 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
     # With the width policy on, the pinned full-width chain runs beside it, so the
     # policy's gain or loss is a ratio measured in the same run.
     pinned = ("dflash-pinned",) if adaptive and not block_size else ()
-    modes = (modes + pinned + (("dflash-tree",) if tree_budget > 0 else ())
-             + (("dflash2",) if draft2 is not None else ()))
+    modes = (
+        modes + pinned + (("dflash-tree",) if tree_budget > 0 else ()) + (("dflash2",) if draft2 is not None else ())
+    )
     if engine.draft is None:
         raise DFlashError("bench needs a draft (the DFlash mode)")
     if repeats < 1:
         raise DFlashError(f"repeats must be positive, got {repeats}")
+
     def encode(text):
         return engine.encode(text, chat_template=chat_template and engine.tokenizer.chat_template is not None)
 
@@ -177,10 +214,10 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             "mlx-lm": lambda p: _run_mlx_lm(engine, ids, n),
             "baseline": lambda p: _run_engine(engine, ids, n, None, None, profile=p),
             "dflash": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p, adaptive=adaptive),
-            "dflash-pinned": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p,
-                                                   adaptive=False),
-            "dflash-tree": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, tree_budget, tree_topk,
-                                                 profile=p),
+            "dflash-pinned": lambda p: _run_engine(engine, ids, n, engine.draft, block_size, profile=p, adaptive=False),
+            "dflash-tree": lambda p: _run_engine(
+                engine, ids, n, engine.draft, block_size, tree_budget, tree_topk, profile=p
+            ),
             "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
         }
 
@@ -198,17 +235,20 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
                 tokens[m], row["modes"][m], _ = runs[(i, m)]
                 row["modes"][m]["generated"] = len(tokens[m])
             plain = tokens["baseline"]
-            for mode in modes[modes.index("baseline") + 1:]:
+            for mode in modes[modes.index("baseline") + 1 :]:
                 j = first_difference(tokens[mode], plain)
                 if j is not None:
                     raise DFlashError(
                         f"LOSSLESSNESS FAILURE: {mode} differs from this engine's plain decoding on "
-                        f"prompt {name!r} (max {n}) at token {j}")
+                        f"prompt {name!r} (max {n}) at token {j}"
+                    )
             if "mlx-lm" in modes:
                 row["mlx_lm_first_difference"] = first_difference(plain, tokens["mlx-lm"])
                 if row["mlx_lm_first_difference"] is not None:
-                    log(f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
-                        f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)")
+                    log(
+                        f"note: plain decoding parts from mlx-lm on {name!r} (max {n}) at token "
+                        f"{row['mlx_lm_first_difference']} (not a losslessness failure: see README, Numerics)"
+                    )
             base = row["modes"][modes[0]]["decode_tps"]
             for m in modes:
                 row["modes"][m]["speedup"] = paired_speedup(runs[(i, m)][2], runs[(i, modes[0])][2])
@@ -216,26 +256,36 @@ def run_bench(engine, prompts: Dict[str, str], *, max_tokens: Sequence[int] = (1
             tr = row["modes"].get("dflash-tree")
             d2 = row["modes"].get("dflash2")
             pn = row["modes"].get("dflash-pinned")
-            log(f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
+            log(
+                f"{name:<18} n={n:<4} {modes[0]} {base:7.1f} tok/s | baseline "
                 f"{row['modes']['baseline']['decode_tps']:7.1f} | dflash {d['decode_tps']:7.1f} "
                 f"({d['speedup']:.2f}x, tau {d['tau']:.2f})"
                 + (f" | pinned {pn['decode_tps']:7.1f} ({pn['speedup']:.2f}x)" if pn else "")
                 + (f" | tree {tr['decode_tps']:7.1f} ({tr['speedup']:.2f}x, tau {tr['tau']:.2f})" if tr else "")
-                + (f" | dflash2 {d2['decode_tps']:7.1f} ({d2['speedup']:.2f}x, tau {d2['tau']:.2f})" if d2 else ""))
+                + (f" | dflash2 {d2['decode_tps']:7.1f} ({d2['speedup']:.2f}x, tau {d2['tau']:.2f})" if d2 else "")
+            )
             results.append(row)
     return {
         "machine": f"{platform.platform()} ({platform.machine()})",
         "blas": blas.describe(),
-        "model": str(engine.model_path), "draft": str(engine.draft_path),
-        **({"draft2": str(draft2_path), "draft2_kind": draft2.config.kind if hasattr(draft2, "config") else None}
-           if draft2 is not None else {}),
+        "model": str(engine.model_path),
+        "draft": str(engine.draft_path),
+        **(
+            {"draft2": str(draft2_path), "draft2_kind": draft2.config.kind if hasattr(draft2, "config") else None}
+            if draft2 is not None
+            else {}
+        ),
         "draft_kind": engine.draft.config.kind if hasattr(engine.draft, "config") else None,
         "block_size": block_size or engine.draft.block_size,
         "policy": "pinned" if block_size or not adaptive else "adaptive",
-        "tree_budget": tree_budget, "tree_topk": tree_topk, "modes": list(modes),
-        "repeats": repeats, "identical_tokens": True,
-        "agrees_with_mlx_lm": (all(r["mlx_lm_first_difference"] is None for r in results)
-                               if "mlx-lm" in modes else None),  # None: not run (--pipeline)
+        "tree_budget": tree_budget,
+        "tree_topk": tree_topk,
+        "modes": list(modes),
+        "repeats": repeats,
+        "identical_tokens": True,
+        "agrees_with_mlx_lm": (
+            all(r["mlx_lm_first_difference"] is None for r in results) if "mlx-lm" in modes else None
+        ),  # None: not run (--pipeline)
         "results": results,
     }
 
@@ -251,8 +301,12 @@ def to_markdown(res: dict) -> str:
         f"- BLAS: {res['blas']}",
         f"- target: `{res['model']}`; draft: `{res['draft']}`; block size {res['block_size']}"
         + (f"; tree budget {res['tree_budget']}, top-k {res['tree_topk']}" if tree else "")
-        + (f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
-           f"dflash on the first ({res.get('draft_kind')})" if two else ""),
+        + (
+            f"; dflash2 = a chain on the second draft `{res['draft2']}` ({res.get('draft2_kind')}), "
+            f"dflash on the first ({res.get('draft_kind')})"
+            if two
+            else ""
+        ),
         f"- dflash width policy: {res.get('policy', 'pinned')}",
         f"- tok/s: the median of {res['repeats']} runs after a warm-up, the modes taking turns within each "
         "repeat (the context rows also take turns with each other); speedup: the median over repeats of the "
@@ -262,12 +316,18 @@ def to_markdown(res: dict) -> str:
         f"(temperature 0): {res['identical_tokens']}; plain decoding equals mlx-lm's on every row: "
         f"{res.get('agrees_with_mlx_lm', True)}",
         "",
-        "| prompt | max | " + " | ".join(f"{m} tok/s" for m in modes) + " | dflash speedup | dflash tau | "
+        "| prompt | max | "
+        + " | ".join(f"{m} tok/s" for m in modes)
+        + " | dflash speedup | dflash tau | "
         + ("tree speedup | tree tau | tree tokens/cycle | " if tree else "")
         + ("dflash2 speedup | dflash2 tau | " if two else "")
         + "dflash ms per cycle | dflash draft/verify/rollback/other ms (profiled) | peak GB |",
-        "|---|---:|" + "---:|" * len(modes) + "---:|---:|" + ("---:|---:|---:|" if tree else "")
-        + ("---:|---:|" if two else "") + "---:|---|---:|",
+        "|---|---:|"
+        + "---:|" * len(modes)
+        + "---:|---:|"
+        + ("---:|---:|---:|" if tree else "")
+        + ("---:|---:|" if two else "")
+        + "---:|---|---:|",
     ]
     for r in res["results"]:
         m = r["modes"]
@@ -280,38 +340,59 @@ def to_markdown(res: dict) -> str:
             cells += [f"{tr['speedup']:.2f}x", f"{tr['tau']:.2f}", f"{tr['mean_tree_size']:.1f}"]
         if two:
             cells += [f"{m['dflash2']['speedup']:.2f}x", f"{m['dflash2']['tau']:.2f}"]
-        cells += [f"{d['ms_per_cycle_timed']:.1f}",
-                  f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
-                  f"{d['peak_memory']:.3f}"]
+        cells += [
+            f"{d['ms_per_cycle_timed']:.1f}",
+            f"{t['draft']:.1f} / {t['verify']:.1f} / {t['rollback']:.1f} / {t['other']:.1f}",
+            f"{d['peak_memory']:.3f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     med = lambda mode, key: statistics.median(r["modes"][mode][key] for r in res["results"])
-    lines += ["", "Medians over all rows: " + ", ".join(
-        f"{x} {med(x, 'decode_tps'):.1f} tok/s ({med(x, 'speedup'):.2f}x)" for x in modes) + "."]
+    lines += [
+        "",
+        "Medians over all rows: "
+        + ", ".join(f"{x} {med(x, 'decode_tps'):.1f} tok/s ({med(x, 'speedup'):.2f}x)" for x in modes)
+        + ".",
+    ]
     for mode in ("dflash", "dflash2") if two else ("dflash",):
         lines += ["", f"Acceptance histograms, {mode} chain (committed tokens per cycle: count):", ""]
         for r in res["results"]:
             h = r["modes"][mode]["accept_hist"]
             lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{i}:{c}" for i, c in enumerate(h) if c))
     if two:
-        lines += ["", "Medians of tau: " + ", ".join(
-            f"{x} {statistics.median(r['modes'][x]['tau'] for r in res['results']):.2f}" for x in ("dflash", "dflash2"))
-            + "."]
+        lines += [
+            "",
+            "Medians of tau: "
+            + ", ".join(
+                f"{x} {statistics.median(r['modes'][x]['tau'] for r in res['results']):.2f}"
+                for x in ("dflash", "dflash2")
+            )
+            + ".",
+        ]
     lines += ["", "Verify widths chosen, dflash (width: cycles; 1 = a plain step):", ""]
     for r in res["results"]:
         w = r["modes"]["dflash"].get("widths", {})
         lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{k}:{c}" for k, c in w.items()))
     ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
     if ctx:
-        lines += ["", "Context length (prompt tokens; peak memory of the whole process's MLX allocations):", "",
-                  "| prompt tokens | generated | mlx-lm tok/s | dflash tok/s | dflash speedup | dflash tau "
-                  "| mlx-lm peak GB | dflash peak GB |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "Context length (prompt tokens; peak memory of the whole process's MLX allocations):",
+            "",
+            "| prompt tokens | generated | mlx-lm tok/s | dflash tok/s | dflash speedup | dflash tau "
+            "| mlx-lm peak GB | dflash peak GB |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in ctx:
             m, d = r["modes"].get("mlx-lm") or r["modes"]["baseline"], r["modes"]["dflash"]
-            lines.append(f"| {r['prompt_tokens']} | {d['generated']} | {m['decode_tps']:.1f} | {d['decode_tps']:.1f} "
-                         f"| {d['speedup']:.2f}x | {d['tau']:.2f} | {m['peak_memory']:.3f} | {d['peak_memory']:.3f} |")
-        lines += ["", f"Speedup at the longest context / at the shortest: "
-                      f"{ctx[-1]['modes']['dflash']['speedup'] / ctx[0]['modes']['dflash']['speedup']:.2f}."]
+            lines.append(
+                f"| {r['prompt_tokens']} | {d['generated']} | {m['decode_tps']:.1f} | {d['decode_tps']:.1f} "
+                f"| {d['speedup']:.2f}x | {d['tau']:.2f} | {m['peak_memory']:.3f} | {d['peak_memory']:.3f} |"
+            )
+        lines += [
+            "",
+            f"Speedup at the longest context / at the shortest: "
+            f"{ctx[-1]['modes']['dflash']['speedup'] / ctx[0]['modes']['dflash']['speedup']:.2f}.",
+        ]
     pre = [r["modes"]["dflash"]["prefill_tps"] for r in res["results"]]
     lines += ["", f"Prefill (dflash, with feature capture): median {statistics.median(pre):.0f} tok/s."]
     return "\n".join(lines) + "\n"
@@ -332,8 +413,12 @@ def plot(res: dict, path: Path) -> None:
     modes = res["modes"]
     w = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        a1.bar([j + (i - (len(modes) - 1) / 2) * w for j in x],
-               [r["modes"][mode]["decode_tps"] for r in rows], w, label=mode)
+        a1.bar(
+            [j + (i - (len(modes) - 1) / 2) * w for j in x],
+            [r["modes"][mode]["decode_tps"] for r in rows],
+            w,
+            label=mode,
+        )
     a1.set_xticks(list(x))
     a1.set_xticklabels(labels, fontsize=7)
     a1.set_ylabel("decode tok/s")

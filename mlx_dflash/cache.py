@@ -155,8 +155,8 @@ class QuantizedKVBuffer:
 
         keys, values = self.append(k, v)
         return quantized_scaled_dot_product_attention(
-            self._rotate(q), keys, values, scale=scale, mask=mask,
-            group_size=self._group(q.shape[-1]), bits=self.bits)
+            self._rotate(q), keys, values, scale=scale, mask=mask, group_size=self._group(q.shape[-1]), bits=self.bits
+        )
 
     def dequantized(self) -> Tuple[mx.array, mx.array]:
         """K (rotated back) and V of the rows held, as floats (diagnostics, tests)."""
@@ -233,8 +233,7 @@ class DeltaNetState:
         if n == tapes[0][3].shape[1]:
             return  # everything accepted
         # A half-precision verify ran stepwise (fused_exp.row_exact): replay its steps.
-        ssms = gated_delta_rollback_layers([t[:4] for t in tapes], n,
-                                           stepwise=row_exact(tapes[0][1].dtype))
+        ssms = gated_delta_rollback_layers([t[:4] for t in tapes], n, stepwise=row_exact(tapes[0][1].dtype))
         for st, tape, ssm in zip(states, tapes, ssms):
             st.ssm = ssm
             st.conv = conv_state_rollback(tape[4], n, tape[5])
@@ -252,8 +251,7 @@ class DeltaNetState:
 class TargetCache:
     """Per-layer caches of the target plus the number of committed positions."""
 
-    def __init__(self, is_linear: List[bool], kv_bits: Optional[int] = None,
-                 kv_group_size: int = KV_GROUP_SIZE):
+    def __init__(self, is_linear: List[bool], kv_bits: Optional[int] = None, kv_group_size: int = KV_GROUP_SIZE):
         check_kv_bits(kv_bits)
         attn = (lambda: QuantizedKVBuffer(kv_bits, kv_group_size)) if kv_bits else KVBuffer
         self.kv_bits = kv_bits

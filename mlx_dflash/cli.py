@@ -61,9 +61,11 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
 
 # Options several commands share (one definition, one help text).
 COMPILE_OPTION = typer.Option(
-    True, "--compile/--no-compile",
+    True,
+    "--compile/--no-compile",
     help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
-         "--no-compile runs plain MLX ops (for troubleshooting).")
+    "--no-compile runs plain MLX ops (for troubleshooting).",
+)
 
 
 # Generation options (GenerationConfig's fields, and the CLI's aliases of them): each
@@ -72,49 +74,96 @@ COMPILE_OPTION = typer.Option(
 # name -> (type, default, flags, help)
 GENERATION_FLAGS = {
     "max_tokens": (int, 256, ("--max-tokens", "-n"), "Most tokens to generate (EOS may stop earlier)."),
-    "block_size": (Optional[int], None, ("--block-size", "-b"),
-                   "Tokens verified per cycle, 2..the draft's block size (default: the draft's)."),
-    "num_draft_tokens": (Optional[int], None, ("--num-draft-tokens",),
-                         "mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one."),
+    "block_size": (
+        Optional[int],
+        None,
+        ("--block-size", "-b"),
+        "Tokens verified per cycle, 2..the draft's block size (default: the draft's).",
+    ),
+    "num_draft_tokens": (
+        Optional[int],
+        None,
+        ("--num-draft-tokens",),
+        "mlx-lm's name: drafted tokens per cycle, i.e. --block-size minus one.",
+    ),
     "baseline": (bool, False, ("--baseline",), "Plain autoregressive decoding, no draft (for comparison)."),
-    "temperature": (float, 0.0, ("--temp",),
-                    "Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
+    "temperature": (float, 0.0, ("--temp",), "Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
     "top_p": (float, 1.0, ("--top-p",), "Nucleus sampling mass (with --temp > 0)."),
     "top_k": (int, 0, ("--top-k",), "Sample among the k most likely tokens; 0 = off."),
     "min_p": (float, 0.0, ("--min-p",), "Drop tokens below min_p x the top probability; 0 = off."),
     "min_tokens_to_keep": (int, 1, ("--min-tokens-to-keep",), "Tokens --min-p always keeps (the most likely ones)."),
-    "repetition_penalty": (float, 1.0, ("--repetition-penalty",),
-                           "Penalise tokens seen in the last --repetition-context-size tokens; 1 = off."),
-    "repetition_context_size": (int, 20, ("--repetition-context-size",),
-                                "Tokens the repetition penalty looks back over."),
-    "seed": (Optional[int], None, ("--seed",), "Sampling seed. With --accept-rule equality the same seed gives "
-                                               "the same output in plain, chain and tree mode."),
-    "accept_rule": (str, DEFAULT_ACCEPT_RULE, ("--accept-rule",),
-                    "With --temp > 0 on a chain: 'speculative' samples the draft and keeps a token with "
-                    "probability min(1, p/q); 'equality' keeps a drafted token when it equals the target's own "
-                    "sample (same seed, same text in every mode). Both are exact; speculative keeps more drafts."),
-    "tree_budget": (int, 0, ("--tree-budget",),
-                    "Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain."),
+    "repetition_penalty": (
+        float,
+        1.0,
+        ("--repetition-penalty",),
+        "Penalise tokens seen in the last --repetition-context-size tokens; 1 = off.",
+    ),
+    "repetition_context_size": (
+        int,
+        20,
+        ("--repetition-context-size",),
+        "Tokens the repetition penalty looks back over.",
+    ),
+    "seed": (
+        Optional[int],
+        None,
+        ("--seed",),
+        "Sampling seed. With --accept-rule equality the same seed gives the same output in plain, chain and tree mode.",
+    ),
+    "accept_rule": (
+        str,
+        DEFAULT_ACCEPT_RULE,
+        ("--accept-rule",),
+        "With --temp > 0 on a chain: 'speculative' samples the draft and keeps a token with "
+        "probability min(1, p/q); 'equality' keeps a drafted token when it equals the target's own "
+        "sample (same seed, same text in every mode). Both are exact; speculative keeps more drafts.",
+    ),
+    "tree_budget": (
+        int,
+        0,
+        ("--tree-budget",),
+        "Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain.",
+    ),
     "tree_topk": (int, 4, ("--tree-topk",), "Candidate tokens per depth when building the tree."),
-    "auto_tree": (int, 0, ("--auto-tree",),
-                  "Let the adaptive policy choose each cycle between a chain and a DDTree of this many draft "
-                  "nodes (from their measured costs and the tokens each commits); 0 = chains."),
-    "draft_window": (int, 0, ("--draft-window",),
-                     "Keep only this many recent context positions in the draft cache (plus --draft-sink first "
-                     "ones); 0 = the draft's own: its sliding window when every layer slides, else keep all."),
+    "auto_tree": (
+        int,
+        0,
+        ("--auto-tree",),
+        "Let the adaptive policy choose each cycle between a chain and a DDTree of this many draft "
+        "nodes (from their measured costs and the tokens each commits); 0 = chains.",
+    ),
+    "draft_window": (
+        int,
+        0,
+        ("--draft-window",),
+        "Keep only this many recent context positions in the draft cache (plus --draft-sink first "
+        "ones); 0 = the draft's own: its sliding window when every layer slides, else keep all.",
+    ),
     "draft_sink": (int, 16, ("--draft-sink",), "First context positions always kept with --draft-window."),
     "prefill_chunk": (int, 512, ("--prefill-chunk",), "Prompt tokens per prefill forward."),
-    "adaptive": (bool, True, ("--adaptive/--no-adaptive",),
-                 "Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
-                 "down to plain steps when drafting does not pay (costs measured once per machine and model, "
-                 "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's "
-                 "block."),
-    "kv_bits": (Optional[int], None, ("--kv-bits",),
-                "Store the target's attention K/V quantized to 8 or 4 bits (group size 64, K Hadamard-rotated). "
-                "Saves memory on long contexts; changes the target slightly."),
-    "profile": (bool, False, ("--profile",),
-                "Synchronise after each phase so --verbose splits the time per cycle into draft / verify / "
-                "rollback (a little slower)."),
+    "adaptive": (
+        bool,
+        True,
+        ("--adaptive/--no-adaptive",),
+        "Choose each cycle's verify width from the pair's measured costs and the acceptance so far, "
+        "down to plain steps when drafting does not pay (costs measured once per machine and model, "
+        "cached). --block-size or --tree-budget pin the width; --no-adaptive always uses the draft's "
+        "block.",
+    ),
+    "kv_bits": (
+        Optional[int],
+        None,
+        ("--kv-bits",),
+        "Store the target's attention K/V quantized to 8 or 4 bits (group size 64, K Hadamard-rotated). "
+        "Saves memory on long contexts; changes the target slightly.",
+    ),
+    "profile": (
+        bool,
+        False,
+        ("--profile",),
+        "Synchronise after each phase so --verbose splits the time per cycle into draft / verify / "
+        "rollback (a little slower).",
+    ),
 }
 
 
@@ -130,15 +179,17 @@ def generation_options(*names: str, **defaults):
         for n in names:
             kind, default, flags, text = GENERATION_FLAGS[n]
             default = defaults.get(n, default)
-            extra.append(inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=kind,
-                                           default=typer.Option(default, *flags, help=text)))
+            extra.append(
+                inspect.Parameter(
+                    n, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=typer.Option(default, *flags, help=text)
+                )
+            )
 
         @functools.wraps(fn)
         def command(**kw):
             return fn(gen=generation_config({n: kw.pop(n) for n in names}), **kw)
 
-        command.__signature__ = sig.replace(
-            parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
+        command.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
         return command
 
     return wrap
@@ -164,8 +215,10 @@ def generation_config(flags: dict):
     return gen
 
 
-HUB_IDS = ("a Hugging Face id (org/name or org/name@revision; a GGUF repo's file as org/name:QUANT "
-           "or org/name/FILE.gguf), fetched into the Hugging Face cache")
+HUB_IDS = (
+    "a Hugging Face id (org/name or org/name@revision; a GGUF repo's file as org/name:QUANT "
+    "or org/name/FILE.gguf), fetched into the Hugging Face cache"
+)
 
 
 def _local(path: Optional[Path]) -> Optional[Path]:
@@ -209,61 +262,104 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
         rows.append(("time per cycle", f"{s.decode_time / s.cycles * 1e3:.2f} ms (--profile splits it)"))
     elif s.cycles:
         c = s.cycles
-        rows.append((
-            "per cycle: draft/verify/rollback/other",
-            f"{s.draft_time / c * 1e3:.2f} / {s.verify_time / c * 1e3:.2f} / "
-            f"{s.rollback_time / c * 1e3:.2f} / {s.other_time / c * 1e3:.2f} ms",
-        ))
+        rows.append(
+            (
+                "per cycle: draft/verify/rollback/other",
+                f"{s.draft_time / c * 1e3:.2f} / {s.verify_time / c * 1e3:.2f} / "
+                f"{s.rollback_time / c * 1e3:.2f} / {s.other_time / c * 1e3:.2f} ms",
+            )
+        )
     rows.append(("peak memory", f"{s.peak_memory:.3f} GB"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
 @app.command()
-@generation_options("max_tokens", "block_size", "num_draft_tokens", "baseline", *SAMPLING, "tree_budget",
-                    "tree_topk", "auto_tree", "draft_window", "draft_sink", "prefill_chunk", "adaptive", "kv_bits",
-                    "profile")
+@generation_options(
+    "max_tokens",
+    "block_size",
+    "num_draft_tokens",
+    "baseline",
+    *SAMPLING,
+    "tree_budget",
+    "tree_topk",
+    "auto_tree",
+    "draft_window",
+    "draft_sink",
+    "prefill_chunk",
+    "adaptive",
+    "kv_bits",
+    "profile",
+)
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin."),
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m",
+        None,
+        "--model",
+        "-m",
         help="Target folder (HF or MLX safetensors), llama.cpp GGUF file, or " + HUB_IDS + ". Default: the "
-             "embedded pair shipped with the package."),
+        "embedded pair shipped with the package.",
+    ),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", "--draft-model",
+        None,
+        "--draft",
+        "-d",
+        "--draft-model",
         help="DFlash draft folder (z-lab format), draft GGUF, or Hugging Face id (e.g. z-lab/Qwen3.5-9B-DFlash). "
-             "Default: the embedded draft with the embedded target; none (plain decoding, naming the published "
-             "draft when one fits) with another --model."),
+        "Default: the embedded draft with the embedded target; none (plain decoding, naming the published "
+        "draft when one fits) with another --model.",
+    ),
     chat_template: Optional[bool] = typer.Option(
-        None, "--chat-template/--no-chat-template",
-        help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one)."),
+        None,
+        "--chat-template/--no-chat-template",
+        help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one).",
+    ),
     ignore_chat_template: bool = typer.Option(
-        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt."),
+        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt."
+    ),
     chat_template_config: Optional[str] = typer.Option(
-        None, "--chat-template-config",
-        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+        None,
+        "--chat-template-config",
+        help="JSON object of extra chat-template arguments, e.g. '{\"enable_thinking\": false}'.",
+    ),
     system: Optional[str] = typer.Option(
-        None, "--system", "--system-prompt", help="System message (with the chat template)."),
+        None, "--system", "--system-prompt", help="System message (with the chat template)."
+    ),
     extra_eos_token: Optional[List[str]] = typer.Option(
-        None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."),
-    draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
+        None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."
+    ),
+    draft_quantize: Optional[int] = typer.Option(
+        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
+    ),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."
+    ),
     pipeline: bool = typer.Option(
-        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run "
-                                  "(one contiguous stage each, balanced by weight bytes); rank 0 prints."),
+        False,
+        "--pipeline",
+        help="Split the target's layers across the processes of an `mlx.launch` run "
+        "(one contiguous stage each, balanced by weight bytes); rank 0 prints.",
+    ),
     pipeline_timeout: float = typer.Option(
-        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
-                                         "a generation before ending every rank with an error."),
+        60.0,
+        "--pipeline-timeout",
+        help="With --pipeline: seconds a rank waits for the previous one during "
+        "a generation before ending every rank with an error.",
+    ),
     prompt_cache_file: Optional[Path] = typer.Option(
-        None, "--prompt-cache-file",
+        None,
+        "--prompt-cache-file",
         help="Prefix snapshots file (safetensors): restore the longest cached prefix of the prompt from it "
-             "if it exists, and save the snapshots of this run to it afterwards."),
+        "if it exists, and save the snapshots of this run to it afterwards.",
+    ),
     prompt_cache_bytes: Optional[int] = typer.Option(
-        None, "--prompt-cache-bytes",
-        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+        None,
+        "--prompt-cache-bytes",
+        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory).",
+    ),
     gen=None,
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
@@ -276,8 +372,14 @@ def generate(
         from .distributed import load as load_stage  # noqa: F811 (rank 0 drives the pipeline)
         from .distributed import stream_generate
 
-        stage = load_stage(_local(model), _local(draft), dtype=_dtype(dtype), draft_quantize=draft_quantize,
-                           timeout=pipeline_timeout, compile=compile_)
+        stage = load_stage(
+            _local(model),
+            _local(draft),
+            dtype=_dtype(dtype),
+            draft_quantize=draft_quantize,
+            timeout=pipeline_timeout,
+            compile=compile_,
+        )
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
             return
@@ -287,8 +389,11 @@ def generate(
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
     template_kwargs = _template_config(chat_template_config)
-    engine = stage.engine if stage is not None else load(model, draft, dtype=_dtype(dtype),
-                                                         draft_quantize=draft_quantize, compile=compile_)
+    engine = (
+        stage.engine
+        if stage is not None
+        else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_)
+    )
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
     for tok in extra_eos_token or ():
@@ -300,8 +405,15 @@ def generate(
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats = None
-    for r in stream_generate(engine, text, config=gen, chat_template=chat_template, system=system,
-                             chat_template_config=template_kwargs, prefix_cache=pc):
+    for r in stream_generate(
+        engine,
+        text,
+        config=gen,
+        chat_template=chat_template,
+        system=system,
+        chat_template_config=template_kwargs,
+        prefix_cache=pc,
+    ):
         sys.stdout.write(r.text)
         sys.stdout.flush()
         stats = r.stats
@@ -329,20 +441,30 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 @generation_options("max_tokens", "block_size", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512)
 def chat(
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."),
+        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."
+    ),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
-                                    "with the embedded target."),
+        None,
+        "--draft",
+        "-d",
+        help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft with the embedded target.",
+    ),
     system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
-        None, "--chat-template-config",
-        help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.'),
+        None,
+        "--chat-template-config",
+        help="JSON object of extra chat-template arguments, e.g. '{\"enable_thinking\": false}'.",
+    ),
     prompt_cache_file: Optional[Path] = typer.Option(
-        None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."),
+        None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."
+    ),
     prompt_cache_bytes: Optional[int] = typer.Option(
-        None, "--prompt-cache-bytes", help="Memory budget of the prefix cache in bytes (default: a quarter of device memory)."),
+        None,
+        "--prompt-cache-bytes",
+        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory).",
+    ),
     gen=None,
 ):
     """Chat in the terminal; each turn restores the conversation so far from the prefix cache.
@@ -356,8 +478,9 @@ def chat(
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
-    session = ChatSession(engine, system=system, prefix_cache=pc,
-                          chat_template_config=_template_config(chat_template_config))
+    session = ChatSession(
+        engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
+    )
     typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
     while True:
         try:
@@ -394,36 +517,55 @@ def chat(
         sys.stdout.flush()
         if stats is not None:
             s = stats
-            typer.echo(f"[{s.prompt_tokens} prompt tokens: {s.cached_tokens} cached, "
-                       f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_time * 1e3:.0f} ms | "
-                       f"{s.generated_tokens} generated, tau {s.tau:.2f}, {s.decode_tps:.1f} tok/s]", err=True)
+            typer.echo(
+                f"[{s.prompt_tokens} prompt tokens: {s.cached_tokens} cached, "
+                f"{s.prompt_tokens - s.cached_tokens} prefilled in {s.prefill_time * 1e3:.0f} ms | "
+                f"{s.generated_tokens} generated, tau {s.tau:.2f}, {s.decode_tps:.1f} tok/s]",
+                err=True,
+            )
 
 
 @app.command("train-draft")
 def train_draft_cmd(
-    model: Path = typer.Option(..., "--model", "-m", help="Target folder (or Hugging Face id) the draft is trained for."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."),
+    model: Path = typer.Option(
+        ..., "--model", "-m", help="Target folder (or Hugging Face id) the draft is trained for."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."
+    ),
     corpus: Optional[List[Path]] = typer.Option(
-        None, "--corpus", help="Text files, folders of them, or JSONL files (repeatable)."),
+        None, "--corpus", help="Text files, folders of them, or JSONL files (repeatable)."
+    ),
     generate_from: Optional[Path] = typer.Option(
-        None, "--generate-from", help="Prompt file (one per line, or JSONL): train on the target's own "
-                                      "greedy continuations of these prompts (drafts learn best on them)."),
+        None,
+        "--generate-from",
+        help="Prompt file (one per line, or JSONL): train on the target's own "
+        "greedy continuations of these prompts (drafts learn best on them).",
+    ),
     text_field: str = typer.Option("text", "--text-field", help="JSONL field holding the text."),
     feature_cache: Optional[Path] = typer.Option(
-        None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."),
+        None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint (weights, optimizer, step)."),
     block_size: int = typer.Option(16, "--block-size", "-b", help="Draft block size (anchor + B-1 masks)."),
     layers: int = typer.Option(2, "--layers", help="Draft transformer layers."),
     target_layer_ids: Optional[str] = typer.Option(
-        None, "--target-layer-ids", help="Comma list of target layers to read features from "
-                                         "(default: z-lab's spread for the number of draft layers)."),
+        None,
+        "--target-layer-ids",
+        help="Comma list of target layers to read features from "
+        "(default: z-lab's spread for the number of draft layers).",
+    ),
     mask_token_id: Optional[int] = typer.Option(
-        None, "--mask-token-id", help="Mask token (default: <|mask|> if in the vocab, else the last id)."),
+        None, "--mask-token-id", help="Mask token (default: <|mask|> if in the vocab, else the last id)."
+    ),
     seq_len: int = typer.Option(256, "--seq-len", help="Tokens per training sequence."),
     context_window: Optional[int] = typer.Option(
-        None, "--context-window", help="Context positions a block attends to, in training and at inference "
-                                      "(a sliding window on every draft layer). Default: --seq-len, the longest "
-                                      "context training shows; 0 = unlimited."),
+        None,
+        "--context-window",
+        help="Context positions a block attends to, in training and at inference "
+        "(a sliding window on every draft layer). Default: --seq-len, the longest "
+        "context training shows; 0 = unlimited.",
+    ),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per step."),
     blocks_per_seq: int = typer.Option(8, "--blocks-per-seq", help="Anchored blocks per sequence per step."),
     steps: int = typer.Option(1000, "--steps", help="Optimizer steps."),
@@ -433,18 +575,28 @@ def train_draft_cmd(
     grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the global gradient norm to this."),
     gamma: float = typer.Option(7.0, "--gamma", help="Slot k's loss weight is exp(-(k-1)/gamma)."),
     gen_tokens: int = typer.Option(192, "--gen-tokens", help="Continuation length with --generate-from."),
-    checkpoint_every: int = typer.Option(200, "--checkpoint-every", help="Save a checkpoint every N steps (0 = never)."),
-    init: str = typer.Option("target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."),
+    checkpoint_every: int = typer.Option(
+        200, "--checkpoint-every", help="Save a checkpoint every N steps (0 = never)."
+    ),
+    init: str = typer.Option(
+        "target", "--init", help="'target': copy a target attention layer where shapes fit; 'random'."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed for initialisation and anchor sampling."),
     log_every: int = typer.Option(10, "--log-every", help="Progress line every N steps."),
-    arch: str = typer.Option("dflash", "--arch", help="'dflash' (v1) or 'dflash2' (block convolutions and a "
-                                                      "candidate selector; also trains the selector)."),
+    arch: str = typer.Option(
+        "dflash",
+        "--arch",
+        help="'dflash' (v1) or 'dflash2' (block convolutions and a candidate selector; also trains the selector).",
+    ),
     selector_rank: int = typer.Option(32, "--selector-rank", help="DFlash 2: rank of the selector's codebooks."),
     selector_top_k: int = typer.Option(8, "--selector-top-k", help="DFlash 2: candidates per slot the selector ranks."),
     conv_kernel_size: int = typer.Option(2, "--conv-kernel-size", help="DFlash 2: taps of the block convolutions."),
     conv_group_size: Optional[int] = typer.Option(
-        None, "--conv-group-size", help="DFlash 2: channels sharing one dynamic coefficient "
-                                        "(default: 64 when it divides the hidden size, else the hidden size)."),
+        None,
+        "--conv-group-size",
+        help="DFlash 2: channels sharing one dynamic coefficient "
+        "(default: 64 when it divides the hidden size, else the hidden size).",
+    ),
 ):
     """Train a DFlash v1 or DFlash 2 draft for a target (corpus or the target's own outputs)."""
     from .train import TrainConfig, train_draft
@@ -460,53 +612,109 @@ def train_draft_cmd(
     if lr <= 0 or gamma <= 0 or grad_clip <= 0:
         raise DFlashError("--lr, --gamma and --grad-clip must be positive")
     tc = TrainConfig(
-        block_size=block_size, num_layers=layers, target_layer_ids=ids, mask_token_id=mask_token_id,
-        seq_len=seq_len, context_window=context_window, batch_size=batch_size, blocks_per_seq=blocks_per_seq, steps=steps, lr=lr,
-        warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, gamma=gamma, gen_tokens=gen_tokens,
-        checkpoint_every=checkpoint_every, init=init, seed=seed, log_every=max(log_every, 1),
-        arch=arch, selector_rank=selector_rank, selector_top_k=selector_top_k,
-        conv_kernel_size=conv_kernel_size, conv_group_size=conv_group_size,
+        block_size=block_size,
+        num_layers=layers,
+        target_layer_ids=ids,
+        mask_token_id=mask_token_id,
+        seq_len=seq_len,
+        context_window=context_window,
+        batch_size=batch_size,
+        blocks_per_seq=blocks_per_seq,
+        steps=steps,
+        lr=lr,
+        warmup=warmup,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        gamma=gamma,
+        gen_tokens=gen_tokens,
+        checkpoint_every=checkpoint_every,
+        init=init,
+        seed=seed,
+        log_every=max(log_every, 1),
+        arch=arch,
+        selector_rank=selector_rank,
+        selector_top_k=selector_top_k,
+        conv_kernel_size=conv_kernel_size,
+        conv_group_size=conv_group_size,
     )
-    summary = train_draft(_local(model), out, corpus=corpus or None, generate_from=generate_from,
-                          text_field=text_field, feature_cache=feature_cache, resume=resume, config=tc)
+    summary = train_draft(
+        _local(model),
+        out,
+        corpus=corpus or None,
+        generate_from=generate_from,
+        text_field=text_field,
+        feature_cache=feature_cache,
+        resume=resume,
+        config=tc,
+    )
     acc = summary["final_acc"] or []
-    typer.echo(f"wrote {out}: {summary['steps']} steps, final loss {summary['final_loss']:.3f}, "
-               f"mean per-slot accuracy {sum(acc) / max(len(acc), 1):.2f}")
+    typer.echo(
+        f"wrote {out}: {summary['steps']} steps, final loss {summary['final_loss']:.3f}, "
+        f"mean per-slot accuracy {sum(acc) / max(len(acc), 1):.2f}"
+    )
 
 
 @app.command()
 @generation_options("block_size", "tree_topk", "adaptive")
 def bench(
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder, GGUF or Hugging Face id (default: the embedded pair)."),
+        None, "--model", "-m", help="Target folder, GGUF or Hugging Face id (default: the embedded pair)."
+    ),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="Draft folder, GGUF or Hugging Face id (default: the embedded draft)."),
+        None, "--draft", "-d", help="Draft folder, GGUF or Hugging Face id (default: the embedded draft)."
+    ),
     prompts: Optional[Path] = typer.Option(
-        None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."),
+        None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."
+    ),
     max_tokens: List[int] = typer.Option([128, 512], "--max-tokens", "-n", help="Generation lengths (repeatable)."),
-    repeats: int = typer.Option(3, "--repeats", help="Timed runs per case after one warm-up: tok/s is the median run, a speedup the median of the per-repeat ratios to the reference."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template",
-                                       help="Wrap prompts in the tokenizer's chat template (when it has one)."),
+    repeats: int = typer.Option(
+        3,
+        "--repeats",
+        help="Timed runs per case after one warm-up: tok/s is the median run, a speedup the median of the per-repeat ratios to the reference.",
+    ),
+    chat_template: bool = typer.Option(
+        True,
+        "--chat-template/--no-chat-template",
+        help="Wrap prompts in the tokenizer's chat template (when it has one).",
+    ),
     out: Path = typer.Option(Path("bench/results"), "--out", help="Folder for NAME.json, NAME.md and NAME.png."),
     name: str = typer.Option("bench", "--name", help="Base name of the result files."),
-    blas_mode: str = typer.Option("auto", "--blas", help="Linux: 'auto' preloads OpenBLAS when installed, "
-                                                         "'openblas' requires it, 'bundled' keeps mlx's reference BLAS."),
+    blas_mode: str = typer.Option(
+        "auto",
+        "--blas",
+        help="Linux: 'auto' preloads OpenBLAS when installed, "
+        "'openblas' requires it, 'bundled' keeps mlx's reference BLAS.",
+    ),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
-    tree_budget: int = typer.Option(0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."),
+    tree_budget: int = typer.Option(
+        0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."
+    ),
     context: Optional[List[int]] = typer.Option(
-        None, "--context", help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
-                                "tokens of Python's argparse.py that end where the longest row ends, so every row "
-                                "continues the same text), generating the first --max-tokens."),
+        None,
+        "--context",
+        help="Also bench a prompt of this many tokens (repeatable: a context-length axis; "
+        "tokens of Python's argparse.py that end where the longest row ends, so every row "
+        "continues the same text), generating the first --max-tokens.",
+    ),
     pipeline: bool = typer.Option(
-        False, "--pipeline", help="Run under `mlx.launch`, the target split across its processes "
-                                  "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results."),
+        False,
+        "--pipeline",
+        help="Run under `mlx.launch`, the target split across its processes "
+        "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results.",
+    ),
     pipeline_timeout: float = typer.Option(
-        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
-                                         "a generation before ending every rank with an error."),
+        60.0,
+        "--pipeline-timeout",
+        help="With --pipeline: seconds a rank waits for the previous one during "
+        "a generation before ending every rank with an error.",
+    ),
     draft2: Optional[Path] = typer.Option(
-        None, "--draft2", help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
-                               "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side."),
+        None,
+        "--draft2",
+        help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
+        "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side.",
+    ),
     gen=None,
 ):
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
@@ -527,8 +735,9 @@ def bench(
     if pipeline:
         from .distributed import load as load_stage
 
-        stage = load_stage(_local(model), _local(draft), dtype=_dtype(dtype), timeout=pipeline_timeout,
-                           compile=compile_)
+        stage = load_stage(
+            _local(model), _local(draft), dtype=_dtype(dtype), timeout=pipeline_timeout, compile=compile_
+        )
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 is done
             return
@@ -544,13 +753,27 @@ def bench(
         from .loading import load_draft
 
         # as load() does for the first: the embedded pair runs in float32
-        second = load_draft(_local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None))
+        second = load_draft(
+            _local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None)
+        )
         second.compiled = compile_
         gen.validate(second)
-    res = run_bench(engine, texts, max_tokens=max_tokens, repeats=repeats, block_size=gen.block_size,
-                    chat_template=chat_template, tree_budget=tree_budget, tree_topk=gen.tree_topk,
-                    log=lambda s: typer.echo(s, err=True), pipeline=pipeline, draft2=second, draft2_path=draft2,
-                    contexts=context or (), adaptive=gen.adaptive)
+    res = run_bench(
+        engine,
+        texts,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        block_size=gen.block_size,
+        chat_template=chat_template,
+        tree_budget=tree_budget,
+        tree_topk=gen.tree_topk,
+        log=lambda s: typer.echo(s, err=True),
+        pipeline=pipeline,
+        draft2=second,
+        draft2_path=draft2,
+        contexts=context or (),
+        adaptive=gen.adaptive,
+    )
     for p in write_results(res, out, name):
         typer.echo(f"wrote {p}")
 
@@ -558,18 +781,26 @@ def bench(
 @app.command()
 def convert(
     gguf_file: Path = typer.Argument(
-        ..., help="A qwen35 / qwen35moe GGUF file (llama.cpp), or a Hugging Face GGUF repo's file "
-                  "(org/name:QUANT or org/name/FILE.gguf)."),
+        ...,
+        help="A qwen35 / qwen35moe GGUF file (llama.cpp), or a Hugging Face GGUF repo's file "
+        "(org/name:QUANT or org/name/FILE.gguf).",
+    ),
     out: Path = typer.Argument(..., help="Output MLX folder (safetensors, config.json, tokenizer, chat template)."),
     keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float."),
     bits: Optional[List[str]] = typer.Option(
-        None, "--bits", help="Requantize one source type to other MLX bits, e.g. --bits Q6_K=4 (repeatable). "
-                             "Default: each type's own form, group 32: Q8_0 8-bit, Q4_0/Q4_1/Q4_K 4-bit, "
-                             "Q5_* 5-bit exactly; Q6_K, Q3_K, Q2_K, IQ* 8-bit; MXFP4 mxfp4 (docs/gguf.md)."),
+        None,
+        "--bits",
+        help="Requantize one source type to other MLX bits, e.g. --bits Q6_K=4 (repeatable). "
+        "Default: each type's own form, group 32: Q8_0 8-bit, Q4_0/Q4_1/Q4_K 4-bit, "
+        "Q5_* 5-bit exactly; Q6_K, Q3_K, Q2_K, IQ* 8-bit; MXFP4 mxfp4 (docs/gguf.md).",
+    ),
     dtype: Optional[str] = typer.Option(
-        None, "--dtype", help="Float type of unquantized weights and of scales that it holds exactly (default: "
-                              "float32 for K-quant files, whose scales need it; else the file's half type, "
-                              "float16 for Q8_0/Q4_0-style files, float32 for all-F32 files)."),
+        None,
+        "--dtype",
+        help="Float type of unquantized weights and of scales that it holds exactly (default: "
+        "float32 for K-quant files, whose scales need it; else the file's half type, "
+        "float16 for Q8_0/Q4_0-style files, float32 for all-F32 files).",
+    ),
 ):
     """Convert a GGUF target to an MLX folder once, so later loads skip the slow decode.
 
@@ -595,25 +826,33 @@ def convert(
     tic = time.perf_counter()
     gguf_file = _local(gguf_file)
     tok_dir = tokenizer_dir_for(gguf_file)
-    target, cfg = load_gguf_target(gguf_file, keep_precision=keep_precision, bits=bmap or None,
-                                   dtype=_dtype(dtype), progress=True)
+    target, cfg = load_gguf_target(
+        gguf_file, keep_precision=keep_precision, bits=bmap or None, dtype=_dtype(dtype), progress=True
+    )
     save_model(out, target.model)
     save_config(cfg, out / "config.json")
     load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
-    typer.echo(f"wrote {out} ({cfg['torch_dtype']}"
-               + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")
-               + f") in {time.perf_counter() - tic:.1f}s")
+    typer.echo(
+        f"wrote {out} ({cfg['torch_dtype']}"
+        + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")
+        + f") in {time.perf_counter() - tic:.1f}s"
+    )
 
 
 @app.command()
 def info(
     path: Path = typer.Argument(
-        ..., help="A target or draft folder, a GGUF file (target or draft), or " + HUB_IDS + "."),
+        ..., help="A target or draft folder, a GGUF file (target or draft), or " + HUB_IDS + "."
+    ),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="Also check whether this draft (folder, GGUF or Hugging Face id) fits the target."),
+        None, "--draft", "-d", help="Also check whether this draft (folder, GGUF or Hugging Face id) fits the target."
+    ),
     stages: int = typer.Option(
-        0, "--stages", help="Also show how --pipeline would split the target over this many processes "
-                            "(layers and bytes per rank; nothing is loaded)."),
+        0,
+        "--stages",
+        help="Also show how --pipeline would split the target over this many processes "
+        "(layers and bytes per rank; nothing is loaded).",
+    ),
 ):
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
@@ -629,45 +868,74 @@ def info(
 
 
 @app.command()
-@generation_options("max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk",
-                    max_tokens=512)
+@generation_options("max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk", max_tokens=512)
 def serve(
     model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair "
-                                    "shipped with the package."),
+        None,
+        "--model",
+        "-m",
+        help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair shipped with the package.",
+    ),
     draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
-                                    "with the embedded target; none (plain decoding) with another --model."),
+        None,
+        "--draft",
+        "-d",
+        help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
+        "with the embedded target; none (plain decoding) with another --model.",
+    ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback unless told otherwise."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: Optional[str] = typer.Option(
-        None, "--api-key", help="Require this key on every endpoint but /health "
-                                "('Authorization: Bearer KEY' or 'x-api-key: KEY')."),
+        None,
+        "--api-key",
+        help="Require this key on every endpoint but /health ('Authorization: Bearer KEY' or 'x-api-key: KEY').",
+    ),
     model_name: Optional[str] = typer.Option(
-        None, "--model-name", help="Model id clients send and /v1/models lists (default: the --model "
-                                   "argument, or 'mlx-dflash' for the embedded pair)."),
-    draft_quantize: Optional[int] = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."),
+        None,
+        "--model-name",
+        help="Model id clients send and /v1/models lists (default: the --model "
+        "argument, or 'mlx-dflash' for the embedded pair).",
+    ),
+    draft_quantize: Optional[int] = typer.Option(
+        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
+    ),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
     timeout: float = typer.Option(
-        600.0, "--timeout", help="Seconds a request may take from arrival (queue + generation) before it is stopped."),
-    max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body accepted, in MiB (else HTTP 413)."),
+        600.0, "--timeout", help="Seconds a request may take from arrival (queue + generation) before it is stopped."
+    ),
+    max_body_mb: float = typer.Option(
+        32.0, "--max-body-mb", help="Largest request body accepted, in MiB (else HTTP 413)."
+    ),
     chat_template_args: Optional[str] = typer.Option(
-        None, "--chat-template-args", help='JSON keyword arguments for the chat template, e.g. \'{"enable_thinking": false}\'; '
-                                          "a request's chat_template_kwargs override them."),
+        None,
+        "--chat-template-args",
+        help="JSON keyword arguments for the chat template, e.g. '{\"enable_thinking\": false}'; "
+        "a request's chat_template_kwargs override them.",
+    ),
     prompt_cache_bytes: Optional[int] = typer.Option(
-        None, "--prompt-cache-bytes", help="Memory budget of the shared prefix cache in bytes "
-                                           "(default: the prefix cache's own, a quarter of device memory)."),
+        None,
+        "--prompt-cache-bytes",
+        help="Memory budget of the shared prefix cache in bytes "
+        "(default: the prefix cache's own, a quarter of device memory).",
+    ),
     no_prompt_cache: bool = typer.Option(
-        False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."),
+        False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."
+    ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
     pipeline: bool = typer.Option(
-        False, "--pipeline", help="Split the target's layers across the processes of an `mlx.launch` run; "
-                                  "rank 0 serves HTTP, the other ranks run their stages (no prefix cache)."),
+        False,
+        "--pipeline",
+        help="Split the target's layers across the processes of an `mlx.launch` run; "
+        "rank 0 serves HTTP, the other ranks run their stages (no prefix cache).",
+    ),
     pipeline_timeout: float = typer.Option(
-        60.0, "--pipeline-timeout", help="With --pipeline: seconds a rank waits for the previous one during "
-                                         "a generation before ending every rank with an error."),
+        60.0,
+        "--pipeline-timeout",
+        help="With --pipeline: seconds a rank waits for the previous one during "
+        "a generation before ending every rank with an error.",
+    ),
     gen=None,
 ):
     """Serve the model over HTTP: OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic (/v1/messages) APIs.
@@ -695,9 +963,15 @@ def serve(
         raise DFlashError("--chat-template-args must be a JSON object")
     mid, aliases = model_names(model)
     settings = Settings(
-        model_id=model_name or mid, aliases=aliases if model_name is None else (mid, *aliases),
-        api_key=api_key, max_body_bytes=int(max_body_mb * 1024 * 1024), max_queue=max_queue,
-        timeout=timeout, generation=gen, chat_template_args=template_args, prompt_cache=not no_prompt_cache and not pipeline,
+        model_id=model_name or mid,
+        aliases=aliases if model_name is None else (mid, *aliases),
+        api_key=api_key,
+        max_body_bytes=int(max_body_mb * 1024 * 1024),
+        max_queue=max_queue,
+        timeout=timeout,
+        generation=gen,
+        chat_template_args=template_args,
+        prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
     )
     dt = _dtype(dtype)
@@ -708,14 +982,21 @@ def serve(
         from .distributed import load as load_stage
         from .distributed import stream_generate as pipe_generate
 
-        stage = load_stage(_local(model), _local(draft), dtype=dt, draft_quantize=draft_quantize,
-                           timeout=pipeline_timeout, compile=compile_)
+        stage = load_stage(
+            _local(model),
+            _local(draft),
+            dtype=dt,
+            draft_quantize=draft_quantize,
+            timeout=pipeline_timeout,
+            compile=compile_,
+        )
         if stage.rank != 0:
             stage.serve()  # this rank's layers, until rank 0 shuts down
             return
         if not no_prompt_cache:
-            typer.echo("mlx-dflash: --pipeline: prefix cache off (each rank holds only its own layers' state)",
-                       err=True)
+            typer.echo(
+                "mlx-dflash: --pipeline: prefix cache off (each rank holds only its own layers' state)", err=True
+            )
 
         def generate_fn(engine, prompt, **kwargs):
             # A lost rank leaves the ring unusable: end the server (like the watchdog) rather than fail requests.
@@ -743,8 +1024,11 @@ def serve(
         signal.signal(signal.SIGTERM, stop)
 
     def load_engine():
-        engine = stage.engine if stage is not None else load(model, draft, dtype=dt, draft_quantize=draft_quantize,
-                                                             compile=compile_)
+        engine = (
+            stage.engine
+            if stage is not None
+            else load(model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_)
+        )
         _say_draft_hint(engine)
         gen.validate(engine.draft)
         return engine

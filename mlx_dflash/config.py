@@ -13,8 +13,17 @@ from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
 
 NOT_LOADED = object()  # validate() before the engine is loaded
 # The fields a server request may set (by the same name in its body).
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "min_tokens_to_keep", "repetition_penalty",
-            "repetition_context_size", "seed", "accept_rule")
+SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens_to_keep",
+    "repetition_penalty",
+    "repetition_context_size",
+    "seed",
+    "accept_rule",
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,16 @@ class GenerationConfig:
         """The sampler these options describe. Greedy needs no seed: none is drawn
         (drawing one would move MLX's global random state)."""
         seed = 0 if self.seed is None and self.temperature == 0 else self.seed
-        return Sampler(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-                       self.repetition_context_size, seed, min_tokens_to_keep=self.min_tokens_to_keep)
+        return Sampler(
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.repetition_penalty,
+            self.repetition_context_size,
+            seed,
+            min_tokens_to_keep=self.min_tokens_to_keep,
+        )
 
     def validate(self, draft=NOT_LOADED) -> None:
         """Every check of these options, raising :class:`DFlashError` naming the cause.
@@ -86,24 +103,30 @@ class GenerationConfig:
         """
         from .cache import check_kv_bits
 
-        Sampler.check(self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty,
-                      self.repetition_context_size, self.min_tokens_to_keep)
+        Sampler.check(
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.repetition_penalty,
+            self.repetition_context_size,
+            self.min_tokens_to_keep,
+        )
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")
         if self.prefill_chunk < 1:
             raise DFlashError(f"prefill chunk must be positive, got {self.prefill_chunk}")
         if self.accept_rule not in ACCEPT_RULES:
-            raise DFlashError(
-                f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}")
+            raise DFlashError(f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}")
         check_kv_bits(self.kv_bits)
         if self.tree_budget < 0 or self.auto_tree < 0:
-            raise DFlashError(f"--tree-budget and --auto-tree must be >= 0, got {self.tree_budget} and "
-                              f"{self.auto_tree}")
+            raise DFlashError(
+                f"--tree-budget and --auto-tree must be >= 0, got {self.tree_budget} and {self.auto_tree}"
+            )
         if self.tree_topk < 1:
             raise DFlashError(f"--tree-topk must be >= 1, got {self.tree_topk}")
         if self.auto_tree and self.tree_budget:
-            raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), "
-                              "not both")
+            raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
         if self.draft_window is not None and min(self.draft_window) < 0:
             raise DFlashError("--draft-window and --draft-sink must be >= 0")
         if self.max_context is not None and self.max_context < 2:

@@ -97,11 +97,16 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d.update(tau=self.tau, prefill_tps=self.prefill_tps, decode_tps=self.decode_tps,
-                 other_time=self.other_time, depth_acceptance=self.depth_acceptance, widths=self.widths,
-                 mean_tree_size=self.mean_tree_size)
+        d.update(
+            tau=self.tau,
+            prefill_tps=self.prefill_tps,
+            decode_tps=self.decode_tps,
+            other_time=self.other_time,
+            depth_acceptance=self.depth_acceptance,
+            widths=self.widths,
+            mean_tree_size=self.mean_tree_size,
+        )
         return d
-
 
 
 def greedy(logits: mx.array) -> mx.array:
@@ -150,9 +155,23 @@ class Decoder:
     and the phases of a cycle. The anchor is the last committed token; it is
     not in the target cache yet and sits at position ``pos``."""
 
-    def __init__(self, target, cache, draft, dcache, sampler: Sampler, stats: GenerationStats,
-                 eos, max_tokens: int, max_context: int, profile: bool, acceptance, tree_topk: int,
-                 spec: bool = False, spec_rule=speculative_rule):
+    def __init__(
+        self,
+        target,
+        cache,
+        draft,
+        dcache,
+        sampler: Sampler,
+        stats: GenerationStats,
+        eos,
+        max_tokens: int,
+        max_context: int,
+        profile: bool,
+        acceptance,
+        tree_topk: int,
+        spec: bool = False,
+        spec_rule=speculative_rule,
+    ):
         self.target, self.cache, self.draft, self.dcache = target, cache, draft, dcache
         self.sampler, self.stats, self.eos = sampler, stats, eos
         self.max_tokens, self.max_context = max_tokens, max_context
@@ -224,8 +243,9 @@ class Decoder:
         B = plan.block if plan.tree else max(plan.block, plan.width)
         if plan.tree:
             return Proposal(plan, logits=self.draft(self.draft_context(), self.anchor, self.pos, B, self.dcache))
-        drafted, q = draft_propose(self.draft, self.draft_context(), self.anchor, self.pos, B, self.dcache,
-                                   self.sampler, sample=self.spec)
+        drafted, q = draft_propose(
+            self.draft, self.draft_context(), self.anchor, self.pos, B, self.dcache, self.sampler, sample=self.spec
+        )
         if B > plan.width:  # drafted from the full block, verified up to the width
             drafted = drafted[: plan.width - 1]
             q = q[: plan.width - 1] if q is not None else None
@@ -261,8 +281,9 @@ class Decoder:
             anchor = mx.array([self.anchor], dtype=mx.int32)
             block_in = anchor if prop.drafted is None else mx.concatenate([anchor, prop.drafted])
             depths = range(prop.width)
-        vlogits, vfeats = self.target.forward(block_in, self.cache, capture=self.capture,
-                                              record=prop.width > 1, parents=parents)
+        vlogits, vfeats = self.target.forward(
+            block_in, self.cache, capture=self.capture, record=prop.width > 1, parents=parents
+        )
         positions = [self.pos + 1 + d for d in depths]
         drafted = None
         contexts = None
@@ -270,15 +291,19 @@ class Decoder:
             # Each row's penalty context includes the drafts before it: read them first.
             drafted = prop.drafted.tolist() if prop.drafted is not None else []
             block = tree.tokens if tree is not None else [self.anchor] + drafted
-            rows = ([ddtree.path_rows(parents, i) for i in range(len(block))] if tree is not None
-                    else [list(range(i + 1)) for i in range(len(block))])
-            tail = self.history[-self.sampler.repetition_context_size:]
+            rows = (
+                [ddtree.path_rows(parents, i) for i in range(len(block))]
+                if tree is not None
+                else [list(range(i + 1)) for i in range(len(block))]
+            )
+            tail = self.history[-self.sampler.repetition_context_size :]
             contexts = [tail + [block[j] for j in r[1:]] for r in rows]
         picks = self.sampler(vlogits, positions, contexts)
         kept = None
         if prop.q is not None:
-            kept, picks = self.spec_rule(self.sampler.probs(vlogits, contexts), prop.q, prop.drafted, picks,
-                                         self.sampler.seed, positions)
+            kept, picks = self.spec_rule(
+                self.sampler.probs(vlogits, contexts), prop.q, prop.drafted, picks, self.sampler.seed, positions
+            )
         if drafted is None and prop.drafted is not None:
             mx.eval(picks, prop.drafted, *(() if kept is None else (kept,)))  # the one host sync of a cycle
             drafted = prop.drafted.tolist()
@@ -414,14 +439,34 @@ def generate_tokens(
     longest cached prefix of the prompt from and to snapshot into
     (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
     """
-    yield from _generate_tokens(target, prompt, config, draft=draft, eos_token_ids=eos_token_ids, stats=stats,
-                                cache=cache, prefix_cache=prefix_cache, prefix_boundary=prefix_boundary,
-                                **options)
+    yield from _generate_tokens(
+        target,
+        prompt,
+        config,
+        draft=draft,
+        eos_token_ids=eos_token_ids,
+        stats=stats,
+        cache=cache,
+        prefix_cache=prefix_cache,
+        prefix_boundary=prefix_boundary,
+        **options,
+    )
 
 
-def _generate_tokens(target, prompt, config=None, *, hooks: Optional[Hooks] = None, draft=None,
-                     eos_token_ids=(), stats=None, cache=None, prefix_cache=None, prefix_boundary=None,
-                     **options) -> Iterator[List[int]]:
+def _generate_tokens(
+    target,
+    prompt,
+    config=None,
+    *,
+    hooks: Optional[Hooks] = None,
+    draft=None,
+    eos_token_ids=(),
+    stats=None,
+    cache=None,
+    prefix_cache=None,
+    prefix_boundary=None,
+    **options,
+) -> Iterator[List[int]]:
     """:func:`generate_tokens` with ``hooks`` (tests call this directly)."""
     c = GenerationConfig.build(config, **options)
     hooks = hooks or Hooks()
@@ -437,9 +482,7 @@ def _generate_tokens(target, prompt, config=None, *, hooks: Optional[Hooks] = No
     if not prompt:
         raise DFlashError("empty prompt: give at least one token")
     if len(prompt) >= max_context:
-        raise DFlashError(
-            f"prompt has {len(prompt)} tokens; the context limit is {max_context}"
-        )
+        raise DFlashError(f"prompt has {len(prompt)} tokens; the context limit is {max_context}")
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))
@@ -474,22 +517,43 @@ def _generate_tokens(target, prompt, config=None, *, hooks: Optional[Hooks] = No
     mx.reset_peak_memory()
 
     dcache = draft.make_cache(c.draft_window) if draft is not None else None
-    d = Decoder(target, cache, draft, dcache, sampler, stats, set(eos_token_ids), max_tokens, max_context,
-                c.profile, hooks.acceptance, c.tree_topk, spec, hooks.spec_rule)
+    d = Decoder(
+        target,
+        cache,
+        draft,
+        dcache,
+        sampler,
+        stats,
+        set(eos_token_ids),
+        max_tokens,
+        max_context,
+        c.profile,
+        hooks.acceptance,
+        c.tree_topk,
+        spec,
+        hooks.spec_rule,
+    )
     d.history = list(prompt)
     tic = time.perf_counter()
     prefix_run = None
     if prefix_cache is not None:
         # The draft consumes the prompt's features during this prefill.
         logits, prefix_run = prefix_cache.prefill(
-            target, prompt, cache, draft=draft, dcache=dcache, capture=d.capture,
-            chunk_size=c.prefill_chunk, boundary=prefix_boundary, stats=stats)
+            target,
+            prompt,
+            cache,
+            draft=draft,
+            dcache=dcache,
+            capture=d.capture,
+            chunk_size=c.prefill_chunk,
+            boundary=prefix_boundary,
+            stats=stats,
+        )
     else:
         # Features only of the rows the draft's window will read.
         skip = getattr(dcache, "skip", None)
         first = skip(len(prompt)) if skip is not None else 0
-        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=c.prefill_chunk,
-                                       capture_from=first)
+        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=c.prefill_chunk, capture_from=first)
         d.add_features(feats)
     d.anchor = int(sampler(logits, [len(prompt)], [d.history] if sampler.needs_context else None)[0].item())
     stats.prefill_time = time.perf_counter() - tic

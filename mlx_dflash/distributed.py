@@ -176,7 +176,8 @@ class Link:
             if w is not None and time.monotonic() > w[1]:
                 sys.stderr.write(
                     f"error: rank {self.rank}: no message from rank {w[0]} for {self.timeout:g} s "
-                    "(a rank is stuck or the link dropped); ending this rank\n")
+                    "(a rank is stuck or the link dropped); ending this rank\n"
+                )
                 sys.stderr.flush()
                 os._exit(2)
 
@@ -186,8 +187,9 @@ class Link:
             mx.eval(*arrays)
         except RuntimeError as e:
             self.broken = True
-            raise DFlashError(f"rank {self.rank}: lost the link to rank {src} ({e}); "
-                              "a rank died or the network dropped") from None
+            raise DFlashError(
+                f"rank {self.rank}: lost the link to rank {src} ({e}); a rank died or the network dropped"
+            ) from None
         finally:
             self._waiting = None
 
@@ -241,6 +243,7 @@ def _dtype_code(dt) -> int:
 
 # --- stages ------------------------------------------------------------------------
 
+
 class StageTarget(Target):
     """The layers [start, end) of a target (global layer ids), plus the
     embedding and/or final norm + head where this stage needs them."""
@@ -286,8 +289,9 @@ class StageTarget(Target):
     def make_cache(self) -> TargetCache:
         return TargetCache(self.is_linear)
 
-    def run_layers(self, h: mx.array, cache: TargetCache, capture: Sequence[int], record: bool,
-                   parents) -> Tuple[mx.array, Optional[mx.array]]:
+    def run_layers(
+        self, h: mx.array, cache: TargetCache, capture: Sequence[int], record: bool, parents
+    ) -> Tuple[mx.array, Optional[mx.array]]:
         """This stage's layers over h [1, T, H]; features of the capture layers it holds."""
         local = [i - self.start for i in capture if self.start <= i < self.end]
         tree = tree_inputs(parents) if parents is not None else None
@@ -365,8 +369,20 @@ class StageWorker:
                 # The meta goes on unchanged (the later stages apply the same
                 # operations), except back to rank 0, which sent it.
                 last = self.link.next == 0
-                self.link.send([op, T, 0 if last else n_meta, out.shape[-1], _dtype_code(out.dtype),
-                                0 if last else n_pre, n_cap, flags], None if last else meta, out)
+                self.link.send(
+                    [
+                        op,
+                        T,
+                        0 if last else n_meta,
+                        out.shape[-1],
+                        _dtype_code(out.dtype),
+                        0 if last else n_pre,
+                        n_cap,
+                        flags,
+                    ],
+                    None if last else meta,
+                    out,
+                )
                 b = self.busy.setdefault(T, [0, 0.0])
                 b[0] += 1
                 b[1] += time.perf_counter() - tic
@@ -374,8 +390,9 @@ class StageWorker:
                 if op == OP_SYNC:
                     self.in_generation = False
                 last = self.link.next == 0
-                self.link.send([op, 0, 0 if last else n_meta, 0, 0, 0 if last else n_pre, 0, 0],
-                               None if last else meta, None)
+                self.link.send(
+                    [op, 0, 0 if last else n_meta, 0, 0, 0 if last else n_pre, 0, 0], None if last else meta, None
+                )
                 if op == OP_STOP:
                     return
 
@@ -438,8 +455,16 @@ class PipelineTarget(StageTarget):
             raise DFlashError("rank 0 holds no embedding (it loads one only with a draft)")
         return self.embed_tokens(tokens)
 
-    def forward(self, tokens, cache: PipelineCache, *, capture: Sequence[int] = (), record: bool = False,
-                logits: str = "all", parents: Optional[Sequence[int]] = None):
+    def forward(
+        self,
+        tokens,
+        cache: PipelineCache,
+        *,
+        capture: Sequence[int] = (),
+        record: bool = False,
+        logits: str = "all",
+        parents: Optional[Sequence[int]] = None,
+    ):
         """As :meth:`Target.forward`, the earlier layers run by the other ranks."""
         if not isinstance(cache, PipelineCache):
             raise DFlashError("a pipeline target needs its own cache (make_cache)")
@@ -500,6 +525,7 @@ class PipelineTarget(StageTarget):
 
 
 # --- loading ---------------------------------------------------------------------
+
 
 @dataclass
 class Stage:
@@ -573,13 +599,19 @@ class StagePlan:
             return f"{b / 1e9:.2f} GB" if b >= 1e9 else f"{b / 1e6:.1f} MB"
 
         n = len(self.bounds)
-        lines = [f"pipeline over {n} ranks: {len(self.costs.layers)} layers, "
-                 f"{size(self.costs.total + self.draft_bytes)} on disk"]
+        lines = [
+            f"pipeline over {n} ranks: {len(self.costs.layers)} layers, "
+            f"{size(self.costs.total + self.draft_bytes)} on disk"
+        ]
         for s, ((a, b), share) in enumerate(zip(self.bounds, self.shares)):
-            extra = (["embedding"] if s == 0 else []) + \
-                (["norm", "head"] + (["draft", "embedding copy"] if self.draft_bytes else []) if s == n - 1 else [])
-            lines.append(f"  rank {n - 1 - s}: layers {a}-{b - 1}" + (f" + {', '.join(extra)}" if extra else "")
-                         + f": {size(share)}")
+            extra = (["embedding"] if s == 0 else []) + (
+                ["norm", "head"] + (["draft", "embedding copy"] if self.draft_bytes else []) if s == n - 1 else []
+            )
+            lines.append(
+                f"  rank {n - 1 - s}: layers {a}-{b - 1}"
+                + (f" + {', '.join(extra)}" if extra else "")
+                + f": {size(share)}"
+            )
         return "\n".join(lines)
 
 
@@ -604,8 +636,9 @@ def plan(model, n: int, draft=None) -> StagePlan:
     draft_bytes = 0
     if draft is not None:
         p = Path(draft).expanduser()
-        draft_bytes = (sum(gguf_sizes(p).values()) if is_gguf(p)
-                       else sum(safetensors_sizes(p).values()) if p.is_dir() else 0)
+        draft_bytes = (
+            sum(gguf_sizes(p).values()) if is_gguf(p) else sum(safetensors_sizes(p).values()) if p.is_dir() else 0
+        )
     head = costs.norm + (costs.embed if tied else costs.head)
     last_extra = head + draft_bytes + (costs.embed if draft is not None and not tied else 0)
     bounds = plan_stages(costs.layers, n, first_extra=costs.embed, last_extra=last_extra)
@@ -624,13 +657,22 @@ def init_group(backend: str = "ring"):
     except RuntimeError as e:
         raise DFlashError(f"cannot join the distributed group: {e}") from None
     if group.size() < 2:
-        raise DFlashError("--pipeline needs 2 or more processes: run under "
-                          "`mlx.launch --backend ring -n N` or with a hostfile")
+        raise DFlashError(
+            "--pipeline needs 2 or more processes: run under `mlx.launch --backend ring -n N` or with a hostfile"
+        )
     return group
 
 
-def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = None,
-         group=None, timeout: float = 60.0, compile: bool = True) -> Stage:
+def load(
+    model=None,
+    draft=None,
+    *,
+    dtype=None,
+    draft_quantize: Optional[int] = None,
+    group=None,
+    timeout: float = 60.0,
+    compile: bool = True,
+) -> Stage:
     """Load this rank's stage of a pipeline-parallel target (call on every rank).
 
     The layers are split by :func:`plan_stages` on parameter bytes; each
@@ -661,6 +703,7 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     share = pl.shares[stage]
     embed = stage == 0 or (rank == 0 and (draft is not None or tied))
     if gguf:
+
         def owned(name: str) -> bool:
             m = _LAYER.search(name)
             if m is not None:
@@ -697,4 +740,3 @@ def load(model=None, draft=None, *, dtype=None, draft_quantize: Optional[int] = 
     st.engine = Engine(t, tok, d, Path(model), Path(draft) if draft else None)
     st.load_peak_memory = mx.get_peak_memory() / 1e9
     return st
-

@@ -40,16 +40,18 @@ def describe(path, draft: Optional[Path] = None) -> str:
         d = DraftConfig.from_dict(cfg)
         lines += [
             f"kind: {d.kind} draft",
-            f"layers: {d.num_hidden_layers} "
-            f"({', '.join(d.layer_types) if d.layer_types else 'all full attention'})",
+            f"layers: {d.num_hidden_layers} ({', '.join(d.layer_types) if d.layer_types else 'all full attention'})",
             f"hidden: {d.hidden_size}, heads {d.num_attention_heads}/{d.num_key_value_heads} x {d.head_dim}",
             f"block size: {d.block_size}, mask token: {d.mask_token_id}",
             f"target layer ids: {d.target_layer_ids} (for a {d.num_target_layers}-layer target)",
             f"size on disk: {_fmt_bytes(_size_on_disk(p))}",
         ]
         if d.is_v2:
-            lines.insert(-1, f"selector: top-{d.selector_top_k}, rank {d.selector_rank}; block convolutions: "
-                             f"{d.conv_kernel_size} taps, groups of {d.conv_group_size} channels")
+            lines.insert(
+                -1,
+                f"selector: top-{d.selector_top_k}, rank {d.selector_rank}; block convolutions: "
+                f"{d.conv_kernel_size} taps, groups of {d.conv_group_size} channels",
+            )
         if draft is not None:
             raise DFlashError("--draft goes with a target folder, not a draft folder")
         return "\n".join(lines)
@@ -81,8 +83,9 @@ def describe(path, draft: Optional[Path] = None) -> str:
     if draft is not None:
         try:
             d = load_draft(draft, target)
-            lines.append(f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, "
-                         f"target layers {d.target_layer_ids})")
+            lines.append(
+                f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
+            )
         except DFlashError as e:
             lines.append(f"draft {draft}: does NOT fit: {e}")
     return "\n".join(lines)
@@ -133,30 +136,41 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
         d = gguf_draft_config(reader)
         if draft is not None:
             raise DFlashError("--draft goes with a target, not a draft GGUF")
-        return "\n".join(head + [
-            "kind: DFlash v1 draft",
-            f"layers: {d['num_hidden_layers']}, hidden {d['hidden_size']}, heads "
-            f"{d['num_attention_heads']}/{d['num_key_value_heads']} x {d['head_dim']}",
-            f"block size: {d['block_size']}, mask token: {d['dflash_config']['mask_token_id']}",
-            f"target layer ids: {d['dflash_config']['target_layer_ids']}",
-        ] + tail)
+        return "\n".join(
+            head
+            + [
+                "kind: DFlash v1 draft",
+                f"layers: {d['num_hidden_layers']}, hidden {d['hidden_size']}, heads "
+                f"{d['num_attention_heads']}/{d['num_key_value_heads']} x {d['head_dim']}",
+                f"block size: {d['block_size']}, mask token: {d['dflash_config']['mask_token_id']}",
+                f"target layer ids: {d['dflash_config']['target_layer_ids']}",
+            ]
+            + tail
+        )
     cfg = gguf_config(reader)
     t = cfg["text_config"]
     n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
     moe = f", MoE {t['num_experts']} experts top-{t['num_experts_per_tok']}" if t.get("num_experts") else ""
     n_mtp = t.get("mtp_num_hidden_layers", 0)
-    lines = head + [
-        f"model: {cfg['model_type']}{moe}",
-        f"layers: {t['num_hidden_layers']} ({n_lin} Gated DeltaNet + {t['num_hidden_layers'] - n_lin} full attention)"
-        + (f" + {n_mtp} MTP (nextn) block(s), skipped at load: DFlash does not use them" if n_mtp else ""),
-        f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
-        f"DeltaNet heads: {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value",
-        f"loads as: {str(default_dtype(reader)).split('.')[-1]} (unquantized weights, scales, activations)",
-        "quantized as: " + ("; ".join(f"{k} -> {mlx_form(k)}" for k in sorted(types) if mlx_form(k) != "float")
-                            or "none (float file)"),
-        f"tokenizer: {field(reader, 'tokenizer.ggml.model')}, {len(field(reader, 'tokenizer.ggml.tokens') or [])} "
-        f"tokens, pre-tokenizer {field(reader, 'tokenizer.ggml.pre')}, stops on ids {eog_token_ids(reader)}",
-    ] + tail
+    lines = (
+        head
+        + [
+            f"model: {cfg['model_type']}{moe}",
+            f"layers: {t['num_hidden_layers']} ({n_lin} Gated DeltaNet + {t['num_hidden_layers'] - n_lin} full attention)"
+            + (f" + {n_mtp} MTP (nextn) block(s), skipped at load: DFlash does not use them" if n_mtp else ""),
+            f"hidden: {t['hidden_size']}, vocab {t['vocab_size']}, context {t['max_position_embeddings']}",
+            f"DeltaNet heads: {t['linear_num_key_heads']} key / {t['linear_num_value_heads']} value",
+            f"loads as: {str(default_dtype(reader)).split('.')[-1]} (unquantized weights, scales, activations)",
+            "quantized as: "
+            + (
+                "; ".join(f"{k} -> {mlx_form(k)}" for k in sorted(types) if mlx_form(k) != "float")
+                or "none (float file)"
+            ),
+            f"tokenizer: {field(reader, 'tokenizer.ggml.model')}, {len(field(reader, 'tokenizer.ggml.tokens') or [])} "
+            f"tokens, pre-tokenizer {field(reader, 'tokenizer.ggml.pre')}, stops on ids {eog_token_ids(reader)}",
+        ]
+        + tail
+    )
     if draft is not None:
         lines.append(_draft_fit(draft, lazy_target(cfg)))
     return "\n".join(lines)

@@ -37,6 +37,7 @@ FORMAT = 5  # bump when what is measured changes (2: context slopes; 3: at 2048 
 
 # --- where the curve is cached, and for what ------------------------------------
 
+
 def default_cache_dir() -> Path:
     """The per-user cache folder (XDG on Linux, ~/Library/Caches on macOS)."""
     if sys.platform == "darwin":
@@ -56,8 +57,14 @@ def machine_id() -> str:
             break
         except OSError:
             pass
-    parts = [mid or platform.node(), platform.machine(), platform.processor(), str(os.cpu_count()),
-             str(mx.default_device()), blas.describe()]
+    parts = [
+        mid or platform.node(),
+        platform.machine(),
+        platform.processor(),
+        str(os.cpu_count()),
+        str(mx.default_device()),
+        blas.describe(),
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -66,8 +73,7 @@ def _param_digest(module, h) -> None:
     for name, p in tree_flatten(module.parameters()):
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
         flat = p.reshape(-1)
-        h.update(memoryview(mx.array(flat[:16]).astype(mx.float32) if p.dtype == mx.bfloat16
-                            else flat[:16]).tobytes())
+        h.update(memoryview(mx.array(flat[:16]).astype(mx.float32) if p.dtype == mx.bfloat16 else flat[:16]).tobytes())
 
 
 def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
@@ -85,6 +91,7 @@ def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
 
 
 # --- the cost model ----------------------------------------------------------------
+
 
 def _interp(table: Dict[int, float], x: int) -> float:
     """Piecewise-linear in x through the measured points (flat beyond them)."""
@@ -126,33 +133,64 @@ class CostModel:
             return self.plain_at(context)
         # The draft always runs at its full block (see Policy.plan), so its cost
         # does not shrink with the width; only the verify does.
-        return (_interp(self.draft, max(self.draft)) + _interp(self.verify, width) + self.rollback
-                + self._deeper(width, context))
+        return (
+            _interp(self.draft, max(self.draft))
+            + _interp(self.verify, width)
+            + self.rollback
+            + self._deeper(width, context)
+        )
 
     def tree_cycle(self, nodes: int, context: int = 0) -> float:
-        return (_interp(self.draft, max(self.draft)) + _interp(self.tree, nodes) + self.rollback
-                + self._deeper(nodes, context))
+        return (
+            _interp(self.draft, max(self.draft))
+            + _interp(self.tree, nodes)
+            + self.rollback
+            + self._deeper(nodes, context)
+        )
 
     def _deeper(self, rows: int, context: int) -> float:
         return (self.per_key_base + self.per_key_verify * rows) * max(context - self.context, 0)
 
     def to_dict(self) -> dict:
-        return {"plain": self.plain, "verify": self.verify, "draft": self.draft,
-                "rollback": self.rollback, "tree": self.tree, "context": self.context,
-                "per_key_verify": self.per_key_verify, "per_key_plain": self.per_key_plain,
-                "per_key_base": self.per_key_base}
+        return {
+            "plain": self.plain,
+            "verify": self.verify,
+            "draft": self.draft,
+            "rollback": self.rollback,
+            "tree": self.tree,
+            "context": self.context,
+            "per_key_verify": self.per_key_verify,
+            "per_key_plain": self.per_key_plain,
+            "per_key_base": self.per_key_base,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         ints = lambda t: {int(k): float(v) for k, v in t.items()}
-        return cls(float(d["plain"]), ints(d["verify"]), ints(d["draft"]), float(d["rollback"]),
-                   ints(d.get("tree", {})), context=int(d.get("context", 64)),
-                   per_key_verify=float(d.get("per_key_verify", 0.0)),
-                   per_key_plain=float(d.get("per_key_plain", 0.0)), per_key_base=float(d.get("per_key_base", 0.0)))
+        return cls(
+            float(d["plain"]),
+            ints(d["verify"]),
+            ints(d["draft"]),
+            float(d["rollback"]),
+            ints(d.get("tree", {})),
+            context=int(d.get("context", 64)),
+            per_key_verify=float(d.get("per_key_verify", 0.0)),
+            per_key_plain=float(d.get("per_key_plain", 0.0)),
+            per_key_base=float(d.get("per_key_base", 0.0)),
+        )
 
     @classmethod
-    def measure(cls, target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
-                context: int = 64, long_context: int = 2048, reps: int = 5) -> "CostModel":
+    def measure(
+        cls,
+        target,
+        draft,
+        *,
+        kv_bits: Optional[int] = None,
+        tree_sizes=(),
+        context: int = 64,
+        long_context: int = 2048,
+        reps: int = 5,
+    ) -> "CostModel":
         """Time each part on a scratch cache after ``context`` tokens, and the
         widest verify and a plain step again after ``long_context`` tokens
         (the per-key slopes; capped at half the model's context). The parts
@@ -198,6 +236,7 @@ class CostModel:
                 cache.rollback(1, path=[0] if parents is not None else None)
                 mx.eval(cache.state())
                 rollback.append(time.perf_counter() - t)
+
             return run
 
         def draft_at(B):
@@ -209,6 +248,7 @@ class CostModel:
                 lg = draft(feats[-1:], 9, pos[0] + 1, B, dcache)
                 pos[0] += 1
                 mx.eval(mx.argmax(lg, axis=-1))
+
             return run
 
         parts = {("plain", 0): plain_run}
@@ -242,9 +282,17 @@ class CostModel:
             per_key_verify = max(wide - narrow, 0.0) / max(Bmax - 2, 1)
             per_key_base = max(narrow - 2 * per_key_verify, 0.0)
             per_key_plain = max(best[("long-plain", 0)] - best[("plain", 0)], 0.0) / (8 * extra)
-        return cls(best[("plain", 0)] / 8, verify, table("draft"), min(rollback), table("tree"),
-                   context=context, per_key_verify=per_key_verify, per_key_plain=per_key_plain,
-                   per_key_base=per_key_base)
+        return cls(
+            best[("plain", 0)] / 8,
+            verify,
+            table("draft"),
+            min(rollback),
+            table("tree"),
+            context=context,
+            per_key_verify=per_key_verify,
+            per_key_plain=per_key_plain,
+            per_key_base=per_key_base,
+        )
 
 
 def _recent_median(xs: List[float]) -> float:
@@ -264,8 +312,9 @@ def _monotone(t: Dict[int, float]) -> Dict[int, float]:
 _MEMO: Dict[Tuple, CostModel] = {}
 
 
-def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
-               cache_dir: Optional[Path] = None) -> Tuple[CostModel, bool]:
+def load_costs(
+    target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(), cache_dir: Optional[Path] = None
+) -> Tuple[CostModel, bool]:
     """The pair's cost model, from the on-disk cache when it holds one for this
     model, machine and mlx version, else measured and stored. Returns (costs,
     measured_now)."""
@@ -277,8 +326,16 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
             stamp = path.stat().st_mtime_ns
         except OSError:
             stamp = None
-        return (id(target), id(draft), getattr(target, "compiled", False), getattr(draft, "compiled", False),
-                kv_bits, tuple(sorted(tree_sizes)), str(path), stamp)
+        return (
+            id(target),
+            id(draft),
+            getattr(target, "compiled", False),
+            getattr(draft, "compiled", False),
+            kv_bits,
+            tuple(sorted(tree_sizes)),
+            str(path),
+            stamp,
+        )
 
     if memo_key() in _MEMO:  # this process read it already (and the file is unchanged)
         return _MEMO[memo_key()], False
@@ -291,16 +348,28 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
         entries = []
     want_tree = {int(n) for n in tree_sizes}
     for e in entries:
-        if (e.get("model") == fp and e.get("machine") == mid and e.get("mlx") == mx.__version__
-                and e.get("format") == FORMAT):
+        if (
+            e.get("model") == fp
+            and e.get("machine") == mid
+            and e.get("mlx") == mx.__version__
+            and e.get("format") == FORMAT
+        ):
             costs = CostModel.from_dict(e["costs"])
             if want_tree <= set(costs.tree):
                 _MEMO[memo_key()] = costs
                 return costs, False
     costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
     entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
-    entries.append({"model": fp, "machine": mid, "mlx": mx.__version__, "format": FORMAT,
-                    "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "costs": costs.to_dict()})
+    entries.append(
+        {
+            "model": fp,
+            "machine": mid,
+            "mlx": mx.__version__,
+            "format": FORMAT,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "costs": costs.to_dict(),
+        }
+    )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -313,6 +382,7 @@ def load_costs(target, draft, *, kv_bits: Optional[int] = None, tree_sizes=(),
 
 
 # --- the policy ---------------------------------------------------------------------
+
 
 @dataclass
 class Plan:
@@ -383,8 +453,15 @@ class Policy:
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
     stale_after = 64  # committed tokens after which a drafted width's last times no longer count
 
-    def __init__(self, max_width: int, costs: Optional[CostModel] = None, *, fixed: Optional[int] = None,
-                 tree_budget: int = 0, auto_tree: int = 0):
+    def __init__(
+        self,
+        max_width: int,
+        costs: Optional[CostModel] = None,
+        *,
+        fixed: Optional[int] = None,
+        tree_budget: int = 0,
+        auto_tree: int = 0,
+    ):
         self.max_width = max_width
         self.costs = costs
         self.fixed = fixed
@@ -526,8 +603,7 @@ class Policy:
         any: the measured one, scaled as drafted cycles were off)."""
         ts = self.seen.get("tree")
         n = self.auto_tree + 1
-        cost = (_recent_median(ts) if ts
-                else self.costs.tree_cycle(n, self.context) * self.scale("draft"))
+        cost = _recent_median(ts) if ts else self.costs.tree_cycle(n, self.context) * self.scale("draft")
         kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
         return kept / cost
 

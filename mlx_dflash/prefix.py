@@ -79,8 +79,14 @@ class _Segment:
 
     __slots__ = ("start", "end", "parent", "kv", "dkv")
 
-    def __init__(self, start: int, end: int, parent: Optional["_Segment"], kv: Dict[int, Tuple[mx.array, mx.array]],
-                 dkv: Optional[List[Tuple[mx.array, mx.array]]] = None):
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        parent: Optional["_Segment"],
+        kv: Dict[int, Tuple[mx.array, mx.array]],
+        dkv: Optional[List[Tuple[mx.array, mx.array]]] = None,
+    ):
         self.start, self.end, self.parent, self.kv, self.dkv = start, end, parent, kv, dkv
 
     def has_draft_rows(self, n: int) -> bool:
@@ -145,13 +151,17 @@ def _chain_has_draft_rows(base) -> bool:
 def _draft_state(dcache) -> _DraftState:
     # The held rows are views of buffers grown in steps: copy them, so a
     # snapshot keeps (and counts) only its rows.
-    return _DraftState([_copy(k) for k in dcache.keys], [_copy(v) for v in dcache.values],
-                       list(dcache.positions), dcache.length, dcache.window)
+    return _DraftState(
+        [_copy(k) for k in dcache.keys],
+        [_copy(v) for v in dcache.values],
+        list(dcache.positions),
+        dcache.length,
+        dcache.window,
+    )
 
 
 def _recurrent(cache) -> Dict[int, Tuple[mx.array, mx.array]]:
-    return {i: (_copy(c.conv), _copy(c.ssm)) for i, c in enumerate(cache.layers)
-            if isinstance(c, DeltaNetState)}
+    return {i: (_copy(c.conv), _copy(c.ssm)) for i, c in enumerate(cache.layers) if isinstance(c, DeltaNetState)}
 
 
 class PrefixRun:
@@ -229,8 +239,9 @@ class PrefixCache:
                 if self._fingerprint is None and self._engine is not None:
                     self._fingerprint = fingerprint(self._engine)
                 if self._fingerprint is None or fingerprint(engine) != self._fingerprint:
-                    raise DFlashError("this prefix cache holds snapshots of another model; "
-                                      "use one PrefixCache per model")
+                    raise DFlashError(
+                        "this prefix cache holds snapshots of another model; use one PrefixCache per model"
+                    )
         self._engine, self._target = engine, engine.target
 
     # --- bookkeeping ---------------------------------------------------------
@@ -291,7 +302,7 @@ class PrefixCache:
             self._tails[key] = (tokenizer, _generation_tail(tokenizer, args))
         tail = self._tails[key][1]
         n = len(ids)
-        if tail and n > len(tail) and tuple(ids[n - len(tail):]) == tail:
+        if tail and n > len(tail) and tuple(ids[n - len(tail) :]) == tail:
             return n - len(tail)
         return n - 1
 
@@ -316,7 +327,8 @@ class PrefixCache:
         if self.max_bytes < need:
             raise DFlashError(
                 f"prefix cache budget of {self.max_bytes} bytes is too small for one snapshot "
-                f"of this model (at least {need} bytes: its recurrent state and one KV row)")
+                f"of this model (at least {need} bytes: its recurrent state and one KV row)"
+            )
 
     def _restore(self, snap: _Snapshot, cache, dcache) -> None:
         n = snap.n
@@ -339,17 +351,31 @@ class PrefixCache:
             d = snap.draft
             if d.keys is None:
                 dp = snap.seg.pieces(d.length)
-                dcache.keys = [mx.concatenate([seg.dkv[i][0][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
-                               for i in range(len(dp[0][0].dkv))]
-                dcache.values = [mx.concatenate([seg.dkv[i][1][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
-                                 for i in range(len(dp[0][0].dkv))]
+                dcache.keys = [
+                    mx.concatenate([seg.dkv[i][0][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
+                    for i in range(len(dp[0][0].dkv))
+                ]
+                dcache.values = [
+                    mx.concatenate([seg.dkv[i][1][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
+                    for i in range(len(dp[0][0].dkv))
+                ]
             else:
                 dcache.keys, dcache.values = list(d.keys), list(d.values)
             dcache.positions, dcache.length = list(d.positions), d.length
 
-    def prefill(self, target, prompt: Sequence[int], cache, *, draft=None, dcache=None,
-                capture: Sequence[int] = (), chunk_size: int = 512, boundary: Optional[int] = None,
-                stats=None):
+    def prefill(
+        self,
+        target,
+        prompt: Sequence[int],
+        cache,
+        *,
+        draft=None,
+        dcache=None,
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+        boundary: Optional[int] = None,
+        stats=None,
+    ):
         """Restore the longest matching snapshot into the empty ``cache`` (and
         ``dcache``), prefill the rest of ``prompt``, snapshot the stable
         boundary and rungs. The draft consumes the prompt's features here.
@@ -385,18 +411,25 @@ class PrefixCache:
         taken = []
         s, logits = start, None
         for e in cuts:
-            logits, f = target.forward(prompt[s:e], cache, capture=capture if draft is not None else (),
-                                       logits="last" if e == P else "none")
+            logits, f = target.forward(
+                prompt[s:e], cache, capture=capture if draft is not None else (), logits="last" if e == P else "none"
+            )
             if draft is not None:
                 draft.add_context(f, dcache)
             new = []
             if e in points:
                 dstate = None
                 if dcache is not None:
-                    dstate = (_DraftState(None, None, list(dcache.positions), dcache.length, None)
-                              if shared else _draft_state(dcache))
-                taken.append(_Snapshot(tuple(prompt[:e]), None, _recurrent(cache), dstate,
-                                       "boundary" if e == boundary else "rung"))
+                    dstate = (
+                        _DraftState(None, None, list(dcache.positions), dcache.length, None)
+                        if shared
+                        else _draft_state(dcache)
+                    )
+                taken.append(
+                    _Snapshot(
+                        tuple(prompt[:e]), None, _recurrent(cache), dstate, "boundary" if e == boundary else "rung"
+                    )
+                )
                 new = taken[-1].arrays()
             # Bound the lazy graph: materialise each chunk's cache (as Target.prefill).
             extra = (dcache.keys + dcache.values) if dcache is not None else []
@@ -413,8 +446,7 @@ class PrefixCache:
         its snapshots share them. Returns the new base."""
         seg, upto = base
         end = max(s.n for s in snaps)
-        share = (dcache is not None and dcache.window is None and dcache.length >= end
-                 and _chain_has_draft_rows(base))
+        share = dcache is not None and dcache.window is None and dcache.length >= end and _chain_has_draft_rows(base)
         if end > upto:
             kv = {}
             for i, c in enumerate(cache.layers):
@@ -422,16 +454,14 @@ class PrefixCache:
                     kv[i] = (_copy(c.keys[:, :, upto:end]), _copy(c.values[:, :, upto:end]))
             dkv = None
             if share:
-                dkv = [(_copy(k[:, :, upto:end]), _copy(v[:, :, upto:end]))
-                       for k, v in zip(dcache.keys, dcache.values)]
+                dkv = [(_copy(k[:, :, upto:end]), _copy(v[:, :, upto:end])) for k, v in zip(dcache.keys, dcache.values)]
             seg = _Segment(upto, end, seg, kv, dkv)
             mx.eval([a for pair in kv.values() for a in pair], [a for pair in (dkv or []) for a in pair])
         for s in snaps:
             s.seg = seg
             if share and s.draft is not None and s.draft.window is None:
                 s.draft.keys = s.draft.values = None
-            mx.eval([a for pair in s.recurrent.values() for a in pair],
-                    s.draft.own_arrays() if s.draft else [])
+            mx.eval([a for pair in s.recurrent.values() for a in pair], s.draft.own_arrays() if s.draft else [])
         with self._lock:
             for s in snaps:
                 s.used = self._tick()
@@ -464,32 +494,48 @@ class PrefixCache:
                 segs.append(seg)
         arrays, index = {}, {"segments": [], "snapshots": []}
         for j, seg in enumerate(segs):
-            index["segments"].append({"start": seg.start, "end": seg.end,
-                                      "parent": seg_ids[id(seg.parent)] if seg.parent is not None else None,
-                                      "layers": sorted(seg.kv),
-                                      "draft_layers": len(seg.dkv) if seg.dkv is not None else None})
+            index["segments"].append(
+                {
+                    "start": seg.start,
+                    "end": seg.end,
+                    "parent": seg_ids[id(seg.parent)] if seg.parent is not None else None,
+                    "layers": sorted(seg.kv),
+                    "draft_layers": len(seg.dkv) if seg.dkv is not None else None,
+                }
+            )
             for i, (k, v) in seg.kv.items():
                 arrays[f"seg{j}.k{i}"], arrays[f"seg{j}.v{i}"] = k, v
             for i, (k, v) in enumerate(seg.dkv or []):
                 arrays[f"seg{j}.dk{i}"], arrays[f"seg{j}.dv{i}"] = k, v
         for j, sn in enumerate(snaps):
-            entry = {"n": sn.n, "kind": sn.kind, "segment": seg_ids[id(sn.seg)],
-                     "layers": sorted(sn.recurrent), "draft": None}
+            entry = {
+                "n": sn.n,
+                "kind": sn.kind,
+                "segment": seg_ids[id(sn.seg)],
+                "layers": sorted(sn.recurrent),
+                "draft": None,
+            }
             arrays[f"snap{j}.tokens"] = mx.array(list(sn.tokens), dtype=mx.int32)
             for i, (conv, ssm) in sn.recurrent.items():
                 arrays[f"snap{j}.conv{i}"], arrays[f"snap{j}.ssm{i}"] = conv, ssm
             if sn.draft is not None:
                 d = sn.draft
-                entry["draft"] = {"length": d.length, "window": list(d.window) if d.window else None,
-                                  "layers": len(d.keys) if d.keys is not None else None}
+                entry["draft"] = {
+                    "length": d.length,
+                    "window": list(d.window) if d.window else None,
+                    "layers": len(d.keys) if d.keys is not None else None,
+                }
                 arrays[f"snap{j}.dpos"] = mx.array(d.positions, dtype=mx.int32)
                 for i, (k, v) in enumerate(zip(d.keys or [], d.values or [])):
                     arrays[f"snap{j}.dk{i}"], arrays[f"snap{j}.dv{i}"] = k, v
             index["snapshots"].append(entry)
-        meta = {"format": FILE_FORMAT, "version": FILE_VERSION,
-                "fingerprint": json.dumps(fingerprint(engine), sort_keys=True),
-                "index": json.dumps(index),
-                "rung_interval": "" if self.rung_interval is None else str(self.rung_interval)}
+        meta = {
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
+            "fingerprint": json.dumps(fingerprint(engine), sort_keys=True),
+            "index": json.dumps(index),
+            "rung_interval": "" if self.rung_interval is None else str(self.rung_interval),
+        }
         meta["checksum"] = _checksum(arrays, meta)
         tmp = path.with_name(path.name + ".tmp.safetensors")
         mx.save_safetensors(str(tmp), arrays, metadata=meta)
@@ -512,8 +558,10 @@ class PrefixCache:
         if meta.get("format") != FILE_FORMAT:
             raise DFlashError(f"{path} is not an mlx-dflash prompt cache file")
         if meta.get("version") != FILE_VERSION:
-            raise DFlashError(f"{path}: unsupported prompt cache version {meta.get('version')!r} "
-                              f"(this version reads {FILE_VERSION}; delete the file to start a new one)")
+            raise DFlashError(
+                f"{path}: unsupported prompt cache version {meta.get('version')!r} "
+                f"(this version reads {FILE_VERSION}; delete the file to start a new one)"
+            )
         try:
             theirs = json.loads(meta["fingerprint"])
             index = json.loads(meta["index"])
@@ -526,8 +574,10 @@ class PrefixCache:
         ours = fingerprint(engine)
         diff = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if diff:
-            raise DFlashError(f"prompt cache file {path} was made for another model "
-                              f"({', '.join(d.replace('_', ' ') for d in diff)} differ)")
+            raise DFlashError(
+                f"prompt cache file {path} was made for another model "
+                f"({', '.join(d.replace('_', ' ') for d in diff)} differ)"
+            )
         try:
             pc = cls(max_bytes=max_bytes, rung_interval=rung)
             segs = []
@@ -554,10 +604,13 @@ class PrefixCache:
                 if e["draft"] is not None:
                     de = e["draft"]
                     shared = de["layers"] is None
-                    d = _DraftState(None if shared else [arrays[f"snap{j}.dk{i}"] for i in range(de["layers"])],
-                                    None if shared else [arrays[f"snap{j}.dv{i}"] for i in range(de["layers"])],
-                                    arrays[f"snap{j}.dpos"].tolist(), de["length"],
-                                    tuple(de["window"]) if de["window"] else None)
+                    d = _DraftState(
+                        None if shared else [arrays[f"snap{j}.dk{i}"] for i in range(de["layers"])],
+                        None if shared else [arrays[f"snap{j}.dv{i}"] for i in range(de["layers"])],
+                        arrays[f"snap{j}.dpos"].tolist(),
+                        de["length"],
+                        tuple(de["window"]) if de["window"] else None,
+                    )
                     if shared and (de["length"] > seg.end or not seg.has_draft_rows(de["length"])):
                         raise ValueError(f"snapshot {j}: draft rows missing")
                 pc._snaps.append(_Snapshot(tuple(toks), seg, rec, d, e["kind"], used=pc._tick()))
@@ -603,7 +656,7 @@ def _tree_digest(params) -> str:
     flat = sorted(tree_flatten(params), key=lambda kv: kv[0])
     sums = []
     for k in range(0, len(flat), 32):  # in batches: bounded temporaries on a large model
-        batch = [mx.sum(a.astype(mx.float32)) for _, a in flat[k:k + 32]]
+        batch = [mx.sum(a.astype(mx.float32)) for _, a in flat[k : k + 32]]
         mx.eval(batch)
         sums += batch
     for (name, a), total in zip(flat, sums):
@@ -616,6 +669,7 @@ def _tree_digest(params) -> str:
 def fingerprint(engine) -> Dict[str, Optional[str]]:
     """What identifies the model a snapshot belongs to: target config,
     tokenizer (vocabulary and chat template), target weights, draft."""
+
     def sha(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -642,10 +696,12 @@ def _generation_tail(tokenizer, template_args: dict) -> Tuple[int, ...]:
     for text in ("a", "hello there"):
         msgs = [{"role": "user", "content": text}]
         try:
-            without = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True,
-                                                         **template_args))
-            with_ = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                       **template_args))
+            without = list(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=True, **template_args)
+            )
+            with_ = list(
+                tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **template_args)
+            )
         except Exception:  # a template that rejects this conversation
             return ()
         k = 0

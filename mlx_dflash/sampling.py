@@ -42,25 +42,35 @@ class Sampler:
     ``top_p`` 0 or 1, ``min_p`` 0 and ``top_k`` 0 turn a filter off.
     """
 
-    def __init__(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                 repetition_penalty: float = 1.0, repetition_context_size: int = 20,
-                 seed: Optional[int] = None, *, min_tokens_to_keep: int = 1):
-        self.check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size,
-                   min_tokens_to_keep)
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        repetition_context_size: int = 20,
+        seed: Optional[int] = None,
+        *,
+        min_tokens_to_keep: int = 1,
+    ):
+        self.check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, min_tokens_to_keep)
         self.temperature = temperature
         self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
         self.min_tokens_to_keep = min_tokens_to_keep
         self.repetition_penalty = repetition_penalty
         self.repetition_context_size = repetition_context_size
-        self._penalty = (make_repetition_penalty(repetition_penalty, repetition_context_size)
-                         if repetition_penalty != 1.0 else None)
+        self._penalty = (
+            make_repetition_penalty(repetition_penalty, repetition_context_size) if repetition_penalty != 1.0 else None
+        )
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self.seed = seed
 
     @staticmethod
-    def check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size,
-              min_tokens_to_keep) -> None:
+    def check(
+        temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, min_tokens_to_keep
+    ) -> None:
         """The ranges of the sampling options (the one place they are checked)."""
         if temperature < 0:
             raise DFlashError(f"temperature must be >= 0, got {temperature}")
@@ -87,10 +97,12 @@ class Sampler:
 
     def _penalize(self, logits: mx.array, contexts: Sequence[Sequence[int]]) -> mx.array:
         # mlx-lm's processor, one row at a time (each row has its own history).
-        return mx.concatenate([
-            self._penalty(mx.array(list(ctx), dtype=mx.int32), logits[i : i + 1]) if len(ctx) else logits[i : i + 1]
-            for i, ctx in enumerate(contexts)
-        ])
+        return mx.concatenate(
+            [
+                self._penalty(mx.array(list(ctx), dtype=mx.int32), logits[i : i + 1]) if len(ctx) else logits[i : i + 1]
+                for i, ctx in enumerate(contexts)
+            ]
+        )
 
     def _filter(self, logprobs: mx.array) -> mx.array:
         """mlx-lm's filters, in make_sampler's order: top-p, min-p, top-k
@@ -117,17 +129,20 @@ class Sampler:
 
     def noise(self, positions: Sequence[int], vocab: int) -> mx.array:
         """Gumbel noise [N, V], a fixed function of (seed, position)."""
-        return mx.stack([
-            mx.random.gumbel((vocab,), key=mx.random.key((self.seed * 1_000_003 + int(p)) % (2**63)))
-            for p in positions
-        ])
+        return mx.stack(
+            [
+                mx.random.gumbel((vocab,), key=mx.random.key((self.seed * 1_000_003 + int(p)) % (2**63)))
+                for p in positions
+            ]
+        )
 
     def probs(self, logits: mx.array, contexts=None) -> mx.array:
         """The distribution a row is sampled from, [N, V] float32 (T > 0)."""
         return mx.softmax(self._scores(logits, contexts).astype(mx.float32), axis=-1)
 
-    def __call__(self, logits: mx.array, positions: Sequence[int],
-                 contexts: Optional[Sequence[Sequence[int]]] = None) -> mx.array:
+    def __call__(
+        self, logits: mx.array, positions: Sequence[int], contexts: Optional[Sequence[Sequence[int]]] = None
+    ) -> mx.array:
         scores = self._scores(logits, contexts)
         if self.greedy:
             return mx.argmax(scores, axis=-1)
@@ -141,6 +156,7 @@ def greedy_sampler() -> Sampler:
 
 # --- the speculative-sampling rule (docs/dflash2.md) -----------------------------
 
+
 def _keys(seed: int, positions) -> List[mx.array]:
     return [mx.random.key((seed * 1_000_003 + int(p)) % (2**63)) for p in positions]
 
@@ -148,18 +164,19 @@ def _keys(seed: int, positions) -> List[mx.array]:
 def keyed_gumbel(seed: int, positions, n: int, stream: int) -> mx.array:
     """Gumbel noise [len(positions), n] keyed by (seed, position, stream);
     streams >= 1 never reuse the target sampler's own noise."""
-    return mx.stack([mx.random.gumbel((n,), key=mx.random.split(k, stream + 1)[stream])
-                     for k in _keys(seed, positions)])
+    return mx.stack(
+        [mx.random.gumbel((n,), key=mx.random.split(k, stream + 1)[stream]) for k in _keys(seed, positions)]
+    )
 
 
 def keyed_uniform(seed: int, positions, stream: int) -> mx.array:
     """One uniform in [0, 1) per position, keyed by (seed, position, stream)."""
-    return mx.stack([mx.random.uniform(shape=(), key=mx.random.split(k, stream + 1)[stream])
-                     for k in _keys(seed, positions)])
+    return mx.stack(
+        [mx.random.uniform(shape=(), key=mx.random.split(k, stream + 1)[stream]) for k in _keys(seed, positions)]
+    )
 
 
-def speculative_rule(p: mx.array, q: mx.array, drafted: mx.array, picks: mx.array, seed: int,
-                     positions: Sequence[int]):
+def speculative_rule(p: mx.array, q: mx.array, drafted: mx.array, picks: mx.array, seed: int, positions: Sequence[int]):
     """Standard speculative sampling of a drafted chain (Leviathan et al.;
     Chen et al.), on the device.
 

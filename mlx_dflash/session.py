@@ -21,8 +21,13 @@ class ChatSession:
     extra template arguments (e.g. ``{"enable_thinking": False}``).
     """
 
-    def __init__(self, engine: Engine, system: Optional[str] = None,
-                 prefix_cache: Optional[PrefixCache] = None, chat_template_config: Optional[dict] = None):
+    def __init__(
+        self,
+        engine: Engine,
+        system: Optional[str] = None,
+        prefix_cache: Optional[PrefixCache] = None,
+        chat_template_config: Optional[dict] = None,
+    ):
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise DFlashError("this model's tokenizer has no chat template; a chat needs one")
         self.engine = engine
@@ -40,12 +45,11 @@ class ChatSession:
     def _prompt(self, text: str) -> List[int]:
         tok = self.engine.tokenizer
         msgs = self.messages + [{"role": "user", "content": text}]
-        full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
-                                       **self.chat_template_config)
+        full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **self.chat_template_config)
         if self._ids:
             prev = tok.decode(self._ids)
             if full.startswith(prev):
-                return self._ids + list(tok.encode(full[len(prev):], add_special_tokens=False))
+                return self._ids + list(tok.encode(full[len(prev) :], add_special_tokens=False))
         return list(tok.encode(full, add_special_tokens=False))
 
     def stream(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> Iterator[GenerationResponse]:
@@ -59,8 +63,14 @@ class ChatSession:
         ids = self._prompt(text)
         reply = []
         try:
-            for r in stream_generate(self.engine, ids, config, prefix_cache=self.prefix_cache,
-                                     chat_template_config=self.chat_template_config, **kwargs):
+            for r in stream_generate(
+                self.engine,
+                ids,
+                config,
+                prefix_cache=self.prefix_cache,
+                chat_template_config=self.chat_template_config,
+                **kwargs,
+            ):
                 reply.extend(r.tokens)
                 self.stats = r.stats
                 yield r
@@ -70,8 +80,7 @@ class ChatSession:
             # starts with exactly the decoded ids (checked in _prompt).
             eos = set(self.engine.tokenizer.eos_token_ids)
             content = self.engine.tokenizer.decode([t for t in reply if t not in eos])
-            self.messages += [{"role": "user", "content": text},
-                              {"role": "assistant", "content": content}]
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": content}]
             self._ids = ids + reply
 
     def send(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> GenerationResult:

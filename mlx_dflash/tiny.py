@@ -198,8 +198,7 @@ def save_hf(model, config: dict, path, tokenizer_dir: Optional[Path] = None) -> 
     return path
 
 
-def save_mlx(model, config: dict, path, tokenizer_dir: Optional[Path] = None,
-             quantize: Optional[dict] = None) -> Path:
+def save_mlx(model, config: dict, path, tokenizer_dir: Optional[Path] = None, quantize: Optional[dict] = None) -> Path:
     """Write an MLX-format folder with mlx-lm's own save; optionally quantized
     (``quantize={"bits": 4, "group_size": 32}``) the way ``mlx_lm.convert`` does."""
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -209,7 +208,9 @@ def save_mlx(model, config: dict, path, tokenizer_dir: Optional[Path] = None,
     if quantize is not None:
         model = copy.deepcopy(model)
         model, config = quantize_model(
-            model, config, group_size=quantize.get("group_size", 64),
+            model,
+            config,
+            group_size=quantize.get("group_size", 64),
             bits=quantize.get("bits", 4),
         )
     save_model(path, model)
@@ -219,8 +220,9 @@ def save_mlx(model, config: dict, path, tokenizer_dir: Optional[Path] = None,
     return path
 
 
-def build_tokenizer(path, vocab_size: int = 512, corpus: Optional[str] = None,
-                    chat_template: str = CHAT_TEMPLATE) -> Path:
+def build_tokenizer(
+    path, vocab_size: int = 512, corpus: Optional[str] = None, chat_template: str = CHAT_TEMPLATE
+) -> Path:
     """Train a byte-level BPE tokenizer and write tokenizer.json +
     tokenizer_config.json (with a ChatML template) to ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -65,6 +65,7 @@ class TrainConfig:
 
 # --- data -------------------------------------------------------------------------
 
+
 def read_texts(paths: Sequence, text_field: str = "text") -> List[str]:
     """Plain text files (whole file) or JSONL (``text_field`` of each line)."""
     texts = []
@@ -109,8 +110,15 @@ def corpus_sequences(tokenizer, texts: List[str], seq_len: int, eos: int) -> Lis
     return seqs
 
 
-def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: int,
-                        progress=None, batch_size: int = 64, capture: Sequence[int] = ()):
+def generated_sequences(
+    engine,
+    prompts: List[str],
+    seq_len: int,
+    gen_tokens: int,
+    progress=None,
+    batch_size: int = 64,
+    capture: Sequence[int] = (),
+):
     """The target's own greedy continuations of each prompt (prompt + output),
     and with ``capture`` the target features of every position, taken from
     the same forward passes (cached, as at inference) instead of a second pass.
@@ -123,7 +131,7 @@ def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: in
     target, tok = engine.target, engine.tokenizer
     buckets = {}
     for p in prompts:
-        ids = tok.encode(p, add_special_tokens=False)[-(seq_len // 2):]
+        ids = tok.encode(p, add_special_tokens=False)[-(seq_len // 2) :]
         if ids:
             buckets.setdefault(len(ids), []).append(ids)
     seqs, feats, done, total = [], [], 0, sum(len(b) for b in buckets.values())
@@ -180,6 +188,7 @@ def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch:
 
 # --- model init ---------------------------------------------------------------------
 
+
 def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
     a = target.args
     ids = tc.target_layer_ids or default_target_layer_ids(target.num_layers, tc.num_layers)
@@ -203,14 +212,19 @@ def make_draft_config(target, tc: TrainConfig, mask_token_id: int) -> dict:
     if tc.arch == "dflash2":
         group = tc.conv_group_size or (64 if a.hidden_size % 64 == 0 else a.hidden_size)
         cfg["architectures"] = ["DFlash2DraftModel"]
-        cfg["dflash_config"].update(selector_rank=tc.selector_rank, selector_top_k=tc.selector_top_k,
-                                    conv_kernel_size=tc.conv_kernel_size, conv_group_size=group)
+        cfg["dflash_config"].update(
+            selector_rank=tc.selector_rank,
+            selector_top_k=tc.selector_top_k,
+            conv_kernel_size=tc.conv_kernel_size,
+            conv_group_size=group,
+        )
     window = tc.seq_len if tc.context_window is None else tc.context_window
     if window:
         # Every layer sees the last window-1 positions before its anchor;
         # bidirectional inside the block, as the full-attention layers.
-        cfg.update(layer_types=["sliding_attention"] * tc.num_layers, sliding_window=window + 1,
-                   sliding_block_causal=False)
+        cfg.update(
+            layer_types=["sliding_attention"] * tc.num_layers, sliding_window=window + 1, sliding_block_causal=False
+        )
     return cfg
 
 
@@ -235,12 +249,14 @@ def init_from_target(draft: DFlashDraft, target) -> List[str]:
             ("self_attn.q_norm.weight", ta.q_norm.weight, da.q_norm.weight),
             ("self_attn.k_norm.weight", ta.k_norm.weight, da.k_norm.weight),
             ("input_layernorm.weight", tl.input_layernorm.weight, dl.input_layernorm.weight),
-            ("post_attention_layernorm.weight", tl.post_attention_layernorm.weight,
-             dl.post_attention_layernorm.weight),
+            ("post_attention_layernorm.weight", tl.post_attention_layernorm.weight, dl.post_attention_layernorm.weight),
         ]
         mlp = tl.mlp
-        if hasattr(mlp, "gate_proj") and isinstance(mlp.gate_proj, nn.Linear) \
-                and not isinstance(mlp.gate_proj, nn.QuantizedLinear):
+        if (
+            hasattr(mlp, "gate_proj")
+            and isinstance(mlp.gate_proj, nn.Linear)
+            and not isinstance(mlp.gate_proj, nn.QuantizedLinear)
+        ):
             for n in ("gate_proj", "up_proj", "down_proj"):
                 pairs.append((f"mlp.{n}.weight", getattr(mlp, n).weight, getattr(dl.mlp, n).weight))
         updates = [(n, src.astype(dst.dtype)) for n, src, dst in pairs if src.shape == dst.shape]
@@ -262,6 +278,7 @@ def init_dflash2(draft: DFlashDraft, seed: int) -> None:
 
 
 # --- loss ---------------------------------------------------------------------------
+
 
 def block_loss(draft, features, tokens, anchors, gamma: float, selector_weight: float = 1.0):
     """Weighted CE over slots 1..B-1, and per-slot accuracy [B-1] (DFlash 2:
@@ -301,11 +318,14 @@ def sample_anchors(rng, n_seqs: int, m: int, L: int, B: int) -> np.ndarray:
 
 # --- main entry ---------------------------------------------------------------------
 
+
 def _schedule(tc: TrainConfig):
     warm = max(tc.warmup, 1)
     return optim.join_schedules(
-        [optim.linear_schedule(tc.lr * 0.01, tc.lr, warm),
-         optim.cosine_decay(tc.lr, max(tc.steps - warm, 1), tc.lr * 0.05)],
+        [
+            optim.linear_schedule(tc.lr * 0.01, tc.lr, warm),
+            optim.cosine_decay(tc.lr, max(tc.steps - warm, 1), tc.lr * 0.05),
+        ],
         [warm],
     )
 
@@ -380,8 +400,11 @@ def train_draft(
         pf = Path(generate_from).expanduser()
         if not pf.is_file():
             raise DFlashError(f"prompt file does not exist: {pf}")
-        prompts = read_texts([pf], text_field) if pf.suffix == ".jsonl" else \
-            [l for l in pf.read_text().splitlines() if l.strip()]
+        prompts = (
+            read_texts([pf], text_field)
+            if pf.suffix == ".jsonl"
+            else [l for l in pf.read_text().splitlines() if l.strip()]
+        )
         if not prompts:
             raise DFlashError(f"prompt file is empty: {pf}")
         source = [prompts, tc.seq_len, tc.gen_tokens]
@@ -399,9 +422,15 @@ def train_draft(
         else:
             log(f"generating target continuations for {len(prompts)} prompts")
             seqs, flist = generated_sequences(
-                engine, prompts, tc.seq_len, tc.gen_tokens, capture=ids,
-                progress=lambda i, n: log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)")
-                if i % 256 < 64 or i == n else None)
+                engine,
+                prompts,
+                tc.seq_len,
+                tc.gen_tokens,
+                capture=ids,
+                progress=lambda i, n: (
+                    log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % 256 < 64 or i == n else None
+                ),
+            )
             L = min(len(s) for s in seqs)
             feats = mx.stack([f[:L] for f in flist])
         if L < tc.block_size + 2:
@@ -436,8 +465,7 @@ def train_draft(
             init_dflash2(draft, tc.seed)
     mx.eval(draft.parameters())
 
-    loss_and_grad = nn.value_and_grad(
-        draft, lambda f, t, a: block_loss(draft, f, t, a, tc.gamma, tc.selector_weight))
+    loss_and_grad = nn.value_and_grad(draft, lambda f, t, a: block_loss(draft, f, t, a, tc.gamma, tc.selector_weight))
 
     def step_fn(f, t, a):
         (loss, acc, parts), grads = loss_and_grad(f, t, a)
@@ -462,11 +490,12 @@ def train_draft(
             dt = time.perf_counter() - tic
             a = acc.tolist()
             head, sel = parts.tolist()
-            history.append({"step": step + 1, "loss": loss.item(), "acc": a, "head_loss": head,
-                            "selector_loss": sel})
+            history.append({"step": step + 1, "loss": loss.item(), "acc": a, "head_loss": head, "selector_loss": sel})
             split = f" (head {head:.3f}, selector {sel:.3f})" if draft.config.is_v2 else ""
-            log(f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}{split}  acc@1 {a[0]:.2f}  "
-                f"acc(mean) {sum(a) / len(a):.2f}  {done_tokens / dt:.0f} tok/s")
+            log(
+                f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}{split}  acc@1 {a[0]:.2f}  "
+                f"acc(mean) {sum(a) / len(a):.2f}  {done_tokens / dt:.0f} tok/s"
+            )
         if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
             _save_draft(draft, dcfg, ckpt)
             mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))

@@ -67,8 +67,9 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     ql = np.concatenate([(q1 & 0xF) | ((q3 & 0xF) << 4), (q2 & 0xF) | ((q4 & 0xF) << 4)], axis=2)
     qh = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6)
     n = len(sub)
-    out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8),
-                          _f16(d).reshape(n, 2)], axis=1)
+    out = np.concatenate(
+        [ql.reshape(n, 128), qh.reshape(n, 64), sc.astype(np.int8).view(np.uint8), _f16(d).reshape(n, 2)], axis=1
+    )
     return out.reshape(x.shape[0], -1)
 
 
@@ -158,17 +159,27 @@ _LAYER_NAMES = {
 }
 # The MTP block's own tensors, renamed as the converter's MTP mixin does (then
 # they follow the same rules as every other tensor: "...norm.weight" gets + 1).
-_MTP_RENAME = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
-               "pre_fc_norm_hidden.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight"}
-_LAYER_NAMES.update({"eh_proj.weight": "nextn.eh_proj.weight", "enorm.weight": "nextn.enorm.weight",
-                     "hnorm.weight": "nextn.hnorm.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight"})
+_MTP_RENAME = {
+    "fc.weight": "eh_proj.weight",
+    "pre_fc_norm_embedding.weight": "enorm.weight",
+    "pre_fc_norm_hidden.weight": "hnorm.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+_LAYER_NAMES.update(
+    {
+        "eh_proj.weight": "nextn.eh_proj.weight",
+        "enorm.weight": "nextn.enorm.weight",
+        "hnorm.weight": "nextn.hnorm.weight",
+        "shared_head.norm.weight": "nextn.shared_head_norm.weight",
+    }
+)
 
 
 def _grouped_to_tiled(x: np.ndarray, axis: int, n_k: int, per_k: int, head_dim: int) -> np.ndarray:
     """Value heads along ``axis`` from grouped [k][j] to tiled [j][k] order
     (the converter's reorder for ggml's broadcast over key heads)."""
     shape = x.shape
-    x = x.reshape(shape[:axis] + (n_k, per_k, head_dim) + shape[axis + 1:])
+    x = x.reshape(shape[:axis] + (n_k, per_k, head_dim) + shape[axis + 1 :])
     return np.swapaxes(x, axis, axis + 1).reshape(shape)
 
 
@@ -191,7 +202,7 @@ def _tensors(weights: dict, n_main: int, keep_mtp: bool):
         if name.startswith("mtp."):
             if not keep_mtp:
                 continue
-            rest = name[len("mtp."):]
+            rest = name[len("mtp.") :]
             if rest.startswith("layers."):
                 _, k, sub = rest.split(".", 2)
                 yield from _layer(n_main + int(k), sub, arr)
@@ -204,9 +215,19 @@ def _tensors(weights: dict, n_main: int, keep_mtp: bool):
             yield None, name, arr
 
 
-def convert_hf_to_gguf(hf_dir, out_path, qtype=lambda name, arr: Q.F32, *, pre: str = "qwen35",
-                       mtp: bool = True, fuse_gate_up: bool = False, skip=(), arch=None, extra_ids=None,
-                       tokenizer: bool = True):
+def convert_hf_to_gguf(
+    hf_dir,
+    out_path,
+    qtype=lambda name, arr: Q.F32,
+    *,
+    pre: str = "qwen35",
+    mtp: bool = True,
+    fuse_gate_up: bool = False,
+    skip=(),
+    arch=None,
+    extra_ids=None,
+    tokenizer: bool = True,
+):
     """Convert an HF-format Qwen3.5 folder to GGUF the way llama.cpp's converter does.
 
     ``qtype(gguf_name, array)`` picks each tensor's type (F32 default; vectors stay F32);
@@ -284,8 +305,11 @@ def convert_hf_to_gguf(hf_dir, out_path, qtype=lambda name, arr: Q.F32, *, pre: 
             arr = arr + 1.0  # zero-centred gammas stored as 1 + w
         # 3. names
         if bid is None:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[sub]
+            gname = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[sub]
         elif sub in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):
             gname = f"blk.{bid}.ffn_{sub.split('.')[-1][:-5]}_exps.weight"
             if fuse_gate_up:
@@ -365,8 +389,11 @@ def convert_draft_to_gguf(draft_dir, target_dir, out_path, *, qtype=Q.F16, drop_
             _, i, sub = name.split(".", 2)
             gname = f"blk.{i}." + _DRAFT_NAMES[sub]
         else:
-            gname = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-                     "norm.weight": "output_norm.weight"}[name]
+            gname = {
+                "fc.weight": "fc.weight",
+                "hidden_norm.weight": "enc.output_norm.weight",
+                "norm.weight": "output_norm.weight",
+            }[name]
         _add(w, gname, arr, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -23,13 +23,23 @@ SEED = 23
 # hidden and FFN sizes are multiples of 256 so K-quants apply; the DeltaNet
 # output and attention output projections (input 128) are not, so llama.cpp
 # gives them its fallback types (Q5_0, Q5_1, Q8_0), which are covered too.
-CONFIG = dict(vocab_size=320, hidden_size=256, num_hidden_layers=2, full_attention_interval=2,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=64, intermediate_size=256,
-              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+CONFIG = dict(
+    vocab_size=320,
+    hidden_size=256,
+    num_hidden_layers=2,
+    full_attention_interval=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=256,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+)
 # name -> (llama_ftype value, pure): Q4_0 is quantized "pure" (llama.cpp would
 # otherwise store output.weight as Q6_K), so that one file is Q4_0 throughout.
-FTYPES = {"Q8_0": (7, False), "Q4_0": (2, True), "Q4_K_M": (15, False), "Q5_K_M": (17, False),
-          "Q6_K": (18, False)}
+FTYPES = {"Q8_0": (7, False), "Q4_0": (2, True), "Q4_K_M": (15, False), "Q5_K_M": (17, False), "Q6_K": (18, False)}
 
 
 def fixture(name: str) -> Path:
@@ -97,15 +107,18 @@ sys.exit(same != n)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-python", default=sys.executable,
-                    help="a Python where llama_cpp (llama-cpp-python) imports")
+    ap.add_argument(
+        "--llama-python", default=sys.executable, help="a Python where llama_cpp (llama-cpp-python) imports"
+    )
     a = ap.parse_args(argv)
     DATA.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         src = source_gguf(tmp)
         for name, (ftype, pure) in FTYPES.items():
-            subprocess.run([a.llama_python, "-c", QUANTIZE, str(src), str(fixture(name)), str(ftype),
-                            "1" if pure else "0"], check=True)
+            subprocess.run(
+                [a.llama_python, "-c", QUANTIZE, str(src), str(fixture(name)), str(ftype), "1" if pure else "0"],
+                check=True,
+            )
             print(f"wrote {fixture(name)} ({fixture(name).stat().st_size / 1e6:.2f} MB)")
     subprocess.run([a.llama_python, "-c", CHECK] + [str(fixture(n)) for n in FTYPES], check=True)
 

@@ -27,8 +27,14 @@ HERE = Path(__file__).parent
 CACHE = Path(tempfile.gettempdir()) / "mlx_dflash_metal_harness"
 
 CTYPES = {
-    mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat", mx.int32: "int",
-    mx.uint32: "uint", mx.bool_: "bool", mx.int64: "int64_t", mx.uint8: "uint8_t",
+    mx.float32: "float",
+    mx.float16: "half",
+    mx.bfloat16: "bfloat",
+    mx.int32: "int",
+    mx.uint32: "uint",
+    mx.bool_: "bool",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
 }
 RAW = {mx.bfloat16: mx.uint16, mx.float16: mx.uint16}  # how a dtype travels as bytes
 
@@ -160,8 +166,18 @@ def _header_dir() -> Path:
         (tmp / "metal_compat.h").write_text(header)
         version = subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout
         if "Free Software Foundation" in version:  # GCC finds metal_compat.h.gch beside the header
-            subprocess.run([compiler(), *FLAGS, "-x", "c++-header", str(tmp / "metal_compat.h"),
-                            "-o", str(tmp / "metal_compat.h.gch")], capture_output=True)
+            subprocess.run(
+                [
+                    compiler(),
+                    *FLAGS,
+                    "-x",
+                    "c++-header",
+                    str(tmp / "metal_compat.h"),
+                    "-o",
+                    str(tmp / "metal_compat.h.gch"),
+                ],
+                capture_output=True,
+            )
         try:
             os.replace(tmp, d)
         except OSError:  # another process made it first
@@ -177,8 +193,11 @@ def build(source: str, launch) -> Path:
     if not exe.exists():
         src = CACHE / f"k_{key}.cpp"
         src.write_text(code)
-        r = subprocess.run([compiler(), *FLAGS, f"-I{_header_dir()}", str(src), "-o", str(exe) + ".tmp"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [compiler(), *FLAGS, f"-I{_header_dir()}", str(src), "-o", str(exe) + ".tmp"],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
             raise RuntimeError(f"kernel {launch.name} does not compile:\n{r.stderr[-4000:]}")
         os.replace(str(exe) + ".tmp", exe)
@@ -208,5 +227,4 @@ def run(launch, source: str = None, order: str = "forward") -> List[mx.array]:
         r = subprocess.run([str(exe), order, *dims, *files, *out_args], capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"kernel {launch.name} failed ({r.returncode}): {r.stderr[-2000:]}")
-        return [_from_bytes(Path(o).read_bytes(), shape, dtype)
-                for o, (_, shape, dtype) in zip(outs, launch.outputs)]
+        return [_from_bytes(Path(o).read_bytes(), shape, dtype) for o, (_, shape, dtype) in zip(outs, launch.outputs)]

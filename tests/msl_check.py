@@ -31,8 +31,19 @@ import mlx.core as mx
 from mlx_dflash.kernels import metal
 
 HERE = Path(__file__).parent
-ARGS = ["-x", "c++", "-std=c++14", "-pedantic-errors", "-fno-exceptions", "-fno-rtti", "-nostdinc",
-        "-nostdinc++", "-Werror=vla", "-Wno-unknown-attributes", "-Wno-unused-value"]
+ARGS = [
+    "-x",
+    "c++",
+    "-std=c++14",
+    "-pedantic-errors",
+    "-fno-exceptions",
+    "-fno-rtti",
+    "-nostdinc",
+    "-nostdinc++",
+    "-Werror=vla",
+    "-Wno-unknown-attributes",
+    "-Wno-unused-value",
+]
 
 
 def capture(launch) -> str:
@@ -59,9 +70,9 @@ def capture_fn(fn, arrays) -> str:
         raise RuntimeError("no kernel source in the exported function")
     for start in (data.rfind(b"template <", 0, at), at):
         if start >= 8:
-            n = int.from_bytes(data[start - 8:start], "little")
-            if start + n <= len(data) and b"[[kernel]]" in data[start:start + n]:
-                return data[start:start + n].decode()
+            n = int.from_bytes(data[start - 8 : start], "little")
+            if start + n <= len(data) and b"[[kernel]]" in data[start : start + n]:
+                return data[start : start + n].decode()
     raise RuntimeError("could not delimit the kernel source in the exported function")
 
 
@@ -76,14 +87,13 @@ def _strip_instantiation(source: str) -> str:
         return source  # a kernel without template parameters is not a template
     if m.group(1) != m.group(2):
         raise RuntimeError(f"host_name {m.group(1)} is not the kernel {m.group(2)}")
-    return source[:m.start()] + "template decltype(" + m.group(2) + "<" + source[m.end():]
+    return source[: m.start()] + "template decltype(" + m.group(2) + "<" + source[m.end() :]
 
 
 def _recursion(tu, main: str) -> List[str]:
     from clang.cindex import CursorKind
 
-    funcs = {CursorKind.FUNCTION_DECL, CursorKind.FUNCTION_TEMPLATE, CursorKind.CXX_METHOD,
-             CursorKind.LAMBDA_EXPR}
+    funcs = {CursorKind.FUNCTION_DECL, CursorKind.FUNCTION_TEMPLATE, CursorKind.CXX_METHOD, CursorKind.LAMBDA_EXPR}
     calls = {}
 
     def key(c):
@@ -98,8 +108,7 @@ def _recursion(tu, main: str) -> List[str]:
                 calls.setdefault(k, set())
                 walk(ch, k)
                 continue
-            if ch.kind == CursorKind.CALL_EXPR and owner and ch.referenced is not None \
-                    and ch.referenced.kind in funcs:
+            if ch.kind == CursorKind.CALL_EXPR and owner and ch.referenced is not None and ch.referenced.kind in funcs:
                 calls[owner].add(key(ch.referenced))
             walk(ch, owner)
 
@@ -133,8 +142,9 @@ def check(source: str) -> List[str]:
         main = str(Path(d) / "kernel.cpp")
         Path(main).write_text(text)
         tu = Index.create().parse(main, args=ARGS + [f"-I{HERE}"])
-        problems = [f"line {x.location.line - 1}: {x.spelling}" for x in tu.diagnostics
-                    if x.severity >= Diagnostic.Error]
+        problems = [
+            f"line {x.location.line - 1}: {x.spelling}" for x in tu.diagnostics if x.severity >= Diagnostic.Error
+        ]
         if not problems:
             problems = _recursion(tu, main)
     return problems

@@ -17,8 +17,7 @@ def test_bench_writes_json_markdown_plot(tmp_path):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
     eng = mlx_dflash.load()
-    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, tree_budget=6,
-                    log=lambda _: None)
+    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[6, 12], repeats=1, tree_budget=6, log=lambda _: None)
     assert res["identical_tokens"] and res["agrees_with_mlx_lm"] and len(res["results"]) == 2
     for r in res["results"]:
         # the width policy is on by default, so the pinned full-width chain runs beside it
@@ -67,7 +66,9 @@ def test_bench_reports_mlx_lm_disagreement_without_failing(dense, tok_dir, tmp_p
     from mlx_dflash.loading import load_tokenizer
 
     path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
-    eng = mlx_dflash.Engine(target, load_tokenizer(path), tiny.build_draft(tiny.draft_config(cfg, block_size=4)).bind(target))
+    eng = mlx_dflash.Engine(
+        target, load_tokenizer(path), tiny.build_draft(tiny.draft_config(cfg, block_size=4)).bind(target)
+    )
     notes = []
     res = run_bench(eng, {"p": "def f(x):"}, max_tokens=[16], repeats=1, log=notes.append)
     assert res["identical_tokens"] and not res["agrees_with_mlx_lm"]
@@ -121,8 +122,9 @@ def test_bench_context_length_axis(tmp_path, monkeypatch):
     seen = []  # prompt lengths of mlx-lm's runs, in the order they ran
     run_mlx_lm = benchmark._run_mlx_lm
     monkeypatch.setattr(benchmark, "_run_mlx_lm", lambda e, ids, n: seen.append(len(ids)) or run_mlx_lm(e, ids, n))
-    res = run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=2, contexts=[40, 120],
-                    log=lambda _: None)
+    res = run_bench(
+        eng, read_prompts(tmp_path / "p"), max_tokens=[8], repeats=2, contexts=[40, 120], log=lambda _: None
+    )
     ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
     assert [r["prompt_tokens"] for r in ctx] == [40, 120]
     # The context rows take turns within each repeat (warm-up, then two repeats),

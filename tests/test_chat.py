@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_three_turn_session_reuses_each_previous_turn(engines, which):  # noqa: F811
     eng = engines[which]
-    chat = mlx_dflash.ChatSession(eng, system="You write small Python functions. " * 4,
-                                  prefix_cache=PrefixCache(rung_interval=0))
+    chat = mlx_dflash.ChatSession(
+        eng, system="You write small Python functions. " * 4, prefix_cache=PrefixCache(rung_interval=0)
+    )
     turns = ["def fibonacci(n):", "class Stack:", "import os, sys"]
     for i, text in enumerate(turns):
         r = chat.send(text, max_tokens=12)
@@ -39,8 +40,9 @@ def test_three_turn_session_reuses_each_previous_turn(engines, which):  # noqa: 
         assert mlx_dflash.generate(eng, ids, max_tokens=12).tokens == r.tokens
     assert [m["role"] for m in chat.messages] == ["system"] + ["user", "assistant"] * 3
     # The conversation is the template's rendering of the messages.
-    rendered = eng.tokenizer.apply_chat_template(chat.messages + [{"role": "user", "content": "x"}],
-                                                 add_generation_prompt=True, tokenize=False)
+    rendered = eng.tokenizer.apply_chat_template(
+        chat.messages + [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered.startswith(eng.tokenizer.decode(chat._ids[: chat.stats.prompt_tokens]))
     chat.reset()
     assert chat.messages == [{"role": "system", "content": chat.system}]
@@ -55,7 +57,9 @@ def test_session_on_a_template_that_rewrites_history(engines):  # noqa: F811
     tok = eng.tokenizer
     saved = tok._tokenizer.chat_template
     # Like Qwen3's template dropping earlier thinking: assistant turns rendered without their text.
-    tok._tokenizer.chat_template = saved.replace("message['content']", "(message['content'] if message['role'] != 'assistant' else '')")
+    tok._tokenizer.chat_template = saved.replace(
+        "message['content']", "(message['content'] if message['role'] != 'assistant' else '')"
+    )
     try:
         chat = mlx_dflash.ChatSession(eng, system="Be brief. " * 8, prefix_cache=PrefixCache(rung_interval=0))
         first = chat.send("def f(x):", max_tokens=6)
@@ -129,12 +133,14 @@ def cli(capsys, *args):
 
 def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
     f = tmp_path / "prompt.safetensors"
-    code, cold, err = cli(capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose",
-                          "--prompt-cache-file", str(f))
+    code, cold, err = cli(
+        capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose", "--prompt-cache-file", str(f)
+    )
     assert code in (0, None), err
     assert f.is_file() and re.search(r"cached tokens\s+0\b", err)
-    code, warm, err = cli(capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose",
-                          "--prompt-cache-file", str(f))
+    code, warm, err = cli(
+        capsys, "generate", "def fibonacci(n):", "-n", "16", "--verbose", "--prompt-cache-file", str(f)
+    )
     assert code in (0, None), err
     assert warm == cold
     m = re.search(r"prompt tokens\s+(\d+)", err)
@@ -149,8 +155,17 @@ def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
     code, _, err = cli(capsys, "generate", "def f():", "-n", "4", "--prompt-cache-file", str(bad))
     assert code == 2 and err.startswith("error:") and ("truncated" in err or "corrupt" in err)
     assert bad.read_bytes() == f.read_bytes()[:1000]  # left as it was
-    code, _, err = cli(capsys, "generate", "def f():", "-n", "4", "--prompt-cache-file", str(tmp_path / "n.safetensors"),
-                       "--prompt-cache-bytes", "100")
+    code, _, err = cli(
+        capsys,
+        "generate",
+        "def f():",
+        "-n",
+        "4",
+        "--prompt-cache-file",
+        str(tmp_path / "n.safetensors"),
+        "--prompt-cache-bytes",
+        "100",
+    )
     assert code == 2 and "too small for one snapshot" in err
 
 
@@ -158,8 +173,20 @@ def test_chat_and_generate_help_list_the_cache_flags(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # long option names are not cut in a wide help table
     code, out, _ = cli(capsys, "chat", "--help")
     assert code == 0
-    for flag in ("--model", "--draft", "--system", "--max-tokens", "--temp", "--seed", "--tree-budget",
-                 "--prompt-cache-file", "--prompt-cache-bytes", "/reset", "/save", "/quit"):
+    for flag in (
+        "--model",
+        "--draft",
+        "--system",
+        "--max-tokens",
+        "--temp",
+        "--seed",
+        "--tree-budget",
+        "--prompt-cache-file",
+        "--prompt-cache-bytes",
+        "/reset",
+        "/save",
+        "/quit",
+    ):
         assert flag in out, flag
     code, out, _ = cli(capsys, "generate", "--help")
     assert "--prompt-cache-file" in out and "--prompt-cache-bytes" in out

@@ -23,25 +23,56 @@ def test_help_lists_every_flag(capsys, monkeypatch):
     assert code == 0 and "generate" in out and "info" in out
     code, out, _ = cli(capsys, "generate", "--help")
     assert code == 0
-    for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--no-chat-template",
-                 "--system", "--baseline", "--verbose", "--profile", "--seed", "--temp", "--draft-window",
-                 "--dtype", "--draft-model", "--num-draft-tokens", "--system-prompt", "--ignore-chat-template",
-                 "--chat-template-config", "--extra-eos-token", "--min-tokens-to-keep", "--no-compile", "--auto-tree"):
+    for flag in (
+        "--model",
+        "--draft",
+        "--prompt",
+        "--max-tokens",
+        "--block-size",
+        "--no-chat-template",
+        "--system",
+        "--baseline",
+        "--verbose",
+        "--profile",
+        "--seed",
+        "--temp",
+        "--draft-window",
+        "--dtype",
+        "--draft-model",
+        "--num-draft-tokens",
+        "--system-prompt",
+        "--ignore-chat-template",
+        "--chat-template-config",
+        "--extra-eos-token",
+        "--min-tokens-to-keep",
+        "--no-compile",
+        "--auto-tree",
+    ):
         assert flag in out, flag
 
 
 def test_console_script_runs_embedded_pair():
-    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "def fibonacci(n):",
-                        "-n", "12", "--verbose"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", "generate", "def fibonacci(n):", "-n", "12", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "tau" in r.stderr and "decode" in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.skipif(blas.openblas_path() is None,
-                    reason="OpenBLAS is not installed on this machine (apt-get install libopenblas0-pthread)")
+@pytest.mark.skipif(
+    blas.openblas_path() is None,
+    reason="OpenBLAS is not installed on this machine (apt-get install libopenblas0-pthread)",
+)
 def test_command_line_runs_under_openblas_with_a_core_left_for_python():
-    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "def f(", "-n", "4", "--verbose"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", "generate", "def f(", "-n", "4", "--verbose"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     n = blas.decode_threads()
     assert "OpenBLAS preloaded" in r.stderr and f", {n} thread{'s' if n != 1 else ''}" in r.stderr, r.stderr
@@ -109,16 +140,33 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
         (["generate", "hi", "--model", str(notmodel)], "no config.json"),
         (["generate", "hi", "--model", str(llama)], "unsupported model_type"),
-        (["generate", "hi", "--model", str(small_ctx_model),
-          "--draft", str(__import__("mlx_dflash").api.DEFAULT_DRAFT)], "hidden_size"),
+        (
+            [
+                "generate",
+                "hi",
+                "--model",
+                str(small_ctx_model),
+                "--draft",
+                str(__import__("mlx_dflash").api.DEFAULT_DRAFT),
+            ],
+            "hidden_size",
+        ),
         (["generate", "hi", "--block-size", "17"], "block-size must be in 2..16"),
         (["generate", "hi", "--block-size", "1"], "block-size must be in 2..16"),
         (["generate", "   "], "empty prompt"),
         (["generate"], "no prompt"),
         (["generate", "hi", "--max-tokens", "0"], "must be positive"),
         (["generate", "hi", "--max-tokens", "-3"], "must be positive"),
-        (["generate", "a b c d e f g h i j k l m n o p q r s t", "--no-chat-template",
-          "--model", str(small_ctx_model)], "context limit is 16"),
+        (
+            [
+                "generate",
+                "a b c d e f g h i j k l m n o p q r s t",
+                "--no-chat-template",
+                "--model",
+                str(small_ctx_model),
+            ],
+            "context limit is 16",
+        ),
         (["generate", "hi", "--temp", "-1"], "temperature"),
         (["generate", "hi", "--dtype", "int8"], "--dtype"),
         (["generate", "hi", "--draft-quantize", "3"], "4 or 8 bits"),
@@ -139,8 +187,12 @@ def test_bad_input_exits_2_with_message(capsys, tmp_path, small_ctx_model):
 
 
 def test_bad_input_through_console_script(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mlx_dflash", "generate", "hi", "--model", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", "generate", "hi", "--model", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2
     assert "error:" in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr
 

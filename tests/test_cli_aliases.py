@@ -8,8 +8,7 @@ from test_cli import cli
 from mlx_dflash import tiny
 from mlx_dflash.api import DEFAULT_DRAFT
 
-KEYS = ("mode", "prompt tokens", "generated tokens", "finish reason", "cycles", "block size",
-        "acceptance histogram")
+KEYS = ("mode", "prompt tokens", "generated tokens", "finish reason", "cycles", "block size", "acceptance histogram")
 
 
 def stats(err):
@@ -64,14 +63,16 @@ def test_extra_eos_token_stops_generation(capsys):
 def thinking_model(tmp_path_factory, tok_dir):
     """A tiny target whose chat template has Qwen's enable_thinking switch."""
     cfg = tiny.target_config(vocab_size=400)
-    path = tiny.save_mlx(tiny.build_target(cfg, seed=2), cfg, tmp_path_factory.mktemp("think") / "t",
-                         tokenizer_dir=tok_dir)
+    path = tiny.save_mlx(
+        tiny.build_target(cfg, seed=2), cfg, tmp_path_factory.mktemp("think") / "t", tokenizer_dir=tok_dir
+    )
     tc = json.loads((path / "tokenizer_config.json").read_text())
     tc["chat_template"] = (
         "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
         "{% if enable_thinking %}{{ '<think>\\n' }}{% endif %}"
-        "{% endif %}")
+        "{% endif %}"
+    )
     (path / "tokenizer_config.json").write_text(json.dumps(tc))
     return path
 

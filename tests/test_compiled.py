@@ -65,9 +65,16 @@ def test_compiled_target_decodes_mlx_lm_greedy_with_and_without_a_draft(any_mode
 def test_compiled_draft_block_matches_plain_ops(dense):
     cfg, model = dense
     target = Target(model)
-    draft = tiny.build_draft(tiny.draft_config(cfg, num_hidden_layers=2, block_size=8,
-                                               layer_types=["sliding_attention", "full_attention"],
-                                               sliding_window=6), seed=5).bind(target)
+    draft = tiny.build_draft(
+        tiny.draft_config(
+            cfg,
+            num_hidden_layers=2,
+            block_size=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=6,
+        ),
+        seed=5,
+    ).bind(target)
     _, feats = target.prefill(PROMPT, target.make_cache(), capture=draft.target_layer_ids)
     out = {}
     for flag in (True, False):
@@ -100,8 +107,9 @@ def test_weights_changed_after_compiling_are_seen(dense):
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
 def test_compiled_target_with_quantized_kv_matches_plain_ops(kv_bits):
-    model = tiny.build_target(tiny.target_config(hidden_size=128, head_dim=64, num_attention_heads=2,
-                                                 num_key_value_heads=1), seed=2)
+    model = tiny.build_target(
+        tiny.target_config(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1), seed=2
+    )
     on, off = _twins(model)
     outs = []
     for t in (on, off):

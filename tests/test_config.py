@@ -13,26 +13,29 @@ from mlx_dflash.models.qwen35 import Target
 PROMPT = [3, 17, 42, 5, 99, 7]
 
 
-@pytest.mark.parametrize("options,draft_block,words", [
-    (dict(block_size=17), 16, "--block-size must be in 2..16 for this draft, got 17"),
-    (dict(block_size=1), 16, "--block-size must be in 2..16 for this draft, got 1"),
-    (dict(block_size=4), None, "a block size was given but no draft is loaded"),
-    (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
-    (dict(prefill_chunk=0), 16, "prefill chunk must be positive, got 0"),
-    (dict(accept_rule="typical"), 16, "acceptance rule must be one of"),
-    (dict(kv_bits=3), 16, "--kv-bits must be 4 or 8"),
-    (dict(tree_budget=-1), 16, "--tree-budget and --auto-tree must be >= 0, got -1 and 0"),
-    (dict(tree_topk=0), 16, "--tree-topk must be >= 1, got 0"),
-    (dict(tree_budget=6, auto_tree=6), 16, "not both"),
-    (dict(draft_window=(16, -1)), 16, "--draft-window and --draft-sink must be >= 0"),
-    (dict(temperature=-1.0), 16, "temperature must be >= 0"),
-    (dict(top_p=1.5), 16, "top_p must be in [0, 1]"),
-    (dict(top_k=-1), 16, "top_k must be >= 0"),
-    (dict(min_p=2.0), 16, "min_p must be in [0, 1]"),
-    (dict(min_tokens_to_keep=0), 16, "min_tokens_to_keep must be >= 1"),
-    (dict(repetition_penalty=0.0), 16, "repetition penalty must be positive"),
-    (dict(repetition_context_size=0), 16, "repetition context size must be positive"),
-])
+@pytest.mark.parametrize(
+    "options,draft_block,words",
+    [
+        (dict(block_size=17), 16, "--block-size must be in 2..16 for this draft, got 17"),
+        (dict(block_size=1), 16, "--block-size must be in 2..16 for this draft, got 1"),
+        (dict(block_size=4), None, "a block size was given but no draft is loaded"),
+        (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
+        (dict(prefill_chunk=0), 16, "prefill chunk must be positive, got 0"),
+        (dict(accept_rule="typical"), 16, "acceptance rule must be one of"),
+        (dict(kv_bits=3), 16, "--kv-bits must be 4 or 8"),
+        (dict(tree_budget=-1), 16, "--tree-budget and --auto-tree must be >= 0, got -1 and 0"),
+        (dict(tree_topk=0), 16, "--tree-topk must be >= 1, got 0"),
+        (dict(tree_budget=6, auto_tree=6), 16, "not both"),
+        (dict(draft_window=(16, -1)), 16, "--draft-window and --draft-sink must be >= 0"),
+        (dict(temperature=-1.0), 16, "temperature must be >= 0"),
+        (dict(top_p=1.5), 16, "top_p must be in [0, 1]"),
+        (dict(top_k=-1), 16, "top_k must be >= 0"),
+        (dict(min_p=2.0), 16, "min_p must be in [0, 1]"),
+        (dict(min_tokens_to_keep=0), 16, "min_tokens_to_keep must be >= 1"),
+        (dict(repetition_penalty=0.0), 16, "repetition penalty must be positive"),
+        (dict(repetition_context_size=0), 16, "repetition context size must be positive"),
+    ],
+)
 def test_validate_names_the_cause(options, draft_block, words):
     with pytest.raises(DFlashError) as e:
         GenerationConfig(**options).validate(draft_block)
@@ -74,8 +77,21 @@ def test_config_and_keywords_give_the_same_tokens(dense):
     cfg = GenerationConfig(max_tokens=12, temperature=0.8, top_k=20, seed=4, block_size=4, accept_rule="equality")
     st_a, st_b = GenerationStats(), GenerationStats()
     a = sum(generate_tokens(target, PROMPT, cfg, draft=draft, stats=st_a), [])
-    b = sum(generate_tokens(target, PROMPT, draft=draft, stats=st_b, max_tokens=12, temperature=0.8, top_k=20,
-                            seed=4, block_size=4, accept_rule="equality"), [])
+    b = sum(
+        generate_tokens(
+            target,
+            PROMPT,
+            draft=draft,
+            stats=st_b,
+            max_tokens=12,
+            temperature=0.8,
+            top_k=20,
+            seed=4,
+            block_size=4,
+            accept_rule="equality",
+        ),
+        [],
+    )
     assert a == b and len(a) == 12 and st_a.block_size == st_b.block_size == 4
     # Keywords override the config's fields.
     c = sum(generate_tokens(target, PROMPT, cfg, draft=draft, max_tokens=5), [])
@@ -111,8 +127,9 @@ def test_server_request_sets_the_sampling_fields_it_names():
     from types import SimpleNamespace
 
     defaults = GenerationConfig(max_tokens=512, temperature=0.7, block_size=8, tree_budget=0)
-    req = SimpleNamespace(temperature=None, top_p=0.9, top_k=5, seed=3, repetition_penalty=None,
-                          block_size=2, max_tokens=99)  # not a sampling field: the server's stays
+    req = SimpleNamespace(
+        temperature=None, top_p=0.9, top_k=5, seed=3, repetition_penalty=None, block_size=2, max_tokens=99
+    )  # not a sampling field: the server's stays
     got = defaults.with_request(req, max_tokens=40)
     assert got == GenerationConfig(max_tokens=40, temperature=0.7, top_p=0.9, top_k=5, seed=3, block_size=8)
     assert isinstance(got.top_p, float)

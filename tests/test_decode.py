@@ -59,8 +59,13 @@ def run(target, prompt, n, **kw):
 def random_drafts(dense, moe):
     out = {}
     for name, (cfg, _) in (("dense", dense), ("moe", moe)):
-        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=16,
-                                 layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+        dcfg = tiny.draft_config(
+            cfg,
+            num_hidden_layers=2,
+            block_size=16,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+        )
         out[name] = tiny.build_draft(dcfg, seed=11)
     return out
 
@@ -134,13 +139,22 @@ def test_plain_loop_cache_is_exact_at_every_stop(dense, profile):
     prompt = PROMPTS[0]
     ref = reference_greedy(model, prompt, N)
     first = ref.index(ref[6])
-    cases = [dict(n=N, eos_token_ids=[ref[6]], want=ref[: first + 1], why="stop"),
-             dict(n=5, want=ref[:5], why="length"),
-             dict(n=N, max_context=len(prompt) + 7, want=ref[:7], why="length")]
+    cases = [
+        dict(n=N, eos_token_ids=[ref[6]], want=ref[: first + 1], why="stop"),
+        dict(n=5, want=ref[:5], why="length"),
+        dict(n=N, max_context=len(prompt) + 7, want=ref[:7], why="length"),
+    ]
     for c in cases:
         cache = target.make_cache()
-        out, stats = run(target, prompt, c["n"], cache=cache, profile=profile,
-                         eos_token_ids=c.get("eos_token_ids", ()), max_context=c.get("max_context"))
+        out, stats = run(
+            target,
+            prompt,
+            c["n"],
+            cache=cache,
+            profile=profile,
+            eos_token_ids=c.get("eos_token_ids", ()),
+            max_context=c.get("max_context"),
+        )
         assert out == c["want"] and stats.finish_reason == c["why"]
         assert stats.cycles == len(out) - 1 and stats.accept_hist[1] == stats.cycles
         assert_cache_is_plain_forward(target, cache, prompt + out[:-1])
@@ -222,6 +236,8 @@ def test_long_prompt_hands_the_draft_only_its_window(dense, random_drafts):
     rows, skipped, pos = seen[0]
     assert rows == 8 and skipped + rows == pos == len(prompt)
     assert all(r <= 8 for r, _, _ in seen)
+
+
 MODES = {
     "plain": dict(),
     "plain-profiled": dict(profile=True),  # the unpipelined plain loop

@@ -24,6 +24,7 @@ PROMPT = [1, 10, 20, 30, 40, 7, 7, 100]
 
 # --- the rank program ---------------------------------------------------------------
 
+
 class RecordingDraft:
     """Wraps a draft: logs the target features it is given (to compare the
     pipeline's with one process's) and, with ``script``, proposes a known
@@ -82,8 +83,14 @@ def _rank_main(args):
     out = Path(args.out)
     stage = distributed.load(args.model, args.draft, dtype=mx.float32, timeout=args.timeout)
     r = stage.rank
-    info = {"rank": r, "layers": list(stage.layers), "bounds": stage.bounds, "share_bytes": stage.share_bytes,
-            "load_peak": stage.load_peak_memory, "total_bytes": stage.costs.total}
+    info = {
+        "rank": r,
+        "layers": list(stage.layers),
+        "bounds": stage.bounds,
+        "share_bytes": stage.share_bytes,
+        "load_peak": stage.load_peak_memory,
+        "total_bytes": stage.costs.total,
+    }
     if r == 0 and stage.engine.draft is not None:
         info["draft_bytes"] = sum(distributed.safetensors_sizes(args.draft).values())
     (out / f"info{r}.json").write_text(json.dumps(info))
@@ -122,10 +129,18 @@ def _rank_main(args):
                 cache = target.make_cache()
                 toks = []
                 stats[which] = GenerationStats()
-                for ts in generate_tokens(target, prompt, draft=draft, max_tokens=args.n, cache=cache,
-                                          temperature=temp, seed=seed, stats=stats[which],
-                                          eos_token_ids=[script[len(prompt) + eos_at]] if eos_at else (),
-                                          **case):
+                for ts in generate_tokens(
+                    target,
+                    prompt,
+                    draft=draft,
+                    max_tokens=args.n,
+                    cache=cache,
+                    temperature=temp,
+                    seed=seed,
+                    stats=stats[which],
+                    eos_token_ids=[script[len(prompt) + eos_at]] if eos_at else (),
+                    **case,
+                ):
                     toks.extend(ts)
                     if args.die_after_s is not None and which == "pipeline":
                         time.sleep(0.05)
@@ -144,10 +159,13 @@ def _rank_main(args):
                     np.savez(out / f"{name}-ref.npz", *[np.array(x) for x in _layer_state(ref)])
             fs, fp = feats["single"], feats["pipeline"]
             feat_err = max((float(np.abs(np.concatenate(fs) - np.concatenate(fp)).max()) if fs else 0.0), 0.0)
-            results[name] = {"single": outs["single"], "pipeline": outs["pipeline"],
-                             "feature_rows": [sum(len(x) for x in fs), sum(len(x) for x in fp)],
-                             "feature_err": feat_err,
-                             "accept_hist": [stats["single"].accept_hist, stats["pipeline"].accept_hist]}
+            results[name] = {
+                "single": outs["single"],
+                "pipeline": outs["pipeline"],
+                "feature_rows": [sum(len(x) for x in fs), sum(len(x) for x in fp)],
+                "feature_err": feat_err,
+                "accept_hist": [stats["single"].accept_hist, stats["pipeline"].accept_hist],
+            }
         cache = stage.worker.cache if r != 0 else cache.local
         np.savez(out / f"{name}-rank{r}.npz", *[np.array(x) for x in _layer_state(cache)])
     if r == 0:
@@ -165,6 +183,7 @@ def _layer_state(cache):
 
 # --- the tests ----------------------------------------------------------------------
 
+
 def _free_ports(n):
     socks = [socket.socket() for _ in range(n)]
     for s in socks:
@@ -181,11 +200,16 @@ def launch(tmp, n, argv, script=True):
     hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
     procs = []
     for r in range(n):
-        env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hosts),
-                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            MLX_RANK=str(r),
+            MLX_HOSTFILE=str(hosts),
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         cmd = [sys.executable, __file__, *argv] if script else [sys.executable, *argv]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     return procs
 
 
@@ -304,17 +328,23 @@ def test_plan_stages_minimises_the_largest_stage():
 def test_costs_group_tensors_by_layer():
     from mlx_dflash.distributed import costs_from_sizes
 
-    hf = {"model.language_model.layers.0.linear_attn.in_proj_qkv.weight": 10,
-          "model.language_model.layers.1.self_attn.q_proj.weight": 7,
-          "model.language_model.layers.1.mlp.experts.gate_up_proj": 100,
-          "model.language_model.embed_tokens.weight": 50, "lm_head.weight": 40,
-          "model.language_model.norm.weight": 1, "mtp.layers.0.fc.weight": 999,
-          "model.visual.blocks.0.attn.qkv.weight": 999}
+    hf = {
+        "model.language_model.layers.0.linear_attn.in_proj_qkv.weight": 10,
+        "model.language_model.layers.1.self_attn.q_proj.weight": 7,
+        "model.language_model.layers.1.mlp.experts.gate_up_proj": 100,
+        "model.language_model.embed_tokens.weight": 50,
+        "lm_head.weight": 40,
+        "model.language_model.norm.weight": 1,
+        "mtp.layers.0.fc.weight": 999,
+        "model.visual.blocks.0.attn.qkv.weight": 999,
+    }
     c = costs_from_sizes(hf, 2)
     assert (c.layers, c.embed, c.head, c.norm) == ([10, 107], 50, 40, 1)
-    mlx = {"language_model.model.layers.1.mlp.switch_mlp.up_proj.scales": 3,
-           "language_model.model.layers.2.input_layernorm.weight": 5,  # an MTP layer past the last
-           "language_model.lm_head.weight": 4}
+    mlx = {
+        "language_model.model.layers.1.mlp.switch_mlp.up_proj.scales": 3,
+        "language_model.model.layers.2.input_layernorm.weight": 5,  # an MTP layer past the last
+        "language_model.lm_head.weight": 4,
+    }
     c = costs_from_sizes(mlx, 2)
     assert (c.layers, c.head) == ([0, 3], 4)
     gg = {"blk.0.attn_qkv.weight": 6, "token_embd.weight": 9, "output.weight": 8, "output_norm.weight": 2}
@@ -328,8 +358,12 @@ def test_info_shows_the_stage_plan(capsys, tmp_path):
     from mlx_dflash.distributed import plan
 
     cfg = tiny.target_config(moe=True, num_hidden_layers=6)
-    path = tiny.save_hf(tiny.build_target(cfg, seed=1), cfg, tmp_path / "m",
-                        tokenizer_dir=tiny.build_tokenizer(tmp_path / "tok", vocab_size=300))
+    path = tiny.save_hf(
+        tiny.build_target(cfg, seed=1),
+        cfg,
+        tmp_path / "m",
+        tokenizer_dir=tiny.build_tokenizer(tmp_path / "tok", vocab_size=300),
+    )
     with pytest.raises(SystemExit) as e:
         main(["info", str(path), "--stages", "3"])
     assert e.value.code == 0
@@ -356,8 +390,9 @@ def test_pipeline_serve_without_a_launch_is_a_clear_error(capsys):
         main(["serve", "--pipeline"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == \
-        ["error: --pipeline needs 2 or more processes: run under `mlx.launch --backend ring -n N` or with a hostfile"]
+    assert [ln for ln in err.splitlines() if ln.startswith("error:")] == [
+        "error: --pipeline needs 2 or more processes: run under `mlx.launch --backend ring -n N` or with a hostfile"
+    ]
 
 
 def test_two_stage_dense_plain_and_chain(tmp_path, pair_dirs):
@@ -392,8 +427,19 @@ def test_two_stage_gguf_target(tmp_path, pair_dirs):
 
 
 def _cli(model, draft, extra):
-    return ["-m", "mlx_dflash", "generate", "--pipeline", "-m", str(model), "-d", str(draft),
-            "--no-chat-template", *extra, "def fibonacci(n):"]
+    return [
+        "-m",
+        "mlx_dflash",
+        "generate",
+        "--pipeline",
+        "-m",
+        str(model),
+        "-d",
+        str(draft),
+        "--no-chat-template",
+        *extra,
+        "def fibonacci(n):",
+    ]
 
 
 def _wait_for_output(proc, timeout):
@@ -418,8 +464,25 @@ def test_two_stage_serve_equals_generate(tmp_path, pair_dirs):
 
     model, draft = pair_dirs["dense"]
     port = _free_ports(1)[0]
-    procs = launch(tmp_path, 2, ["-m", "mlx_dflash", "serve", "--pipeline", "-m", str(model), "-d", str(draft),
-                                 "--port", str(port), "--log-level", "warning"], script=False)
+    procs = launch(
+        tmp_path,
+        2,
+        [
+            "-m",
+            "mlx_dflash",
+            "serve",
+            "--pipeline",
+            "-m",
+            str(model),
+            "-d",
+            str(draft),
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        script=False,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -432,9 +495,16 @@ def test_two_stage_serve_equals_generate(tmp_path, pair_dirs):
             assert all(p.poll() is None for p in procs), procs[0].stderr.read()[-2000:]
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.3)
-        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": str(model), "messages": [{"role": "user", "content": "def fibonacci(n):"}],
-            "max_tokens": 24, "temperature": 0})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": str(model),
+                "messages": [{"role": "user", "content": "def fibonacci(n):"}],
+                "max_tokens": 24,
+                "temperature": 0,
+            },
+        )
         assert r.status_code == 200, r.text
         got = r.json()["choices"][0]["message"]["content"]
     finally:
@@ -455,8 +525,9 @@ def test_killed_rank_ends_every_rank_with_an_error(tmp_path, pair_dirs, n):
     error line, within seconds (no hang): the lost link when the ring backend
     notices the closed socket (about a second), else the watchdog's."""
     model, draft = pair_dirs["dense"]
-    procs = launch(tmp_path, n, _cli(model, draft, ["-n", "4000", "--baseline", "--pipeline-timeout", "8"]),
-                   script=False)
+    procs = launch(
+        tmp_path, n, _cli(model, draft, ["-n", "4000", "--baseline", "--pipeline-timeout", "8"]), script=False
+    )
     _wait_for_output(procs[0], 120)
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -466,8 +537,7 @@ def test_killed_rank_ends_every_rank_with_an_error(tmp_path, pair_dirs, n):
     for rc, _, err in outs:
         assert rc == 2, err[-2000:]
         lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1 and ("lost the link" in lines[0] or "no message from rank" in lines[0]), \
-            err[-2000:]
+        assert len(lines) == 1 and ("lost the link" in lines[0] or "no message from rank" in lines[0]), err[-2000:]
         assert "Traceback" not in err
 
 
@@ -476,13 +546,14 @@ def test_silent_rank_trips_the_watchdog(tmp_path, pair_dirs):
     """A rank that stops answering without closing its sockets (SIGSTOP, as a
     dropped cable would look) ends rank 0 after --pipeline-timeout seconds."""
     model, draft = pair_dirs["dense"]
-    procs = launch(tmp_path, 2, _cli(model, draft, ["-n", "4000", "--baseline", "--pipeline-timeout", "3"]),
-                   script=False)
+    procs = launch(
+        tmp_path, 2, _cli(model, draft, ["-n", "4000", "--baseline", "--pipeline-timeout", "3"]), script=False
+    )
     try:
         _wait_for_output(procs[0], 120)
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
-        (rc, _, err), = wait_all(procs[:1], 30)
+        ((rc, _, err),) = wait_all(procs[:1], 30)
         elapsed = time.monotonic() - t0
     finally:
         procs[1].kill()

@@ -72,9 +72,14 @@ def draft_ref(draft, target, feats, anchor, anchor_pos, B, window=None, theta=No
 def setup(dense):
     cfg, model = dense
     target = Target(model)
-    dcfg = tiny.draft_config(cfg, num_hidden_layers=3, block_size=8,
-                             layer_types=["full_attention", "sliding_attention", "full_attention"],
-                             sliding_window=5, target_layer_ids=[0, 1, 3])
+    dcfg = tiny.draft_config(
+        cfg,
+        num_hidden_layers=3,
+        block_size=8,
+        layer_types=["full_attention", "sliding_attention", "full_attention"],
+        sliding_window=5,
+        target_layer_ids=[0, 1, 3],
+    )
     draft = tiny.build_draft(dcfg, seed=5).bind(target)
     feats = mx.random.normal((60, 3 * target.hidden_size), key=mx.random.key(1))
     return target, draft, dcfg, feats
@@ -106,7 +111,7 @@ def test_unwindowed_context_grows_in_place_not_by_concatenation(setup):
     draft(feats[:10], 40, 10, 8, cache)
     caps = set()
     for pos in range(11, 51):
-        got = draft(feats[pos - 1:pos], 40, pos, 8, cache)
+        got = draft(feats[pos - 1 : pos], 40, pos, 8, cache)
         caps.update(b.shape[2] for b in cache._k)
     assert caps == {cache.step}
     assert all(k.shape[2] == len(cache.positions) == 50 for k in cache.keys)
@@ -123,8 +128,14 @@ def test_all_sliding_draft_keeps_only_its_window_and_matches_training_forward(de
     cfg, model = dense
     target = Target(model)
     W = 9
-    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=6, target_layer_ids=[0, 2],
-                             layer_types=["sliding_attention"] * 2, sliding_window=W)
+    dcfg = tiny.draft_config(
+        cfg,
+        num_hidden_layers=2,
+        block_size=6,
+        target_layer_ids=[0, 2],
+        layer_types=["sliding_attention"] * 2,
+        sliding_window=W,
+    )
     dcfg["sliding_block_causal"] = False
     draft = tiny.build_draft(dcfg, seed=3).bind(target)
     L = 48

@@ -44,14 +44,21 @@ def published_weights(cfg, seed):
     w = {"fc.weight": lin(H, F), "hidden_norm.weight": norm(H), "norm.weight": norm(H)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        w.update({
-            p + "self_attn.q_proj.weight": lin(nh * D, H), p + "self_attn.k_proj.weight": lin(nkv * D, H),
-            p + "self_attn.v_proj.weight": lin(nkv * D, H), p + "self_attn.o_proj.weight": lin(H, nh * D),
-            p + "self_attn.q_norm.weight": norm(D), p + "self_attn.k_norm.weight": norm(D),
-            p + "mlp.gate_proj.weight": lin(I, H), p + "mlp.up_proj.weight": lin(I, H),
-            p + "mlp.down_proj.weight": lin(H, I),
-            p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-        })
+        w.update(
+            {
+                p + "self_attn.q_proj.weight": lin(nh * D, H),
+                p + "self_attn.k_proj.weight": lin(nkv * D, H),
+                p + "self_attn.v_proj.weight": lin(nkv * D, H),
+                p + "self_attn.o_proj.weight": lin(H, nh * D),
+                p + "self_attn.q_norm.weight": norm(D),
+                p + "self_attn.k_norm.weight": norm(D),
+                p + "mlp.gate_proj.weight": lin(I, H),
+                p + "mlp.up_proj.weight": lin(I, H),
+                p + "mlp.down_proj.weight": lin(H, I),
+                p + "input_layernorm.weight": norm(H),
+                p + "post_attention_layernorm.weight": norm(H),
+            }
+        )
         if "DFlash2DraftModel" in cfg["architectures"]:
             dc = cfg["dflash_config"]
             taps, groups = dc["conv_kernel_size"], H // dc["conv_group_size"]
@@ -79,6 +86,7 @@ def write_folder(path, cfg, weights):
 
 # --- a reference written from the description (numpy, float64) -------------------
 
+
 def rms(x, w, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
@@ -102,7 +110,7 @@ def hidden_ref(W, cfg, emb, feats, anchor, anchor_pos, B, window=None):
     nh, nkv, D = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     ctx_pos = list(range(anchor_pos))
     if window is not None and len(ctx_pos) > sum(window):
-        ctx_pos = ctx_pos[: window[0]] + ctx_pos[-window[1]:]
+        ctx_pos = ctx_pos[: window[0]] + ctx_pos[-window[1] :]
     S = len(ctx_pos)
     ctx = rms(feats[ctx_pos] @ W["fc.weight"].T, W["hidden_norm.weight"])
     h = emb[[anchor] + [dc["mask_token_id"]] * (B - 1)]
@@ -114,7 +122,9 @@ def hidden_ref(W, cfg, emb, feats, anchor, anchor_pos, B, window=None):
         def attend(x):
             q = rms((x @ W[p + "self_attn.q_proj.weight"].T).reshape(B, nh, D), W[p + "self_attn.q_norm.weight"])
             rows = np.concatenate([ctx, x])
-            k = rms((rows @ W[p + "self_attn.k_proj.weight"].T).reshape(S + B, nkv, D), W[p + "self_attn.k_norm.weight"])
+            k = rms(
+                (rows @ W[p + "self_attn.k_proj.weight"].T).reshape(S + B, nkv, D), W[p + "self_attn.k_norm.weight"]
+            )
             v = (rows @ W[p + "self_attn.v_proj.weight"].T).reshape(S + B, nkv, D)
             q, k = rope_ref(q, blk_pos, cfg["rope_theta"]), rope_ref(k, ctx_pos + blk_pos, cfg["rope_theta"])
             k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
@@ -132,8 +142,10 @@ def hidden_ref(W, cfg, emb, feats, anchor, anchor_pos, B, window=None):
             g = x @ W[p + "mlp.gate_proj.weight"].T
             return (g / (1 + np.exp(-g)) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
 
-        for norm, conv, fn in (("input_layernorm", "attention_conv", attend),
-                               ("post_attention_layernorm", "mlp_conv", mlp)):
+        for norm, conv, fn in (
+            ("input_layernorm", "attention_conv", attend),
+            ("post_attention_layernorm", "mlp_conv", mlp),
+        ):
             x = rms(h, W[p + norm + ".weight"])
             if not v2:
                 h = h + fn(x)
@@ -164,12 +176,19 @@ def walk_ref(W, hidden, logits, anchor, K, choose=None):
 
 # --- fixtures ------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pair(dense, tmp_path_factory):
     cfg, model = dense
     target = Target(model)
-    dcfg = config(cfg, num_hidden_layers=2, block_size=6, target_layer_ids=[0, 2],
-                  layer_types=["full_attention", "sliding_attention"], sliding_window=7)
+    dcfg = config(
+        cfg,
+        num_hidden_layers=2,
+        block_size=6,
+        target_layer_ids=[0, 2],
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=7,
+    )
     W = published_weights(dcfg, seed=1)
     path = write_folder(tmp_path_factory.mktemp("v2") / "draft", dcfg, W)
     feats = np.random.default_rng(2).normal(size=(60, 2 * target.hidden_size)).astype(np.float32)
@@ -222,6 +241,7 @@ def test_convolution_sees_no_row_before_the_anchor(pair):
 
 # --- parity with the authors' implementation ---------------------------------------------
 
+
 @pytest.fixture
 def reference(monkeypatch):
     """dflash.model_mlx (the DFlash authors' MLX code, installed from PyPI by
@@ -234,8 +254,15 @@ def reference(monkeypatch):
 @pytest.mark.parametrize("v2", [False, True])
 def test_parity_with_dflash_model_mlx(pair, reference, tmp_path, v2):
     target, model, _, _, _, feats = pair
-    dcfg = config(tiny.target_config(moe=False), v2=v2, num_hidden_layers=2, block_size=6, target_layer_ids=[0, 2],
-                  layer_types=["full_attention", "sliding_attention"], sliding_window=64)
+    dcfg = config(
+        tiny.target_config(moe=False),
+        v2=v2,
+        num_hidden_layers=2,
+        block_size=6,
+        target_layer_ids=[0, 2],
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=64,
+    )
     path = write_folder(tmp_path / "d", dcfg, published_weights(dcfg, seed=3 if v2 else 4))
     ours = load_draft(path, target)
     theirs = reference.load_draft(str(path)).bind(model)
@@ -281,6 +308,7 @@ def test_parity_with_dflash_model_mlx(pair, reference, tmp_path, v2):
 
 # --- decoding ------------------------------------------------------------------------------
 
+
 def random_v2(target_cfg, target, seed, tmp_path, **kw):
     dcfg = config(target_cfg, **kw)
     return load_draft(write_folder(tmp_path / f"d{seed}", dcfg, published_weights(dcfg, seed)), target)
@@ -298,8 +326,7 @@ def run(target, prompt, n, **kw):
 def test_greedy_speculative_equals_plain(dense, moe, tmp_path, which):
     cfg, model = dense if which == "dense" else moe
     target = Target(model)
-    draft = random_v2(cfg, target, 5, tmp_path, block_size=8, layer_types=["sliding_attention"] * 2,
-                      sliding_window=6)
+    draft = random_v2(cfg, target, 5, tmp_path, block_size=8, layer_types=["sliding_attention"] * 2, sliding_window=6)
     for prompt in ([1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300]):
         ref = reference_greedy(model, prompt, 20)
         for B in (2, 8):
@@ -375,8 +402,16 @@ def sample_counts(target, prompt, kw, n, rule=speculative_rule):
     accepted, memo = 0, {}
     for seed in range(n):
         s = Sampler(**kw, seed=seed)
-        out, st = run(target, prompt, 5, draft=OftenRightDraft(target, prompt, s, memo), sampler=s,
-                      block_size=4, accept_rule="speculative", spec_rule=rule)
+        out, st = run(
+            target,
+            prompt,
+            5,
+            draft=OftenRightDraft(target, prompt, s, memo),
+            sampler=s,
+            block_size=4,
+            accept_rule="speculative",
+            spec_rule=rule,
+        )
         accepted += sum((c - 1) * k for c, k in enumerate(st.accept_hist) if c)
         pairs[out[0], out[1]] += 1
         third[out[2]] += 1
@@ -442,6 +477,7 @@ def test_sampled_decoding_runs_with_either_rule(dense, tmp_path):
 
 # --- bad folders ----------------------------------------------------------------------------
 
+
 def test_bad_dflash2_folders_give_one_clear_error(pair, tmp_path):
     import json
 
@@ -478,6 +514,7 @@ def test_info_shows_the_draft_kind(pair):
 
 # --- CLI and bench -----------------------------------------------------------------------------
 
+
 def test_bench_and_generate_take_a_dflash2_draft(dense, tok_dir, tmp_path, capsys):
     import json
 
@@ -498,17 +535,54 @@ def test_bench_and_generate_take_a_dflash2_draft(dense, tok_dir, tmp_path, capsy
         out = capsys.readouterr()
         return e.value.code, out.out + out.err
 
-    code, out = cli("bench", "-m", str(path), "-d", str(d1), "--draft2", str(d2), "--prompts", str(tmp_path / "p"),
-                    "-n", "8", "--repeats", "1", "--blas", "bundled", "--out", str(tmp_path / "r"), "--name", "b")
+    code, out = cli(
+        "bench",
+        "-m",
+        str(path),
+        "-d",
+        str(d1),
+        "--draft2",
+        str(d2),
+        "--prompts",
+        str(tmp_path / "p"),
+        "-n",
+        "8",
+        "--repeats",
+        "1",
+        "--blas",
+        "bundled",
+        "--out",
+        str(tmp_path / "r"),
+        "--name",
+        "b",
+    )
     assert code in (0, None), out
     res = json.loads((tmp_path / "r" / "b.json").read_text())
-    assert res["modes"] == ["mlx-lm", "baseline", "dflash", "dflash-pinned", "dflash2"] and res["draft2_kind"] == "DFlash 2"
+    assert (
+        res["modes"] == ["mlx-lm", "baseline", "dflash", "dflash-pinned", "dflash2"]
+        and res["draft2_kind"] == "DFlash 2"
+    )
     assert res["results"][0]["modes"]["dflash2"]["generated"] == 8
     md = (tmp_path / "r" / "b.md").read_text()
     assert "dflash2 tau" in md and "Acceptance histograms, dflash2 chain" in md
     for rule in ("equality", "speculative"):
-        code, out = cli("generate", "-m", str(path), "-d", str(d2), "--temp", "0.8", "--seed", "1", "-n", "8",
-                        "--accept-rule", rule, "--no-chat-template", "def f(x):")
+        code, out = cli(
+            "generate",
+            "-m",
+            str(path),
+            "-d",
+            str(d2),
+            "--temp",
+            "0.8",
+            "--seed",
+            "1",
+            "-n",
+            "8",
+            "--accept-rule",
+            rule,
+            "--no-chat-template",
+            "def f(x):",
+        )
         assert code in (0, None), out
     code, out = cli("generate", "-m", str(path), "-d", str(d2), "--temp", "0.8", "--accept-rule", "typical", "x")
     assert code == 2 and "acceptance rule must be" in out and "Traceback" not in out

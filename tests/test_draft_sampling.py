@@ -52,8 +52,7 @@ def first_drafted_tokens(draft, kw, seeds):
     """The first drafted token of ``propose(sample=True)`` for each seed, and
     the q each call reported (all calls see the same context)."""
     rng = np.random.default_rng(0)
-    feats = mx.array(rng.normal(size=(POS, len(draft.target_layer_ids) * draft.config.hidden_size))
-                     .astype(np.float32))
+    feats = mx.array(rng.normal(size=(POS, len(draft.target_layer_ids) * draft.config.hidden_size)).astype(np.float32))
     cache = draft.make_cache()
     draft.add_context(feats, cache)  # later calls pass no new rows: the block is scratch, not held
     toks, qs = [], []

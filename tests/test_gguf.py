@@ -58,7 +58,7 @@ def add_mtp(hf_dir: Path, seed: int = 0) -> None:
     full = next(i for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"] == 0)
     pre = f"model.language_model.layers.{full}."
     rng = np.random.default_rng(seed)
-    mtp = {"mtp.layers.0." + k[len(pre):]: v + 0.01 for k, v in w.items() if k.startswith(pre)}
+    mtp = {"mtp.layers.0." + k[len(pre) :]: v + 0.01 for k, v in w.items() if k.startswith(pre)}
     mtp["mtp.fc.weight"] = mx.array(rng.normal(size=(H, 2 * H)).astype(np.float32) * 0.05)
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         mtp[f"mtp.{n}.weight"] = mx.array(rng.normal(size=(H,)).astype(np.float32) * 0.1)
@@ -79,16 +79,20 @@ def test_k_quant_encoders_decode_with_gguf(enc, qt, step):
 
 # --- fidelity: the converter's conventions, Hv = 2 Hk and 3 Hk, dense and MoE ----------
 
-@pytest.mark.parametrize("moe, ratio, tied", [(False, 2, False), (False, 3, False), (True, 2, False),
-                                              (True, 3, False), (False, 2, True)],
-                         ids=["dense-Hv=2Hk", "dense-Hv=3Hk", "moe-Hv=2Hk", "moe-Hv=3Hk", "dense-tied"])
+
+@pytest.mark.parametrize(
+    "moe, ratio, tied",
+    [(False, 2, False), (False, 3, False), (True, 2, False), (True, 3, False), (False, 2, True)],
+    ids=["dense-Hv=2Hk", "dense-Hv=3Hk", "moe-Hv=2Hk", "moe-Hv=3Hk", "dense-tied"],
+)
 def test_converted_f32_gguf_equals_reference(tok_dir, tmp_path, moe, ratio, tied):
     # The reference is mlx-lm's load of the HF folder the GGUF was converted
     # from. A value-head order left tiled in any one tensor (ssm_a was)
     # moves the logits by ~0.4 here. Small Qwen3.5 sizes tie the embeddings
     # (no output.weight in the file).
-    cfg = tiny.target_config(moe=moe, linear_num_key_heads=2, linear_num_value_heads=2 * ratio,
-                             tie_word_embeddings=tied)
+    cfg = tiny.target_config(
+        moe=moe, linear_num_key_heads=2, linear_num_value_heads=2 * ratio, tie_word_embeddings=tied
+    )
     hf = tiny.save_hf(tiny.build_target(cfg, seed=10 + ratio), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
     path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
     assert tied != any(t.name == "output.weight" for t in open_gguf(path).tensors)
@@ -125,16 +129,27 @@ def test_gguf_with_mtp_block_loads_and_skips_it(tok_dir, tmp_path, moe, capsys):
 
 # --- float types and quantized files -------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """HF folders with dims that are multiples of 256, so K-quants apply."""
     out = {}
     for moe in (False, True):
-        cfg = tiny.target_config(moe=moe, vocab_size=512, hidden_size=256, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=64, intermediate_size=512,
-                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                                 linear_value_head_dim=64, moe_intermediate_size=256,
-                                 shared_expert_intermediate_size=256)
+        cfg = tiny.target_config(
+            moe=moe,
+            vocab_size=512,
+            hidden_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=512,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            moe_intermediate_size=256,
+            shared_expert_intermediate_size=256,
+        )
         model = tiny.build_target(cfg, seed=12)
         out[moe] = (cfg, model, tiny.save_hf(model, cfg, tmp_path_factory.mktemp("hf")))
     return out
@@ -147,6 +162,7 @@ def qtype_fn(kind):
                 return Q.Q8_0
             return Q.Q6_K if any(s in name for s in ("output.", "token_embd", "ffn_down", "attn_v")) else Q.Q4_K
         return getattr(Q, kind)
+
     return f
 
 
@@ -156,8 +172,9 @@ def param_dtypes(model):
     return {k: v.dtype for k, v in tree_flatten(model.parameters())}
 
 
-@pytest.mark.parametrize("kind, want", [("F16", mx.float16), ("BF16", mx.bfloat16), ("Q8_0", mx.float16),
-                                        ("Q4_K_M", mx.float32)])
+@pytest.mark.parametrize(
+    "kind, want", [("F16", mx.float16), ("BF16", mx.bfloat16), ("Q8_0", mx.float16), ("Q4_K_M", mx.float32)]
+)
 def test_gguf_keeps_the_float_type_mlx_lm_would(wide, tmp_path, kind, want):
     # As mlx_lm.convert: float weights in the file's half type (scales too for
     # Q8_0-style files, whose fp16 block scales float16 holds), A_log in
@@ -196,11 +213,19 @@ def dequantized(model):
 SLOW = pytest.mark.slow  # the same checks as the Q4_K_M / Q8_0 rows, on more source types
 
 
-@pytest.mark.parametrize("moe, kind, tol, bits", [
-    (False, "Q4_K_M", 0.12, 4), (True, "Q4_K_M", 0.12, 4), (False, "Q8_0", 0.01, 8),
-    pytest.param(True, "Q8_0", 0.01, 8, marks=SLOW), pytest.param(False, "Q5_1", 0.05, 5, marks=SLOW),
-    pytest.param(True, "Q5_1", 0.05, 5, marks=SLOW), pytest.param(False, "Q4_0", 0.12, 4, marks=SLOW),
-    pytest.param(True, "Q4_0", 0.12, 4, marks=SLOW)])
+@pytest.mark.parametrize(
+    "moe, kind, tol, bits",
+    [
+        (False, "Q4_K_M", 0.12, 4),
+        (True, "Q4_K_M", 0.12, 4),
+        (False, "Q8_0", 0.01, 8),
+        pytest.param(True, "Q8_0", 0.01, 8, marks=SLOW),
+        pytest.param(False, "Q5_1", 0.05, 5, marks=SLOW),
+        pytest.param(True, "Q5_1", 0.05, 5, marks=SLOW),
+        pytest.param(False, "Q4_0", 0.12, 4, marks=SLOW),
+        pytest.param(True, "Q4_0", 0.12, 4, marks=SLOW),
+    ],
+)
 def test_quantized_gguf_weights_within_quantization_error(wide, tmp_path, moe, kind, tol, bits):
     # A tiny random network amplifies weight noise chaotically, so quantized
     # files are checked weight by weight: decoded (keep_precision, float32)
@@ -235,11 +260,15 @@ def test_gguf_keep_precision_and_bits_map(wide, tmp_path):
 # --- tokenizer and stop tokens ---------------------------------------------------------
 
 # Qwen3.5's tokenizer.json split pattern (combining marks stay with letters).
-QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-MULTILINGUAL = ("नमस्ते दुनिया, हिन्दी में लिखा गया पाठ। Crème brûlée, naïve cafe\u0301 re\u0301sume\u0301; "
-                "中文字符测试，日本語のテキスト。한국어 문장. Emoji 🙂👍🏽🇫🇷 and code: "
-                "def f(x_1):\n    return x_1 ** 2  # 12345678 1,000,000.25\n\t<|im_end|> done")
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+MULTILINGUAL = (
+    "नमस्ते दुनिया, हिन्दी में लिखा गया पाठ। Crème brûlée, naïve cafe\u0301 re\u0301sume\u0301; "
+    "中文字符测试，日本語のテキスト。한국어 문장. Emoji 🙂👍🏽🇫🇷 and code: "
+    "def f(x_1):\n    return x_1 ** 2  # 12345678 1,000,000.25\n\t<|im_end|> done"
+)
 
 
 def qwen35_tokenizer(path: Path) -> Path:
@@ -250,19 +279,34 @@ def qwen35_tokenizer(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN35_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=tiny.SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=tiny.SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([MULTILINGUAL * 3, tiny._CORPUS], trainer=trainer)
     tok.add_tokens(["<think>", "</think>"])  # Qwen's user-defined (non-special) added tokens
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "add_bos_token": False, "chat_template": tiny.CHAT_TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "add_bos_token": False,
+                "chat_template": tiny.CHAT_TEMPLATE,
+            }
+        )
+    )
     return path
 
 
@@ -272,7 +316,9 @@ def test_gguf_tokenizer_equals_hf_qwen35_tokenizer(tmp_path):
     from mlx_dflash.loading import load_tokenizer
 
     cfg = tiny.target_config(vocab_size=768)
-    hf = tiny.save_hf(tiny.build_target(cfg, seed=1), cfg, tmp_path / "hf", tokenizer_dir=qwen35_tokenizer(tmp_path / "t"))
+    hf = tiny.save_hf(
+        tiny.build_target(cfg, seed=1), cfg, tmp_path / "hf", tokenizer_dir=qwen35_tokenizer(tmp_path / "t")
+    )
     ref = AutoTokenizer.from_pretrained(str(hf))
     texts = [MULTILINGUAL, "  spaces\tand\ttabs\n\n", "<think>\nok</think>", "x" + "\u0301" * 3 + "y", "१२३ 123456"]
     ours = {}
@@ -309,6 +355,7 @@ def test_stop_tokens_are_every_end_of_generation_id(tok_dir, tmp_path):
 
 # --- decoding, convert, info -------------------------------------------------------------
 
+
 def test_generate_from_gguf_is_lossless_and_convert_writes_an_mlx_lm_folder(wide, tok_dir, tmp_path, capsys):
     cfg, model, _ = wide[True]
     hf = tiny.save_hf(model, cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
@@ -334,8 +381,9 @@ def test_generate_from_gguf_is_lossless_and_convert_writes_an_mlx_lm_folder(wide
     from mlx_lm import load as mlx_lm_load
 
     lm_model, lm_tok = mlx_lm_load(str(out))
-    np.testing.assert_allclose(np.array(lm_model(mx.array([PROMPT]))[0]), np.array(eng.target(PROMPT)),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.array(lm_model(mx.array([PROMPT]))[0]), np.array(eng.target(PROMPT)), atol=1e-4, rtol=0
+    )
     folder = mlx_dflash.load(out)
     assert mx.array_equal(folder.target(PROMPT), eng.target(PROMPT)).item()
     assert folder.tokenizer.encode("def f(x):") == eng.tokenizer.encode("def f(x):")
@@ -352,8 +400,7 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
     hf = tiny.save_hf(tiny.build_target(cfg, seed=2), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
     path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
     good = tiny.draft_config(cfg, block_size=8)
-    bad = tiny.draft_config(tiny.target_config(num_hidden_layers=6), block_size=8,
-                            target_layer_ids=[1, 5])
+    bad = tiny.draft_config(tiny.target_config(num_hidden_layers=6), block_size=8, target_layer_ids=[1, 5])
     gd = tiny.save_draft(tiny.build_draft(good, seed=1), good, tmp_path / "good")
     bd = tiny.save_draft(tiny.build_draft(bad, seed=1), bad, tmp_path / "bad")
     gg = convert_draft_to_gguf(gd, hf, tmp_path / "good.gguf")
@@ -367,8 +414,10 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
     assert "DFlash v1 draft" in out and "block size: 8" in out
 
 
-@pytest.mark.parametrize("qt, tol, sliding", [(Q.F32, 1e-5, False), (Q.F32, 1e-5, True), (Q.F16, 2e-2, False),
-                                              (Q.BF16, 5e-2, False), (Q.Q8_0, 5e-2, False)])
+@pytest.mark.parametrize(
+    "qt, tol, sliding",
+    [(Q.F32, 1e-5, False), (Q.F32, 1e-5, True), (Q.F16, 2e-2, False), (Q.BF16, 5e-2, False), (Q.Q8_0, 5e-2, False)],
+)
 def test_gguf_draft_loads_like_a_folder_draft(dense, tok_dir, tmp_path, qt, tol, sliding):
     from mlx_dflash.loading import load_draft
 
@@ -410,6 +459,7 @@ def test_draft_gguf_missing_a_dflash_key_is_named(dense, tok_dir, tmp_path, key)
 
 # --- bad files: one clear error each ---------------------------------------------------
 
+
 def test_bad_gguf_files(tok_dir, tmp_path, capsys):
     cfg = tiny.target_config()
     hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
@@ -429,8 +479,12 @@ def test_bad_gguf_files(tok_dir, tmp_path, capsys):
     bad[type_offset : type_offset + 4] = (99).to_bytes(4, "little")
     unknown = tmp_path / "unknown.gguf"
     unknown.write_bytes(bytes(bad))
-    cases = [(trunc, "truncated or corrupt"), (missing, "missing tensors ['blk.0.ssm_a']"),
-             (llama, "unsupported GGUF architecture 'llama'"), (unknown, "truncated or corrupt")]
+    cases = [
+        (trunc, "truncated or corrupt"),
+        (missing, "missing tensors ['blk.0.ssm_a']"),
+        (llama, "unsupported GGUF architecture 'llama'"),
+        (unknown, "truncated or corrupt"),
+    ]
     for path, msg in cases:
         with pytest.raises(DFlashError, match=msg.replace("[", r"\[").replace("]", r"\]")):
             load_gguf_target(path)
@@ -443,8 +497,9 @@ def test_bad_gguf_files(tok_dir, tmp_path, capsys):
 
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "mlx_dflash", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", *map(str, args)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_acceptance_bad_inputs_exit_2(tok_dir, tmp_path):

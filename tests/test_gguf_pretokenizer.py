@@ -20,15 +20,22 @@ from mlx_dflash.loading.gguf import open_gguf, write_tokenizer
 
 # The split patterns as the models' tokenizer.json files write them (GPT-2's
 # is ByteLevel's built-in regex, so it has no pattern here).
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's regex list for LLAMA_VOCAB_PRE_TYPE_DEFAULT (no model ships it;
 # the reference is a tokenizer.json that splits by it the way llama.cpp does).
-DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+",
-                  r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-                  r"\p{N}+", r"[0-9][0-9][0-9]")
+DEFAULT_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
 
 CORPUS = (
     "def tokenize(text: str) -> list[int]:\n    return [ord(c) for c in text]  # 42\n\n"
@@ -61,11 +68,18 @@ def hf_tokenizer(path: Path, kind: str) -> Path:
     # Trained on coarse pieces (words with their punctuation, whitespace runs)
     # of text that includes the test texts, so merges span the boundaries where
     # splits differ: a split other than the tokenizer's own gives other ids.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r" ?\S+|\s+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=tiny.SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r" ?\S+|\s+"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=tiny.SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([CORPUS, "".join(TEXTS) * 3, tiny._CORPUS], trainer=trainer)
     if kind == "gpt2":  # GPT-2's tokenizer.json: no normalizer, ByteLevel with its own regex
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -75,10 +89,12 @@ def hf_tokenizer(path: Path, kind: str) -> Path:
             tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=tiny.CHAT_TEMPLATE)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=tiny.CHAT_TEMPLATE
+    )
     fast.save_pretrained(str(path))
     return path
 
@@ -128,10 +144,22 @@ def test_gpt2_gguf_loads_and_tokenizes_as_transformers(folders, tmp_path, capsys
 # A few names of each group llama.cpp maps to the GPT-2, Qwen2 and Qwen3.5
 # regexes, "default", and the key missing (None), with the folder whose
 # tokenizer splits that way.
-CASES = [("phi-2", "gpt2"), ("jina-v2-code", "gpt2"), ("a.x-4.0", "gpt2"), ("modern-bert", "gpt2"),
-         ("gigachat", "gpt2"), ("mpt", "gpt2"), ("olmo", "gpt2"),
-         ("qwen2", "qwen2"), ("deepseek-r1-qwen", "qwen2"), ("megrez", "qwen2"), ("stablelm2", "qwen2"),
-         ("qwen35", "qwen35"), ("default", "default"), (None, "default")]
+CASES = [
+    ("phi-2", "gpt2"),
+    ("jina-v2-code", "gpt2"),
+    ("a.x-4.0", "gpt2"),
+    ("modern-bert", "gpt2"),
+    ("gigachat", "gpt2"),
+    ("mpt", "gpt2"),
+    ("olmo", "gpt2"),
+    ("qwen2", "qwen2"),
+    ("deepseek-r1-qwen", "qwen2"),
+    ("megrez", "qwen2"),
+    ("stablelm2", "qwen2"),
+    ("qwen35", "qwen35"),
+    ("default", "default"),
+    (None, "default"),
+]
 
 
 @pytest.mark.parametrize("pre, kind", CASES, ids=[str(p) for p, _ in CASES])
@@ -156,9 +184,19 @@ def test_groups_differ_where_their_splits_do(folders, tmp_path):
     assert len({json.dumps(v) for v in got.values()}) == 4
 
 
-@pytest.mark.parametrize("pre, kind", [("gpt-2", "gpt2"), ("mpt", "gpt2"), ("qwen2", "qwen2"),
-                                       ("hunyuan", "qwen2"), ("qwen35", "qwen35"), ("default", "default"),
-                                       (None, "default")], ids=str)
+@pytest.mark.parametrize(
+    "pre, kind",
+    [
+        ("gpt-2", "gpt2"),
+        ("mpt", "gpt2"),
+        ("qwen2", "qwen2"),
+        ("hunyuan", "qwen2"),
+        ("qwen35", "qwen35"),
+        ("default", "default"),
+        (None, "default"),
+    ],
+    ids=str,
+)
 def test_split_equals_llama_cpp(folders, tmp_path, pre, kind):
     # llama.cpp's own tokenizer on the same file. It normalizes no BPE text
     # and we add Qwen's NFC, so the texts are given in NFC.
@@ -191,7 +229,7 @@ def test_gpt2_gguf_with_mtp_block_decodes_as_without(folders, tmp_path):
     # the end-of-generation token, where the engine stops).
     ids = reference(tok_dir).encode(prompt, add_special_tokens=False)
     ref = reference_greedy(mlx_lm_model(hf), ids, 24)
-    assert a.tokens == ref[:len(a.tokens)] and len(a.tokens) >= 4
+    assert a.tokens == ref[: len(a.tokens)] and len(a.tokens) >= 4
     assert len(a.tokens) == 24 or a.stats.finish_reason == "stop"
 
 
@@ -200,9 +238,12 @@ def test_unknown_pre_name_is_one_error(folders, tmp_path, capsys, pre):
     # "gpt2" is the tokenizer *model* name, which llama.cpp refuses as a pre
     # name; "llama3" is a name llama.cpp knows, with a split not written here.
     path = convert_hf_to_gguf(folders["gpt2"][0], tmp_path / "m.gguf", pre=pre)
-    with pytest.raises(DFlashError, match=rf"unknown GGUF pre-tokenizer type '{pre}' \(tokenizer\.ggml\.pre\): "
-                                          r"supported are the \d+ llama\.cpp names that use its GPT-2, Qwen2, "
-                                          r"Qwen3\.5 or default split"):
+    with pytest.raises(
+        DFlashError,
+        match=rf"unknown GGUF pre-tokenizer type '{pre}' \(tokenizer\.ggml\.pre\): "
+        r"supported are the \d+ llama\.cpp names that use its GPT-2, Qwen2, "
+        r"Qwen3\.5 or default split",
+    ):
         write_tokenizer(open_gguf(path), tmp_path / "tok")
     # The CLI: one error line, exit 2 (test_gguf.py runs it as a process too).
     with pytest.raises(SystemExit) as e:

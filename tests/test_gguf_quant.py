@@ -188,14 +188,31 @@ def test_convert_writes_the_files_form_and_mlx_lm_loads_it(files, tmp_path):
 # --- every block type, from raw blocks --------------------------------------------
 
 # byte offsets of each type's fp16 fields (set to sane values in random blocks)
-FP16_AT = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-           "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0],
-           "IQ3_S": [0], "MXFP4": []}
+FP16_AT = {
+    "Q8_0": [0],
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+    "Q3_K": [108],
+    "Q2_K": [80, 82],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
+    "IQ2_XXS": [0],
+    "IQ3_S": [0],
+    "MXFP4": [],
+}
 EXACT_FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
-@pytest.mark.parametrize("name, rows, n", [(t, 4, 512) for t in FP16_AT] + [("Q6_K", 18, 1 << 18)],
-                         ids=list(FP16_AT) + ["Q6_K-decoded-in-slices"])
+@pytest.mark.parametrize(
+    "name, rows, n",
+    [(t, 4, 512) for t in FP16_AT] + [("Q6_K", 18, 1 << 18)],
+    ids=list(FP16_AT) + ["Q6_K-decoded-in-slices"],
+)
 def test_block_types_decode_to_gguf_py_values(name, rows, n):
     # Random blocks of every type llama.cpp writes for these models: the MLX
     # form dequantizes (mx.dequantize) to gguf-py's values, bit for bit where
@@ -212,15 +229,24 @@ def test_block_types_decode_to_gguf_py_values(name, rows, n):
     rng = np.random.default_rng(7)
     raw = rng.integers(0, 256, size=(rows * n // block, size), dtype=np.uint8)
     for o in FP16_AT[name]:
-        raw[:, o:o + 2] = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
+        raw[:, o : o + 2] = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
     if name == "MXFP4":
         raw[:, 0] = rng.integers(110, 130, size=len(raw))  # e8m0 exponents near 1
     data = raw.reshape(rows, -1)
     want = np.asarray(dequantize(data, qt), np.float32)
     k, s, z, mode = _codes(SimpleNamespace(data=data, tensor_type=qt, shape=[n, rows]))
     b = default_bits(name)
-    got = np.array(mx.dequantize(mx.array(pack(k, b)), mx.array(s), None if z is None else mx.array(z),
-                                 group_size=32, bits=b, mode=mode, dtype=mx.float32))
+    got = np.array(
+        mx.dequantize(
+            mx.array(pack(k, b)),
+            mx.array(s),
+            None if z is None else mx.array(z),
+            group_size=32,
+            bits=b,
+            mode=mode,
+            dtype=mx.float32,
+        )
+    )
     if name in EXACT_FORMS:
         assert np.array_equal(got, want)
     else:
@@ -242,8 +268,9 @@ def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
     cfg = tiny.target_config(moe=True, hidden_size=64, moe_intermediate_size=64)
     hf = tiny.save_hf(tiny.build_target(cfg, seed=4), cfg, tmp_path / "hf")
     # experts fused as ffn_gate_up_exps (split at load), the other matrices Q8_0
-    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.MXFP4 if "_exps" in n else Q.Q8_0,
-                              tokenizer=False, fuse_gate_up=True)
+    path = convert_hf_to_gguf(
+        hf, tmp_path / "m.gguf", lambda n, w: Q.MXFP4 if "_exps" in n else Q.Q8_0, tokenizer=False, fuse_gate_up=True
+    )
     assert any(t.name.endswith("ffn_gate_up_exps.weight") for t in GGUFReader(str(path)).tensors)
     deq = dequantized_gguf(path, tmp_path / "deq.gguf")
     t, qcfg = load_gguf_target(path, dtype=mx.float32)

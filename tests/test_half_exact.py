@@ -39,6 +39,7 @@ def converted(tmp_path_factory, tok_dir):
         if not path.exists():
             convert(str(hf[moe]), str(path), **KINDS[kind])
         return path
+
     return get
 
 

@@ -65,24 +65,43 @@ def hub(tmp_path_factory, tok_dir):
     # draft: tag v1 = an older commit with another config; main = the embedded draft
     old_cfg = json.loads(draft["config.json"].read_text())
     old_cfg["block_size"] = 4
-    v1 = add_snapshot(cache, "test-org/tiny-draft", {**draft, "config.json": json.dumps(old_cfg).encode()},
-                      "1", refs=("v1",))
+    v1 = add_snapshot(
+        cache, "test-org/tiny-draft", {**draft, "config.json": json.dumps(old_cfg).encode()}, "1", refs=("v1",)
+    )
     main = add_snapshot(cache, "test-org/tiny-draft", draft, "2")
     add_snapshot(cache, "mlx-community/Qwen3.5-9B-4bit", target, "1")
     # GGUF repo: the real file is tagged F32; the Q8_0 file is not a GGUF, so picking it fails loudly
     cfg = tiny.target_config()
     hf = tiny.save_hf(tiny.build_target(cfg, seed=4), cfg, root / "hf", tokenizer_dir=tok_dir)
     gguf = convert_hf_to_gguf(hf, root / "tiny-F32.gguf")
-    add_snapshot(cache, "test-org/tiny-GGUF", {"tiny-F32.gguf": gguf, "tiny-Q8_0.gguf": b"not a gguf",
-                                               "mmproj-tiny-F32.gguf": b"x", "README.md": b"# gguf\n"}, "1")
+    add_snapshot(
+        cache,
+        "test-org/tiny-GGUF",
+        {
+            "tiny-F32.gguf": gguf,
+            "tiny-Q8_0.gguf": b"not a gguf",
+            "mmproj-tiny-F32.gguf": b"x",
+            "README.md": b"# gguf\n",
+        },
+        "1",
+    )
     info = huggingface_hub.scan_cache_dir(cache)
     assert not info.warnings, info.warnings
     repos = {r.repo_id: r for r in info.repos}
-    assert set(repos) == {"test-org/tiny-target", "test-org/tiny-draft", "mlx-community/Qwen3.5-9B-4bit",
-                          "test-org/tiny-GGUF"}
+    assert set(repos) == {
+        "test-org/tiny-target",
+        "test-org/tiny-draft",
+        "mlx-community/Qwen3.5-9B-4bit",
+        "test-org/tiny-GGUF",
+    }
     assert {tuple(sorted(r.refs)) for r in repos["test-org/tiny-draft"].revisions} == {("main",), ("v1",)}
-    env = {**os.environ, "HF_HOME": str(root / "home"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "PYTHONWARNINGS": "default"}
+    env = {
+        **os.environ,
+        "HF_HOME": str(root / "home"),
+        "HF_HUB_CACHE": str(cache),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONWARNINGS": "default",
+    }
     return {"cache": cache, "env": env, "v1": v1, "main": main, "gguf": gguf}
 
 
@@ -93,8 +112,9 @@ def run_py(hub, code: str) -> dict:
 
 
 def run_cli(hub, *args):
-    return subprocess.run([sys.executable, "-m", "mlx_dflash", *args], env=hub["env"], capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", *args], env=hub["env"], capture_output=True, text=True, timeout=600
+    )
 
 
 API = """
@@ -137,9 +157,19 @@ out["resolve"] = res
 print(json.dumps(out))
 """
 
-SPECS = ["test-org/tiny-draft", "test-org/tiny-draft@v1", "test-org/tiny-draft@main", "test-org/tiny-GGUF:F32",
-         "test-org/tiny-GGUF:f32", "test-org/tiny-GGUF/tiny-F32.gguf", "test-org/tiny-GGUF:Q5_K_M",
-         "test-org/tiny-GGUF", "test-org/tiny-GGUF/other.gguf", "test-org/missing", "test-org/tiny-draft@nope"]
+SPECS = [
+    "test-org/tiny-draft",
+    "test-org/tiny-draft@v1",
+    "test-org/tiny-draft@main",
+    "test-org/tiny-GGUF:F32",
+    "test-org/tiny-GGUF:f32",
+    "test-org/tiny-GGUF/tiny-F32.gguf",
+    "test-org/tiny-GGUF:Q5_K_M",
+    "test-org/tiny-GGUF",
+    "test-org/tiny-GGUF/other.gguf",
+    "test-org/missing",
+    "test-org/tiny-draft@nope",
+]
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +192,10 @@ def test_revision_picks_its_snapshot(hub, api):
     assert r["test-org/tiny-draft"] == r["test-org/tiny-draft@main"] == snap + hub["main"]
     assert r["test-org/tiny-draft@v1"] == r[f"test-org/tiny-draft@{hub['v1']}"] == snap + hub["v1"]
     assert json.loads(Path(r["test-org/tiny-draft@v1"], "config.json").read_text())["block_size"] == 4
-    assert r["test-org/tiny-draft@nope"].startswith("error: ") and "@nope is not in the Hugging Face cache" in \
-        r["test-org/tiny-draft@nope"]
+    assert (
+        r["test-org/tiny-draft@nope"].startswith("error: ")
+        and "@nope is not in the Hugging Face cache" in r["test-org/tiny-draft@nope"]
+    )
 
 
 def test_gguf_repo_resolves_the_one_named_file(hub, api):
@@ -190,8 +222,21 @@ def test_missing_repo_is_one_clear_error(hub):
 
 
 def test_cli_generate_by_hub_id_equals_local_paths(hub, api):
-    r = run_cli(hub, "generate", "-m", "test-org/tiny-target", "-d", "test-org/tiny-draft", PROMPT,
-                "-n", "16", "--dtype", "float32", "--no-adaptive", "--no-chat-template")
+    r = run_cli(
+        hub,
+        "generate",
+        "-m",
+        "test-org/tiny-target",
+        "-d",
+        "test-org/tiny-draft",
+        PROMPT,
+        "-n",
+        "16",
+        "--dtype",
+        "float32",
+        "--no-adaptive",
+        "--no-chat-template",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == api["local_text"] + "\n" and len(api["local_text"]) > 10  # the local folders' text
     assert "no draft given" not in r.stderr
@@ -210,9 +255,10 @@ def test_draft_suggested_when_d_is_omitted(hub, api):
 def test_suggestion_by_config_survives_renamed_folders():
     from mlx_dflash.loading.hub import PUBLISHED_DRAFTS, suggest_draft
 
-    text = lambda h, n, mt="qwen3_5_text", **kw: {"model_type": "qwen3_5",  # noqa: E731
-                                                   "text_config": {"model_type": mt, "hidden_size": h,
-                                                                   "num_hidden_layers": n, **kw}}
+    text = lambda h, n, mt="qwen3_5_text", **kw: {
+        "model_type": "qwen3_5",  # noqa: E731
+        "text_config": {"model_type": mt, "hidden_size": h, "num_hidden_layers": n, **kw},
+    }
     assert suggest_draft(text(4096, 32), "my-model") == ["z-lab/Qwen3.5-9B-DFlash"]
     assert suggest_draft(text(2560, 32), "") == ["z-lab/Qwen3.5-4B-DFlash"]
     # Qwen3.6 has Qwen3.5's shapes: the name picks, else both are named
@@ -247,6 +293,7 @@ def test_what_counts_as_a_hub_id(tmp_path):
 
 
 # --- the download path, against a local stand-in for the Hub -------------------------------
+
 
 class FakeHub:
     """The few Hub endpoints huggingface_hub's downloads call (repo info, tree listing,
@@ -302,8 +349,10 @@ class FakeHub:
                     info = {"id": repo, "sha": rev, "siblings": [{"rfilename": f} for f in files]}
                     return self.reply(200, json.dumps(info).encode(), [("Content-Type", "application/json")], body)
                 if api and kind == "tree":
-                    tree = [{"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
-                            for f, d in files.items()]
+                    tree = [
+                        {"type": "file", "path": f, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                        for f, d in files.items()
+                    ]
                     return self.reply(200, json.dumps(tree).encode(), [("Content-Type", "application/json")], body)
                 if repo in hub.gated:
                     return self.error(403, "GatedRepo", body)
@@ -312,8 +361,7 @@ class FakeHub:
                 if body:
                     hub.fetched.append(f"{repo}/{path}")
                 data = files[path]
-                self.reply(200, data, [("X-Repo-Commit", rev), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"')],
-                           body)
+                self.reply(200, data, [("X-Repo-Commit", rev), ("ETag", f'"{hashlib.sha256(data).hexdigest()}"')], body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -355,16 +403,33 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     old = json.loads(draft["config.json"])
     old["block_size"] = 8
     gguf = Path(hub["gguf"]).read_bytes()
-    extras = {"README.md": b"# tiny\n", "modeling_tiny.py": b"raise SystemExit\n", "sub/other.safetensors": b"x",
-              ".gitattributes": b"*.safetensors filter=lfs\n"}
-    fake = FakeHub({
-        "test-org/tiny-target": {"c" * 40: {"refs": ["main"], "files": {**target, **extras}}},
-        "test-org/tiny-draft": {"a" * 40: {"refs": ["v1"], "files": {**draft, "config.json": json.dumps(old).encode()}},
-                                "b" * 40: {"refs": ["main"], "files": draft}},
-        "test-org/tiny-GGUF": {"d" * 40: {"refs": ["main"], "files": {
-            "tiny-F32.gguf": gguf, "tiny-Q8_0.gguf": b"GGUF" + bytes(1 << 20), "mmproj-tiny-F32.gguf": b"x"}}},
-        "test-org/gated": {"e" * 40: {"refs": ["main"], "files": {"config.json": b"{}"}}},
-    }, gated={"test-org/gated"})
+    extras = {
+        "README.md": b"# tiny\n",
+        "modeling_tiny.py": b"raise SystemExit\n",
+        "sub/other.safetensors": b"x",
+        ".gitattributes": b"*.safetensors filter=lfs\n",
+    }
+    fake = FakeHub(
+        {
+            "test-org/tiny-target": {"c" * 40: {"refs": ["main"], "files": {**target, **extras}}},
+            "test-org/tiny-draft": {
+                "a" * 40: {"refs": ["v1"], "files": {**draft, "config.json": json.dumps(old).encode()}},
+                "b" * 40: {"refs": ["main"], "files": draft},
+            },
+            "test-org/tiny-GGUF": {
+                "d" * 40: {
+                    "refs": ["main"],
+                    "files": {
+                        "tiny-F32.gguf": gguf,
+                        "tiny-Q8_0.gguf": b"GGUF" + bytes(1 << 20),
+                        "mmproj-tiny-F32.gguf": b"x",
+                    },
+                }
+            },
+            "test-org/gated": {"e" * 40: {"refs": ["main"], "files": {"config.json": b"{}"}}},
+        },
+        gated={"test-org/gated"},
+    )
     env = {**hub["env"], "HF_HUB_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": fake.url, "HF_TOKEN": ""}
     del env["HF_HUB_OFFLINE"]
     try:
@@ -374,8 +439,10 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert sorted(fake.fetched) == sorted(
-        [f"test-org/tiny-target/{f}" for f in target] + [f"test-org/tiny-draft/{f}" for f in draft]
-        + ["test-org/tiny-GGUF/tiny-F32.gguf"])  # no README, code, subfolder, other GGUF
+        [f"test-org/tiny-target/{f}" for f in target]
+        + [f"test-org/tiny-draft/{f}" for f in draft]
+        + ["test-org/tiny-GGUF/tiny-F32.gguf"]
+    )  # no README, code, subfolder, other GGUF
     assert "Fetching" in r.stderr  # huggingface_hub's progress bars
     assert out["draft_block"] == 8 and out["gguf"].endswith("/tiny-F32.gguf")
     assert "no repo test-org/missing on the Hub" in out["test-org/missing"]
@@ -383,9 +450,13 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert "has no revision 'nope'" in out["test-org/tiny-target@nope"]
     assert out["test-org/tiny-GGUF/other.gguf"].endswith("test-org/tiny-GGUF has no file other.gguf")
     # the Hub gone (server closed, HF_HUB_OFFLINE unset): the cached files are used
-    r2 = subprocess.run([sys.executable, "-c", DOWNLOAD.replace('"test-org/tiny-GGUF:F32"',
-                                                                '"test-org/tiny-GGUF/tiny-F32.gguf"')],
-                        env=env, capture_output=True, text=True, timeout=600)
+    r2 = subprocess.run(
+        [sys.executable, "-c", DOWNLOAD.replace('"test-org/tiny-GGUF:F32"', '"test-org/tiny-GGUF/tiny-F32.gguf"')],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r2.returncode == 0, r2.stderr
     out2 = json.loads(r2.stdout.strip().splitlines()[-1])
     assert out2["tokens"] == out["tokens"] and out2["draft_block"] == 8 and out2["gguf"] == out["gguf"]

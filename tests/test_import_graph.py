@@ -18,8 +18,14 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mlx_dflash"
 # The public dispatchers of each op family; the launcher must reach none of them.
-FAMILY_OPS = {"gated_delta_chain", "gated_delta_tree", "gated_delta_rollback", "causal_conv1d_silu",
-              "attention", "exp_fused"}
+FAMILY_OPS = {
+    "gated_delta_chain",
+    "gated_delta_tree",
+    "gated_delta_rollback",
+    "causal_conv1d_silu",
+    "attention",
+    "exp_fused",
+}
 
 
 def _modules() -> Dict[str, Path]:
@@ -49,7 +55,7 @@ def _imports(name: str) -> Set[str]:
                     out.add(target)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[:len(package) - node.level + 1]
+                base = package[: len(package) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""

@@ -67,7 +67,7 @@ def assert_same_quantized_cache(a, b):
             kb, vb = cb.dequantized()
             for x, y in ((ka, kb), (va, vb)):
                 x, y = np.array(x), np.array(y)
-                step = (np.abs(y).max() + 1e-6) / (2 ** ca.bits - 1) * 2
+                step = (np.abs(y).max() + 1e-6) / (2**ca.bits - 1) * 2
                 assert np.abs(x - y).max() <= step
                 assert np.mean(np.abs(x - y)) < step / 20
         else:
@@ -78,8 +78,12 @@ def assert_same_quantized_cache(a, b):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_rollback_and_tree_compaction_exact_relative_to_quantized_plain(target64, bits):
     plain, pcache, _ = decode(target64, N, kv_bits=bits)
-    for kw in (dict(accept=None, seed=1, block_size=8), dict(accept=2, block_size=16),
-               dict(accept=0, block_size=4), dict(accept=3, tree_budget=10, block_size=8)):
+    for kw in (
+        dict(accept=None, seed=1, block_size=8),
+        dict(accept=2, block_size=16),
+        dict(accept=0, block_size=4),
+        dict(accept=3, tree_budget=10, block_size=8),
+    ):
         draft = ScriptedDraft(PROMPT, plain, target64.vocab_size, accept=kw.pop("accept"), seed=kw.pop("seed", None))
         out, cache, stats = decode(target64, N, kv_bits=bits, draft=draft, **kw)
         assert out == plain, kw

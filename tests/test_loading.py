@@ -45,8 +45,7 @@ def test_quantized_4bit_folder(any_model, tok_dir, tmp_path):
     from mlx_lm.utils import quantize_model
 
     cfg, model = any_model
-    path = tiny.save_mlx(model, cfg, tmp_path / "q4", tokenizer_dir=tok_dir,
-                         quantize={"bits": 4, "group_size": 32})
+    path = tiny.save_mlx(model, cfg, tmp_path / "q4", tokenizer_dir=tok_dir, quantize={"bits": 4, "group_size": 32})
     saved = json.loads((path / "config.json").read_text())
     assert saved["quantization"]["bits"] == 4
     if cfg["text_config"].get("num_experts"):
@@ -73,6 +72,7 @@ def test_tokenizer_and_chat_template_from_folder(dense, tok_dir, tmp_path):
 
 
 # --- bad input -----------------------------------------------------------------
+
 
 def test_missing_and_non_model_paths(tmp_path):
     with pytest.raises(DFlashError, match="does not exist"):

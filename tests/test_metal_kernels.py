@@ -196,8 +196,7 @@ def test_rollback_replays_the_forward_state_bit_for_bit(packed):
     T, n = 9, 5
     q, k, v, g, beta, s0 = inputs(1, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=6)
     _, _, tape = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
-    _, S_n, _ = H.run(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                               packed=packed))
+    _, S_n, _ = H.run(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0, packed=packed))
     (R_n,) = H.run(gated_delta.rollback_launch(s0, k, g, tape, range(n)))
     assert np.array_equal(bits(S_n), bits(R_n))
     # Tree: the forward's state after node T-1's path, replayed along that path.
@@ -247,11 +246,14 @@ def test_real_kernels_do_not_depend_on_thread_order():
 # --- the harness catches broken kernels and executes threadgroup semantics ---------
 
 
-@pytest.mark.parametrize("mutation", [
-    ("hv / (Hv / Hk)", "hv % Hk"),  # wrong GQA head mapping
-    ("kv = simd_sum(kv);", ""),  # a lane-local reduction
-    ("s[j] = s[j] * gt;", "s[j] = s[j] * gt * gt;"),  # wrong decay
-])
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        ("hv / (Hv / Hk)", "hv % Hk"),  # wrong GQA head mapping
+        ("kv = simd_sum(kv);", ""),  # a lane-local reduction
+        ("s[j] = s[j] * gt;", "s[j] = s[j] * gt * gt;"),  # wrong decay
+    ],
+)
 def test_harness_rejects_a_mutated_kernel(mutation):
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 4, mx.float32)
     src = metal.metal_source("gated_delta_chain")
@@ -281,8 +283,9 @@ def test_reading_a_neighbours_result_is_caught():
     out[i] = i > 0 ? mid[i - 1] : 0.0f;
     """
     x = mx.arange(64, dtype=mx.float32)
-    launch = _launch("n", [("inp", x)], [("mid", (64,), mx.float32), ("out", (64,), mx.float32)],
-                     (64, 1, 1), (64, 1, 1))
+    launch = _launch(
+        "n", [("inp", x)], [("mid", (64,), mx.float32), ("out", (64,), mx.float32)], (64, 1, 1), (64, 1, 1)
+    )
     want = [x * 2, mx.concatenate([mx.zeros(1), x[:-1] * 2])]
     caught, per_order = caught_in_some_order(launch, src, want)
     assert caught and per_order[0], per_order  # index order alone would have passed it
@@ -309,8 +312,11 @@ def test_harness_threadgroup_memory_and_barrier():
         (out,) = H.run(launch, source=BARRIER_SRC, order=order)
         assert np.array_equal(np.array(out), want), order
     # Without the barrier some order reads slots not yet written.
-    caught, _ = caught_in_some_order(launch, BARRIER_SRC.replace(
-        "threadgroup_barrier(mem_flags::mem_threadgroup);", ""), [mx.array(want.astype(np.float32))])
+    caught, _ = caught_in_some_order(
+        launch,
+        BARRIER_SRC.replace("threadgroup_barrier(mem_flags::mem_threadgroup);", ""),
+        [mx.array(want.astype(np.float32))],
+    )
     assert caught
 
 
@@ -321,12 +327,15 @@ def test_a_missing_barrier_in_a_real_kernel_layout_is_caught():
     src = metal.metal_source("gated_delta_chain")
     old = "  const float gt = static_cast<float>(g[gb]);\n"
     assert old in src
-    staged = (old + "  threadgroup float kq[4][Dk];\n"
-              "  const uint row = thread_position_in_threadgroup.y;\n"
-              "  for (int j = 0; j < NPL; ++j) { const uint i = lane + 32 * j; if (i < Dk) kq[row][i] = k[qk + i]; }\n"
-              "  threadgroup_barrier(mem_flags::mem_threadgroup);\n")
-    good = src.replace(old, staged).replace("kv += s[j] * static_cast<float>(k[qk + i]);",
-                                            "kv += s[j] * kq[row][(i + 1) % Dk];")
+    staged = (
+        old + "  threadgroup float kq[4][Dk];\n"
+        "  const uint row = thread_position_in_threadgroup.y;\n"
+        "  for (int j = 0; j < NPL; ++j) { const uint i = lane + 32 * j; if (i < Dk) kq[row][i] = k[qk + i]; }\n"
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+    )
+    good = src.replace(old, staged).replace(
+        "kv += s[j] * static_cast<float>(k[qk + i]);", "kv += s[j] * kq[row][(i + 1) % Dk];"
+    )
     q, k, v, g, beta, s0 = inputs(1, 4, 1, 4, 64, 8, mx.float32, seed=11)
     # The staged kernel reads the key of column i + 1: a reference run with the
     # barrier fixes what the right answer of this variant is, in every order.
@@ -337,8 +346,9 @@ def test_a_missing_barrier_in_a_real_kernel_layout_is_caught():
         assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(want, again))
     # The barrier is uniform here; dropping it lets a lane read column i + 1
     # before lane i + 1 of the same row wrote it.
-    caught, _ = caught_in_some_order(launch, good.replace("  threadgroup_barrier(mem_flags::mem_threadgroup);\n", ""),
-                                     want)
+    caught, _ = caught_in_some_order(
+        launch, good.replace("  threadgroup_barrier(mem_flags::mem_threadgroup);\n", ""), want
+    )
     assert caught
 
 
@@ -391,8 +401,7 @@ def test_harness_rejects_divergent_barriers():
     out[thread_position_in_grid.x] = 1.0f;
     """
     with pytest.raises(RuntimeError, match="different barriers"):
-        H.run(_launch("b", [("inp", mx.zeros(1))], [("out", (32,), mx.float32)], (32, 1, 1), (32, 1, 1)),
-              source=src)
+        H.run(_launch("b", [("inp", mx.zeros(1))], [("out", (32,), mx.float32)], (32, 1, 1), (32, 1, 1)), source=src)
 
 
 # --- the harness header on macOS --------------------------------------------------
@@ -430,8 +439,19 @@ def test_harness_header_builds_under_the_macos_ucontext_rule(tmp_path, guarded):
         header = header.replace(guard, "")
     (tmp_path / "metal_compat.h").write_text(header)
     (tmp_path / "t.cpp").write_text('#include "metal_compat.h"\nint main() { return 0; }\n')
-    r = subprocess.run([H.compiler(), "-std=c++17", "-fsyntax-only", "-D__APPLE__", f"-I{sdk}",
-                        f"-I{tmp_path}", str(tmp_path / "t.cpp")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            H.compiler(),
+            "-std=c++17",
+            "-fsyntax-only",
+            "-D__APPLE__",
+            f"-I{sdk}",
+            f"-I{tmp_path}",
+            str(tmp_path / "t.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if guarded:
         assert r.returncode == 0, r.stderr[-2000:]
     else:
@@ -479,6 +499,7 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
     assert deltanet and all(float(mx.abs(want[n]).max()) > 0 for n in deltanet)
     for n in got:
         assert np.allclose(np.array(got[n]), np.array(want[n]), rtol=1e-3, atol=1e-5), n
+
     # The control: the kernel called without the twin's VJP fails as on a Mac.
     def without_twin_vjp(launch, twin, static, primals, extra=(), n_out=1):
         return metal.run_metal(launch(static, *primals, *extra))[:n_out]
@@ -502,10 +523,14 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
         return sum(((o.astype(mx.float32) * (i + 1)) ** 2).sum() for i, o in enumerate(outs) if o is not None)
 
     cases = {
-        "chain": (lambda a, tw: total(gated_delta.gated_delta_chain(*a, mask, record=True, force_twin=tw)),
-                  [q, k, v, g, beta, s0]),
-        "tree": (lambda a, tw: total(gated_delta.gated_delta_tree(*a, parents, record=True, force_twin=tw)),
-                 [q, k, v, g, beta, s0]),
+        "chain": (
+            lambda a, tw: total(gated_delta.gated_delta_chain(*a, mask, record=True, force_twin=tw)),
+            [q, k, v, g, beta, s0],
+        ),
+        "tree": (
+            lambda a, tw: total(gated_delta.gated_delta_tree(*a, parents, record=True, force_twin=tw)),
+            [q, k, v, g, beta, s0],
+        ),
         "rollback": (lambda a, tw: total([gated_delta.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
         "conv": (lambda a, tw: total([conv.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
     }
@@ -522,8 +547,9 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
 # --- real Metal (macOS) ------------------------------------------------------------
 
 
-@pytest.mark.skipif(not mx.metal.is_available(),
-                    reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources")
+@pytest.mark.skipif(
+    not mx.metal.is_available(), reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources"
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_real_metal_kernels_match_twins(dtype):
     with mx.stream(mx.gpu):
@@ -537,15 +563,19 @@ def test_real_metal_kernels_match_twins(dtype):
             for a, b in zip(got, want):
                 assert close(a, b, dtype)
         _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True)
-        assert close(gated_delta.gated_delta_rollback(s0, k, g, tape, 5),
-                     gated_delta.gated_delta_rollback(s0, k, g, tape, 5, force_twin=True), dtype)
+        assert close(
+            gated_delta.gated_delta_rollback(s0, k, g, tape, 5),
+            gated_delta.gated_delta_rollback(s0, k, g, tape, 5, force_twin=True),
+            dtype,
+        )
         conv_in = mx.random.normal((1, 12, 70)).astype(dtype)
         w = mx.random.normal((70, 4, 1)).astype(dtype)
         assert close(conv.causal_conv1d_silu(conv_in, w), conv.causal_conv1d_silu(conv_in, w, force_twin=True), dtype)
 
 
-@pytest.mark.skipif(not mx.metal.is_available(),
-                    reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources")
+@pytest.mark.skipif(
+    not mx.metal.is_available(), reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources"
+)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
     with mx.stream(mx.gpu):
@@ -558,8 +588,9 @@ def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
             y2, S2, _ = metal.run_metal(gated_delta.chain_launch(q, k, v, g, beta, s0, record=False, packed=packed))
             assert mx.array_equal(y, y2).item() and mx.array_equal(S, S2).item()
             n = 5
-            S_n = metal.run_metal(gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0,
-                                                           packed=packed))[1]
+            S_n = metal.run_metal(
+                gated_delta.chain_launch(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], s0, packed=packed)
+            )[1]
             R_n = metal.run_metal(gated_delta.rollback_launch(s0, k, g, tape, range(n)))[0]
             assert mx.array_equal(S_n, R_n).item()
         parents = random_tree(64, seed=2)
@@ -569,8 +600,10 @@ def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
         assert all(close(a, b, dtype) for a, b in zip(got, want))
 
 
-@pytest.mark.skipif(not mx.metal.is_available(),
-                    reason="needs a Metal GPU (Apple silicon); the Linux test above runs the kernels in the harness")
+@pytest.mark.skipif(
+    not mx.metal.is_available(),
+    reason="needs a Metal GPU (Apple silicon); the Linux test above runs the kernels in the harness",
+)
 def test_real_metal_value_and_grad_through_the_target(dense):
     from mlx_dflash.models.qwen35 import Target
 
@@ -612,8 +645,9 @@ def test_verify_rows_equal_single_steps_bit_for_bit(packed):
     St = s0
     for t in range(T):
         sl = slice(t, t + 1)
-        yt, St, _ = H.run(gated_delta.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], St,
-                                                   packed=packed))
+        yt, St, _ = H.run(
+            gated_delta.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], St, packed=packed)
+        )
         assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t
     assert np.array_equal(bits(St), bits(S))
     if packed:
@@ -625,6 +659,9 @@ def test_verify_rows_equal_single_steps_bit_for_bit(packed):
     states = {}
     for t, p in enumerate(parents):
         sl = slice(t, t + 1)
-        yt, states[t], _ = H.run(gated_delta.chain_launch(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
-                                                          s0 if p < 0 else states[p], packed=False))
+        yt, states[t], _ = H.run(
+            gated_delta.chain_launch(
+                q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s0 if p < 0 else states[p], packed=False
+            )
+        )
         assert np.array_equal(bits(yt[:, 0]), bits(y[:, t])), t

@@ -23,8 +23,14 @@ DTYPES = [mx.bfloat16, mx.float16, mx.float32]
 def _inputs(B, T, Hk, Hv, Dk, Dv, dtype):
     # Shapes and dtypes are all a trace needs: zeros, nothing is evaluated.
     z = lambda *s: mx.zeros(s, dtype=dtype)  # noqa: E731
-    return (z(B, T, Hk, Dk), z(B, T, Hk, Dk), z(B, T, Hv, Dv), z(B, T, Hv), z(B, T, Hv),
-            mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32))
+    return (
+        z(B, T, Hk, Dk),
+        z(B, T, Hk, Dk),
+        z(B, T, Hv, Dv),
+        z(B, T, Hv),
+        z(B, T, Hv),
+        mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32),
+    )
 
 
 def _tree(n):
@@ -43,8 +49,11 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
         out[f"chain simd record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record, packed=False)
     out["rollback"] = gated_delta.rollback_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), range(max(T // 2, 1)))
     C = 2 * Hk * Dk + Hv * Dv
-    out["conv"] = conv.conv_launch(mx.zeros((B, 3 + T, C), dtype=dtype), mx.zeros((C, 4, 1), dtype=dtype),
-                                   conv.conv_windows(list(range(-1, T - 1)), 4))
+    out["conv"] = conv.conv_launch(
+        mx.zeros((B, 3 + T, C), dtype=dtype),
+        mx.zeros((C, 4, 1), dtype=dtype),
+        conv.conv_windows(list(range(-1, T - 1)), 4),
+    )
     for n in budgets:
         tq, tk, tv, tg, tb, ts = _inputs(B, n, Hk, Hv, Dk, Dv, dtype)
         out[f"tree {n}"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, _tree(n))
@@ -65,8 +74,10 @@ def _sweep(cases):
 
 
 # Qwen3.5: Dk = Dv = 128, Hk = 16, Hv 32 (9B), 48 (27B), 64 (larger MoE).
-QWEN = [(1, 16, hv, 128, 128, T, dt, (22, 256) if T == 16 else ())
-        for hv, T, dt in itertools.product((32, 48, 64), (1, 16, 512), DTYPES)]
+QWEN = [
+    (1, 16, hv, 128, 128, T, dt, (22, 256) if T == 16 else ())
+    for hv, T, dt in itertools.product((32, 48, 64), (1, 16, 512), DTYPES)
+]
 TESTS = [  # the shapes of test_metal_kernels.py, and one small enough that
     (1, 1, 1, 32, 4, 1, mx.float32, (1, 9)),  # MLX binds state, v, g and mask as `constant`
     (1, 2, 4, 64, 8, 16, mx.bfloat16, (13,)),
@@ -151,10 +162,14 @@ def test_mlx_lm_kernels_pass_the_check(monkeypatch):
         def run(*xs, kern=kern):
             it = iter(xs)
             args = [next(it) if isinstance(a, mx.array) else a for a in ins]
-            return kern(inputs=args, template=[("InT", mx.bfloat16), ("StT", mx.float32), ("Dk", D), ("Dv", D),
-                                               ("Hk", Hk), ("Hv", Hv)],
-                        grid=(32, D, B * Hv), threadgroup=(32, 4, 1),
-                        output_shapes=[(B, T, Hv, D), s0.shape], output_dtypes=[mx.bfloat16, mx.float32])
+            return kern(
+                inputs=args,
+                template=[("InT", mx.bfloat16), ("StT", mx.float32), ("Dk", D), ("Dv", D), ("Hk", Hk), ("Hv", Hv)],
+                grid=(32, D, B * Hv),
+                threadgroup=(32, 4, 1),
+                output_shapes=[(B, T, Hv, D), s0.shape],
+                output_dtypes=[mx.bfloat16, mx.float32],
+            )
 
         src = M.capture_fn(run, [a for a in ins if isinstance(a, mx.array)])
         assert M.check(src) == [], (i, M.check(src)[:3])
@@ -163,11 +178,19 @@ def test_mlx_lm_kernels_pass_the_check(monkeypatch):
 def test_the_check_catches_too_many_buffers():
     def kernel_with(n):
         names = [f"a{i}" for i in range(n)]
-        kern = mx.fast.metal_kernel(name=f"many{n}", input_names=names, output_names=["out"],
-                                    source="out[0] = " + " + ".join(f"{x}[0]" for x in names) + ";")
+        kern = mx.fast.metal_kernel(
+            name=f"many{n}",
+            input_names=names,
+            output_names=["out"],
+            source="out[0] = " + " + ".join(f"{x}[0]" for x in names) + ";",
+        )
         arrays = [mx.zeros((16,)) for _ in names]
-        return M.capture_fn(lambda *xs: kern(inputs=list(xs), grid=(1, 1, 1), threadgroup=(1, 1, 1),
-                                             output_shapes=[(1,)], output_dtypes=[mx.float32]), arrays)
+        return M.capture_fn(
+            lambda *xs: kern(
+                inputs=list(xs), grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32]
+            ),
+            arrays,
+        )
 
     assert M.check(kernel_with(30)) == []  # 31 buffers with the output
     assert "buffer arguments" in M.check(kernel_with(31))[0]

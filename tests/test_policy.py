@@ -19,8 +19,12 @@ PROMPT = [1, 10, 20, 30, 40]
 
 def synthetic_costs():
     """Costs shaped like the embedded pair's (ms): a 16-token cycle ~2.5 plain steps."""
-    return CostModel(plain=0.010, verify={2: 0.012, 4: 0.013, 8: 0.015, 16: 0.019},
-                     draft={2: 0.004, 4: 0.004, 8: 0.0045, 16: 0.005}, rollback=0.001)
+    return CostModel(
+        plain=0.010,
+        verify={2: 0.012, 4: 0.013, 8: 0.015, 16: 0.019},
+        draft={2: 0.004, 4: 0.004, 8: 0.0045, 16: 0.005},
+        rollback=0.001,
+    )
 
 
 def drive(policy, accept, cycles, room=10_000, tokens=None, context=0):
@@ -96,8 +100,7 @@ def test_first_drafted_cycles_are_narrow_where_verifies_are_dear():
     """A 16-token cycle at 12 plain steps (a slow BLAS, a big target): the
     first drafted cycles are as wide as pays under the prior, not the block;
     a draft that keeps everything still gets the widest block."""
-    dear = CostModel(plain=0.005, verify={2: 0.020, 4: 0.025, 8: 0.030, 16: 0.040},
-                     draft={16: 0.018}, rollback=0.001)
+    dear = CostModel(plain=0.005, verify={2: 0.020, 4: 0.025, 8: 0.030, 16: 0.040}, draft={16: 0.018}, rollback=0.001)
     plans = drive(Policy(16, dear), lambda B: 0, 0, tokens=64)
     drafted = [p.width for p in plans if p.width > 1]
     assert drafted and max(drafted) <= 8, drafted
@@ -137,6 +140,7 @@ def test_a_good_draft_drafts_narrower_deep_in_a_long_context():
             while n < B - 1 and rng.random() < p:
                 n += 1
             return n
+
         return accept
 
     mean_width = {}
@@ -175,8 +179,9 @@ def test_expected_tokens_follow_per_depth_acceptance():
 def pair(dense):
     cfg, model = dense
     target = Target(model)
-    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=16,
-                             layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    dcfg = tiny.draft_config(
+        cfg, num_hidden_layers=2, block_size=16, layer_types=["sliding_attention", "full_attention"], sliding_window=8
+    )
     return model, target, tiny.build_draft(dcfg, seed=11).bind(target)
 
 
@@ -190,9 +195,16 @@ def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     assert not measured and again == costs  # the second load reads the file
     # Another model (same shapes, other weights) is measured anew.
     other = Target(tiny.build_target(tiny.target_config(), seed=99))
-    odraft = tiny.build_draft(tiny.draft_config(tiny.target_config(), num_hidden_layers=2, block_size=16,
-                                                layer_types=["sliding_attention", "full_attention"],
-                                                sliding_window=8), seed=11).bind(other)
+    odraft = tiny.build_draft(
+        tiny.draft_config(
+            tiny.target_config(),
+            num_hidden_layers=2,
+            block_size=16,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+        ),
+        seed=11,
+    ).bind(other)
     _, measured = load_costs(other, odraft, cache_dir=tmp_path)
     assert measured
     # A file written on another machine (or another mlx) does not count.
@@ -340,6 +352,7 @@ def test_widths_come_from_a_ladder_so_few_widths_are_ever_traced():
         while n < B - 1 and rng.random() < 0.8:
             n += 1
         return n
+
     widths = {p.width for p in drive(policy, accept, 300)}
     assert widths <= {1, 2, 3, 4, 6, 8, 12, 16} and len(widths) > 2
 

@@ -36,8 +36,13 @@ def assert_cache_is_plain_forward(target, cache, tokens):
 def make_engine(cfg, model, tok_dir, draft_kind):
     target = Target(model)
     if draft_kind == "window":  # sliding draft: its cache keeps a window of context rows
-        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8,
-                                 layer_types=["sliding_attention", "sliding_attention"], sliding_window=12)
+        dcfg = tiny.draft_config(
+            cfg,
+            num_hidden_layers=2,
+            block_size=8,
+            layer_types=["sliding_attention", "sliding_attention"],
+            sliding_window=12,
+        )
     else:  # full-attention draft: its cache keeps every context row
         dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
     draft = tiny.build_draft(dcfg, seed=5).bind(target)
@@ -63,9 +68,14 @@ MODES = {
 
 
 FAST = {("dense", "chain", False), ("moe", "tree", True), ("moe", "plain", False), ("dense", "chain", True)}
-COMBOS = [pytest.param(w, m, smp, id=f"{w}-{m}-{'sampled' if smp else 'greedy'}",
-                       marks=() if (w, m, smp) in FAST else pytest.mark.slow)
-          for w in ("dense", "moe") for m in MODES for smp in (False, True)]
+COMBOS = [
+    pytest.param(
+        w, m, smp, id=f"{w}-{m}-{'sampled' if smp else 'greedy'}", marks=() if (w, m, smp) in FAST else pytest.mark.slow
+    )
+    for w in ("dense", "moe")
+    for m in MODES
+    for smp in (False, True)
+]
 
 
 @pytest.mark.parametrize("which,mode,sampled", COMBOS)
@@ -135,8 +145,9 @@ def test_restored_draft_context_equals_a_cold_one(engines, which):
         dcache = draft.make_cache()
         pc._restore(snap, eng.target.make_cache(), dcache)
         cold = draft.make_cache()
-        _, f = eng.target.forward(list(snap.tokens), eng.target.make_cache(), capture=draft.target_layer_ids,
-                                  logits="none")
+        _, f = eng.target.forward(
+            list(snap.tokens), eng.target.make_cache(), capture=draft.target_layer_ids, logits="none"
+        )
         draft.add_context(f, cold)
         assert dcache.length == cold.length == snap.n and dcache.positions == cold.positions
         for got, want in zip(dcache.keys + dcache.values, cold.keys + cold.values):
@@ -207,7 +218,7 @@ def test_stable_boundary_sits_before_the_generation_prompt(engines):
     pc = PrefixCache(rung_interval=0)
     p = eng.encode("hello", chat_template=True)
     tail = eng.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert p[-len(tail):] == tail
+    assert p[-len(tail) :] == tail
     assert pc.stable_boundary(eng.tokenizer, p) == len(p) - len(tail)
     assert pc.stable_boundary(eng.tokenizer, [5, 6, 7]) == 2
 
@@ -365,7 +376,6 @@ def test_bad_cache_files(engines, tmp_path):
         PrefixCache.load(plain, eng)
 
 
-
 def test_unwindowed_draft_rows_are_stored_once(engines):
     """A full-attention draft's context rows are position-local like target
     KV: all snapshots of a conversation share one copy of each row."""
@@ -394,11 +404,11 @@ def _rewrite_metadata(path, edit):
     hand edit would (the tensors' bytes are left as they are)."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header["__metadata__"])
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
 
 
 def _point_at_the_other_segment(meta):
@@ -423,8 +433,7 @@ def test_an_edited_index_is_refused(engines, tmp_path):
     assert PrefixCache.load(f, eng).snapshots() == pc.snapshots()  # the rewrite itself changes nothing
     _rewrite_metadata(f, lambda meta: None)
     assert PrefixCache.load(f, eng).snapshots() == pc.snapshots()
-    edits = {"segments": _point_at_the_other_segment,
-             "rung interval": lambda meta: meta.update(rung_interval="64")}
+    edits = {"segments": _point_at_the_other_segment, "rung interval": lambda meta: meta.update(rung_interval="64")}
     for name, edit in edits.items():
         g = tmp_path / f"{name}.safetensors"
         g.write_bytes(f.read_bytes())

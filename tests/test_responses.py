@@ -35,8 +35,17 @@ def eng(pair):
 
 @pytest.fixture(scope="module")
 def srv(pair, tmp_path_factory):
-    s = ServerProcess("--model", str(pair / "target"), "--draft", str(pair / "draft"), "--model-name", "tiny",
-                      "--api-key", KEY, log=tmp_path_factory.mktemp("rsrv") / "log.txt")
+    s = ServerProcess(
+        "--model",
+        str(pair / "target"),
+        "--draft",
+        str(pair / "draft"),
+        "--model-name",
+        "tiny",
+        "--api-key",
+        KEY,
+        log=tmp_path_factory.mktemp("rsrv") / "log.txt",
+    )
     yield s
     s.close()
 
@@ -46,8 +55,11 @@ def _client(s) -> openai.OpenAI:
 
 
 def _ids(eng, messages, **template_args):
-    return list(eng.tokenizer.apply_chat_template(messages, tools=template_args.pop("tools", None),
-                                                  add_generation_prompt=True, **template_args))
+    return list(
+        eng.tokenizer.apply_chat_template(
+            messages, tools=template_args.pop("tools", None), add_generation_prompt=True, **template_args
+        )
+    )
 
 
 def _strict(r) -> None:
@@ -68,8 +80,10 @@ def test_text_reply_equals_generate_and_stops_at_max_output_tokens(srv, eng):
     ids = _ids(eng, messages, enable_thinking=False)
     want = mlx_dflash.generate(eng, ids, max_tokens=6)
     assert want.stats.finish_reason == "length"
-    items = [{"type": "message", "role": "developer", "content": FACTS},
-             {"role": "user", "content": [{"type": "input_text", "text": ASK}]}]
+    items = [
+        {"type": "message", "role": "developer", "content": FACTS},
+        {"role": "user", "content": [{"type": "input_text", "text": ASK}]},
+    ]
     client = _client(srv)
     r = client.responses.create(model="tiny", input=items, max_output_tokens=6, reasoning={"effort": "none"})
     _strict(r)
@@ -79,16 +93,27 @@ def test_text_reply_equals_generate_and_stops_at_max_output_tokens(srv, eng):
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ids), 6)
     assert r.usage.total_tokens == len(ids) + 6 and r.usage.input_tokens_details.cached_tokens >= 0
 
-    events = list(client.responses.create(model="tiny", input=items, max_output_tokens=6,
-                                          reasoning={"effort": "none"}, stream=True))
+    events = list(
+        client.responses.create(
+            model="tiny", input=items, max_output_tokens=6, reasoning={"effort": "none"}, stream=True
+        )
+    )
     _strict_events(events)
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert kinds[4:4 + len(deltas)] == ["response.output_text.delta"] * len(deltas) and len(deltas) > 1
-    assert kinds[4 + len(deltas):] == ["response.output_text.done", "response.content_part.done",
-                                       "response.output_item.done", "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[4 : 4 + len(deltas)] == ["response.output_text.delta"] * len(deltas) and len(deltas) > 1
+    assert kinds[4 + len(deltas) :] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     assert "".join(deltas) == events[-4].text == want.text
     final = events[-1].response
     assert final.output_text == want.text and final.incomplete_details.reason == "max_output_tokens"
@@ -97,22 +122,32 @@ def test_text_reply_equals_generate_and_stops_at_max_output_tokens(srv, eng):
 
 def test_instructions_string_input_and_the_string_of_parts_render_alike(srv, eng):
     """``instructions`` + a string input is the same prompt as a system and a user message."""
-    ids = _ids(eng, [{"role": "system", "content": FACTS}, {"role": "user", "content": ASK}],
-               enable_thinking=False)
-    r = _client(srv).responses.create(model="tiny", instructions=FACTS, input=ASK, max_output_tokens=2,
-                                      reasoning={"effort": "none"})
+    ids = _ids(eng, [{"role": "system", "content": FACTS}, {"role": "user", "content": ASK}], enable_thinking=False)
+    r = _client(srv).responses.create(
+        model="tiny", instructions=FACTS, input=ASK, max_output_tokens=2, reasoning={"effort": "none"}
+    )
     assert r.usage.input_tokens == len(ids) and r.instructions == FACTS
 
 
 def test_items_and_reasoning_switch_render_as_chat_messages(srv, eng):
     """An assistant item with output_text parts between user items is that chat history;
     reasoning effort "none" renders the template with thinking off, another effort with it on."""
-    history = [{"role": "user", "content": ASK}, {"role": "assistant", "content": "Rhine, Danube, Loire."},
-               {"role": "user", "content": "And in Asia?"}]
-    items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
-             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-              "content": [{"type": "output_text", "text": "Rhine, Danube, Loire.", "annotations": []}]},
-             {"role": "user", "content": "And in Asia?"}]
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "Rhine, Danube, Loire."},
+        {"role": "user", "content": "And in Asia?"},
+    ]
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "id": "msg_1",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Rhine, Danube, Loire.", "annotations": []}],
+        },
+        {"role": "user", "content": "And in Asia?"},
+    ]
     client = _client(srv)
     for effort, on in (("none", False), ("high", True)):
         r = client.responses.create(model="tiny", input=items, max_output_tokens=1, reasoning={"effort": effort})
@@ -129,8 +164,9 @@ def test_tool_call_cut_by_max_output_tokens_is_text(srv):
     _strict(r)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "".join(PIECES[2:4])
-    events = list(client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4,
-                                          stream=True))
+    events = list(
+        client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=4, stream=True)
+    )
     _strict_events(events)
     assert not [e for e in events if e.type.startswith("response.function_call")]
     assert events[-1].type == "response.incomplete" and events[-1].response.output_text == "".join(PIECES[2:4])
@@ -147,8 +183,11 @@ def test_reasoning_and_function_call(srv):
     assert r.output[0].content[0].text == "Let me check the weather."
     assert r.usage.output_tokens_details.reasoning_tokens > 0
     call = r.output[1]
-    assert (call.name, json.loads(call.arguments), call.status) == ("get_weather", {"city": "Paris", "days": 3},
-                                                                    "completed")
+    assert (call.name, json.loads(call.arguments), call.status) == (
+        "get_weather",
+        {"city": "Paris", "days": 3},
+        "completed",
+    )
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
 
     with client.responses.stream(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=100) as s:
@@ -157,12 +196,14 @@ def test_reasoning_and_function_call(srv):
     _strict_events(events)
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
-        "Let me check the weather."
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Let me check the weather."
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(done.arguments) == {"city": "Paris", "days": 3}
-    assert kinds.index("response.function_call_arguments.delta") < kinds.index(
-        "response.function_call_arguments.done") < len(kinds) - 1
+    assert (
+        kinds.index("response.function_call_arguments.delta")
+        < kinds.index("response.function_call_arguments.done")
+        < len(kinds) - 1
+    )
     assert [o.type for o in final.output] == ["reasoning", "function_call"]
     assert json.loads(final.output[1].arguments) == {"city": "Paris", "days": 3}
 
@@ -172,26 +213,46 @@ def test_tool_round_trip_equals_chat_and_hits_the_cache(srv, eng):
     that conversation (as /v1/chat/completions sends it), the reply generate() gives it,
     and the first turn's prefix served from the cache."""
     convo = QUESTION + [
-        {"role": "assistant", "content": "", "reasoning_content": "Let me check the weather.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Let me check the weather.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
     ids = _ids(eng, convo, tools=[WEATHER_TOOL])
     want = mlx_dflash.generate(eng, ids, max_tokens=12)
     items = QUESTION + [
-        {"type": "reasoning", "id": "rs_1", "summary": [],
-         "content": [{"type": "reasoning_text", "text": "Let me check the weather."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-         "arguments": json.dumps({"city": "Paris", "days": 3})},
-        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "Let me check the weather."}],
+        },
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": json.dumps({"city": "Paris", "days": 3}),
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+    ]
     client = _client(srv)
     client.responses.create(model="tiny", input=QUESTION, tools=[FN_TOOL], max_output_tokens=100)  # turn 1
     r = client.responses.create(model="tiny", input=items, tools=[FN_TOOL], max_output_tokens=12, store=False)
     _strict(r)
     assert r.usage.input_tokens == len(ids)
     assert 0 < r.usage.input_tokens_details.cached_tokens < len(ids)
-    reasoning, content, _ = split_output(want.text, reasoning=True, tools=[WEATHER_TOOL],
-                                         cut=want.stats.finish_reason == "length")
+    reasoning, content, _ = split_output(
+        want.text, reasoning=True, tools=[WEATHER_TOOL], cut=want.stats.finish_reason == "length"
+    )
     got_reasoning = "".join(c.text for o in r.output if o.type == "reasoning" for c in o.content)
     assert (got_reasoning, r.output_text) == (reasoning, content)
     assert r.usage.output_tokens == len(want.tokens)
@@ -215,8 +276,7 @@ BAD = [
 
 @pytest.mark.parametrize("body,words", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_bad_input_gets_400_in_openais_shape(srv, body, words):
-    r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", **body}, headers={"x-api-key": KEY},
-                   timeout=60)
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", **body}, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == (404 if words == "gpt-9" else 400), r.text
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"} and words in err["message"]
@@ -234,12 +294,22 @@ def test_sdk_error_and_next_request(srv):
 
 # --- the server's sampling defaults apply when a request gives none --------------------
 
+
 @pytest.fixture(scope="module")
 def sampled_srv(tmp_path_factory):
     # The embedded pair (the rigged one is too peaked for sampling to show); --block-size
     # pins the verify width, so the sampled text is one function of the seed.
-    s = ServerProcess("--api-key", KEY, "--temp", "0.8", "--top-p", "0.7", "--block-size", "4",
-                      log=tmp_path_factory.mktemp("ssrv") / "log.txt")
+    s = ServerProcess(
+        "--api-key",
+        KEY,
+        "--temp",
+        "0.8",
+        "--top-p",
+        "0.7",
+        "--block-size",
+        "4",
+        log=tmp_path_factory.mktemp("ssrv") / "log.txt",
+    )
     yield s
     s.close()
 
@@ -260,16 +330,18 @@ def test_requests_without_temperature_use_the_servers_defaults(sampled_srv):
     assert want not in (gen(), gen(temperature=1.0, top_p=0.7), gen(temperature=0.8, top_p=1.0))
     r = sampled_srv.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=8, seed=3)
     assert r.choices[0].message.content == want
-    m = sampled_srv.anthropic().messages.create(model="mlx-dflash", max_tokens=8, messages=msgs,
-                                                extra_body={"seed": 3})
+    m = sampled_srv.anthropic().messages.create(model="mlx-dflash", max_tokens=8, messages=msgs, extra_body={"seed": 3})
     assert m.content[0].text == want
-    resp = sampled_srv.openai().responses.create(model="mlx-dflash", input=prompt, max_output_tokens=8,
-                                                 extra_body={"seed": 3})
+    resp = sampled_srv.openai().responses.create(
+        model="mlx-dflash", input=prompt, max_output_tokens=8, extra_body={"seed": 3}
+    )
     assert resp.output_text == want and (resp.temperature, resp.top_p) == (0.8, 0.7)
     # and a request's own setting still wins
-    r = sampled_srv.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=8, seed=3,
-                                                     temperature=0)
+    r = sampled_srv.openai().chat.completions.create(
+        model="mlx-dflash", messages=msgs, max_tokens=8, seed=3, temperature=0
+    )
     assert r.choices[0].message.content == gen()
-    resp = sampled_srv.openai().responses.create(model="mlx-dflash", input=prompt, max_output_tokens=8,
-                                                 temperature=1.0, extra_body={"seed": 3})
+    resp = sampled_srv.openai().responses.create(
+        model="mlx-dflash", input=prompt, max_output_tokens=8, temperature=1.0, extra_body={"seed": 3}
+    )
     assert resp.output_text == gen(temperature=1.0, top_p=0.7) and resp.temperature == 1.0

@@ -63,8 +63,10 @@ def test_tied_embedding_target_speculative_equals_mlx_lm(tied, tmp_path):
     for prompt in PROMPTS:
         ref = reference_greedy(model, prompt, 24)
         assert run(target, prompt, 24)[0] == ref
-        assert run(target, prompt, 24, draft=ScriptedDraft(prompt, ref, target.vocab_size, accept=3),
-                   block_size=8)[0] == ref
+        assert (
+            run(target, prompt, 24, draft=ScriptedDraft(prompt, ref, target.vocab_size, accept=3), block_size=8)[0]
+            == ref
+        )
         assert run(target, prompt, 24, draft=real, block_size=8, tree_budget=8)[0] == ref
     hf = tiny.save_hf(model, cfg, tmp_path / "hf")
     from safetensors import safe_open

@@ -27,9 +27,14 @@ def logits_row(dtype, seed=0):
 
 
 def ours(flags, seed=0):
-    return Sampler(flags["temp"], top_p=flags.get("top_p", 1.0), top_k=flags.get("top_k", 0),
-                   min_p=flags.get("min_p", 0.0), seed=seed,
-                   min_tokens_to_keep=flags.get("min_tokens_to_keep", 1))
+    return Sampler(
+        flags["temp"],
+        top_p=flags.get("top_p", 1.0),
+        top_k=flags.get("top_k", 0),
+        min_p=flags.get("min_p", 0.0),
+        seed=seed,
+        min_tokens_to_keep=flags.get("min_tokens_to_keep", 1),
+    )
 
 
 def chi2_ok(counts, probs, n):
@@ -99,8 +104,13 @@ def test_mlx_lm_flag_values_and_bad_values():
     full = np.array(Sampler(1.0, seed=0).probs(logits))
     for kw in (dict(top_p=0.0), dict(top_p=1.0), dict(top_k=V), dict(min_p=0.0)):
         np.testing.assert_allclose(np.array(Sampler(1.0, seed=0, **kw).probs(logits)), full, rtol=1e-6)
-    for kw, msg in ((dict(top_p=1.5), "top_p"), (dict(min_p=-0.1), "min_p"), (dict(top_k=-1), "top_k"),
-                    (dict(min_tokens_to_keep=0), "min_tokens_to_keep"), (dict(temperature=-1), "temperature")):
+    for kw, msg in (
+        (dict(top_p=1.5), "top_p"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_tokens_to_keep=0), "min_tokens_to_keep"),
+        (dict(temperature=-1), "temperature"),
+    ):
         with pytest.raises(DFlashError, match=msg):
             Sampler(**{"temperature": 1.0, **kw})
 
@@ -133,8 +143,13 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     kw = dict(temperature=1.0, max_tokens=24, block_size=8, chat_template=False)
 
     def loop(seed, **rule):
-        return [t for ts in generate_tokens(eng.target, ids, draft=eng.draft, max_tokens=24, block_size=8,
-                                            temperature=1.0, seed=seed, **rule) for t in ts]
+        return [
+            t
+            for ts in generate_tokens(
+                eng.target, ids, draft=eng.draft, max_tokens=24, block_size=8, temperature=1.0, seed=seed, **rule
+            )
+            for t in ts
+        ]
 
     # A seed where the two rules write different text, so "the same output" means "the same rule".
     seed = next(s for s in range(20) if loop(s, accept_rule=DEFAULT_ACCEPT_RULE) != loop(s, accept_rule=other))
@@ -144,8 +159,25 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     assert res.tokens == want
     assert res.tokens == mlx_dflash.generate(eng, ids, seed=seed, accept_rule=DEFAULT_ACCEPT_RULE, **kw).tokens
     with pytest.raises(SystemExit) as e:
-        cli.main(["generate", "-m", str(target_dir), "-d", str(draft_dir), "--ignore-chat-template",
-                  "--temp", "1", "--seed", str(seed), "-n", "24", "-b", "8", "def fibonacci(n):"])
+        cli.main(
+            [
+                "generate",
+                "-m",
+                str(target_dir),
+                "-d",
+                str(draft_dir),
+                "--ignore-chat-template",
+                "--temp",
+                "1",
+                "--seed",
+                str(seed),
+                "-n",
+                "24",
+                "-b",
+                "8",
+                "def fibonacci(n):",
+            ]
+        )
     out = capsys.readouterr().out
     assert e.value.code in (0, None)
     assert out == res.text + "\n"

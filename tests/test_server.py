@@ -47,7 +47,11 @@ class ServerProcess:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(self.port), "--log-level", "warning", *args],
-            cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+            cwd=ROOT,
+            env=env,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -99,8 +103,12 @@ def engine():
     return mlx_dflash.load()
 
 
-PROMPTS = ["def fibonacci(n):", "import os\n\n\ndef read_config(path):", "class Stack:\n",
-           "# Parse command line arguments\n"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\n\ndef read_config(path):",
+    "class Stack:\n",
+    "# Parse command line arguments\n",
+]
 
 
 def _expected(engine, prompt, chat=True, n=MAX_NEW):
@@ -114,11 +122,13 @@ def _finish(result, n=MAX_NEW):
 
 # --- text equals mlx_dflash.generate --------------------------------------------------------
 
+
 def test_openai_chat_equals_generate(server, engine):
     ids, want = _expected(engine, PROMPTS[0])
     client = server.openai()
-    r = client.chat.completions.create(model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}],
-                                       max_tokens=MAX_NEW, temperature=0)
+    r = client.chat.completions.create(
+        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_NEW, temperature=0
+    )
     assert r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == _finish(want)
     assert r.usage.prompt_tokens == len(ids)
@@ -126,9 +136,15 @@ def test_openai_chat_equals_generate(server, engine):
     assert r.usage.total_tokens == len(ids) + len(want.tokens)
     assert r.usage.prompt_tokens_details.cached_tokens >= 0
 
-    chunks = list(client.chat.completions.create(
-        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_completion_tokens=MAX_NEW,
-        stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="mlx-dflash",
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_completion_tokens=MAX_NEW,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want.text
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
@@ -142,22 +158,27 @@ def test_openai_completions_equals_generate(server, engine):
     r = client.completions.create(model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW)
     assert r.choices[0].text == want.text
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW, stream=True)
+        if c.choices
+    )
     assert streamed == want.text
 
 
 def test_anthropic_messages_equal_generate(server, engine):
     ids, want = _expected(engine, PROMPTS[2])
     client = server.anthropic()
-    m = client.messages.create(model="mlx-dflash", max_tokens=MAX_NEW,
-                               messages=[{"role": "user", "content": PROMPTS[2]}])
+    m = client.messages.create(
+        model="mlx-dflash", max_tokens=MAX_NEW, messages=[{"role": "user", "content": PROMPTS[2]}]
+    )
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
     assert m.stop_reason == ("max_tokens" if want.stats.finish_reason == "length" else "end_turn")
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
     assert m.usage.output_tokens == len(want.tokens)
-    with client.messages.stream(model="mlx-dflash", max_tokens=MAX_NEW,
-                                messages=[{"role": "user", "content": PROMPTS[2]}]) as s:
+    with client.messages.stream(
+        model="mlx-dflash", max_tokens=MAX_NEW, messages=[{"role": "user", "content": PROMPTS[2]}]
+    ) as s:
         pieces = list(s.text_stream)
         final = s.get_final_message()
     assert "".join(pieces) == want.text and len(pieces) > 1
@@ -171,13 +192,22 @@ def test_sampling_settings_and_seed_equal_generate(server, engine):
     ids = engine.encode(PROMPTS[3], chat_template=True)
     want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=40, seed=7)
     r = server.openai().chat.completions.create(
-        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=MAX_NEW,
-        temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 40})
+        model="mlx-dflash",
+        messages=[{"role": "user", "content": PROMPTS[3]}],
+        max_tokens=MAX_NEW,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        extra_body={"top_k": 40},
+    )
     assert r.choices[0].message.content == want.text
     # (this SDK version has no temperature/top_p/top_k arguments; the API fields go in the body)
-    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW,
-                                           messages=[{"role": "user", "content": PROMPTS[3]}],
-                                           extra_body={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7})
+    m = server.anthropic().messages.create(
+        model="mlx-dflash",
+        max_tokens=MAX_NEW,
+        messages=[{"role": "user", "content": PROMPTS[3]}],
+        extra_body={"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7},
+    )
     assert m.content[0].text == want.text
 
 
@@ -186,8 +216,10 @@ def test_second_turn_is_served_from_the_prefix_cache(server, engine):
     reply still equals generate() without any cache."""
     first = [{"role": "user", "content": "def parse_args(argv):\n"}]
     r1 = server.openai().chat.completions.create(model="mlx-dflash", messages=first, max_tokens=MAX_NEW)
-    convo = first + [{"role": "assistant", "content": r1.choices[0].message.content},
-                     {"role": "user", "content": "\n\ndef main():\n"}]
+    convo = first + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "\n\ndef main():\n"},
+    ]
     ids = list(engine.tokenizer.apply_chat_template(convo, add_generation_prompt=True))
     want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW)
     before = server.metrics()
@@ -210,11 +242,16 @@ def test_stop_sequences(server, engine):
     stop = want.text[6:9]
     cut = want.text[: want.text.find(stop)]
     r = server.openai().chat.completions.create(
-        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_NEW, stop=[stop, "@@@"])
+        model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_NEW, stop=[stop, "@@@"]
+    )
     assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < len(want.tokens)  # generation stopped early
-    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW, stop_sequences=[stop],
-                                           messages=[{"role": "user", "content": PROMPTS[0]}])
+    m = server.anthropic().messages.create(
+        model="mlx-dflash",
+        max_tokens=MAX_NEW,
+        stop_sequences=[stop],
+        messages=[{"role": "user", "content": PROMPTS[0]}],
+    )
     assert m.content[0].text == cut and m.stop_reason == "stop_sequence" and m.stop_sequence == stop
 
 
@@ -225,14 +262,17 @@ def test_eight_concurrent_clients(server, engine):
         p = PROMPTS[i % len(PROMPTS)]
         if i % 2:
             chunks = server.openai().chat.completions.create(
-                model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8, stream=True)
+                model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8, stream=True
+            )
             return p, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         if i % 4 == 0:
-            m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=8,
-                                                   messages=[{"role": "user", "content": p}])
+            m = server.anthropic().messages.create(
+                model="mlx-dflash", max_tokens=8, messages=[{"role": "user", "content": p}]
+            )
             return p, m.content[0].text
         r = server.openai().chat.completions.create(
-            model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8)
+            model="mlx-dflash", messages=[{"role": "user", "content": p}], max_tokens=8
+        )
         return p, r.choices[0].message.content
 
     with ThreadPoolExecutor(8) as ex:
@@ -244,8 +284,12 @@ def test_eight_concurrent_clients(server, engine):
 
 def test_dropped_stream_frees_engine(server):
     before = server.metrics()
-    body = {"model": "mlx-dflash", "messages": [{"role": "user", "content": PROMPTS[3]}],
-            "max_tokens": 2000, "stream": True}
+    body = {
+        "model": "mlx-dflash",
+        "messages": [{"role": "user", "content": PROMPTS[3]}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", server.url + "/v1/chat/completions", json=body, headers={"x-api-key": KEY}) as r:
             assert r.status_code == 200
@@ -259,8 +303,10 @@ def test_dropped_stream_frees_engine(server):
     after = before
     while time.monotonic() - tic < 30:
         after = server.metrics()
-        if after["mlx_dflash_cancelled_total"] > before["mlx_dflash_cancelled_total"] and \
-                after["mlx_dflash_running_requests"] == 0:
+        if (
+            after["mlx_dflash_cancelled_total"] > before["mlx_dflash_cancelled_total"]
+            and after["mlx_dflash_running_requests"] == 0
+        ):
             break
         time.sleep(0.1)
     assert after["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + 1
@@ -277,8 +323,7 @@ def test_dropped_stream_frees_engine(server):
 def _post(server, path, body, headers=None, raw=None):
     h = {"x-api-key": KEY, **(headers or {})}
     if raw is not None:
-        return httpx.post(server.url + path, content=raw, headers={**h, "content-type": "application/json"},
-                          timeout=60)
+        return httpx.post(server.url + path, content=raw, headers={**h, "content-type": "application/json"}, timeout=60)
     return httpx.post(server.url + path, json=body, headers=h, timeout=60)
 
 
@@ -294,33 +339,63 @@ BAD = [
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "gpt-9"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 10 ** 9}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "text"),
-    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a " * 4200}]},
-     400, "context limit"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 10**9}, 400, "max_tokens"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "mlx-dflash",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+        },
+        400,
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a " * 4200}]},
+        400,
+        "context limit",
+    ),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": ""}, 400, "empty"),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": [1, 99999999]}, 400, "vocabulary"),
-    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a" * 600_000}]},
-     413, "limit"),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": [{"role": "user", "content": "a" * 600_000}]},
+        413,
+        "limit",
+    ),
     ("/v1/messages", b"{", 400, "malformed JSON"),
     ("/v1/messages", {"model": "mlx-dflash", "messages": MSG}, 400, "max_tokens"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": MSG}, 404, "claude-x"),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": -5, "messages": MSG}, 400, "max_tokens"),
-    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
-     400, "role"),
-    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "image"),
-    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5,
-                      "messages": [{"role": "user", "content": "a " * 4200}]}, 400, "context limit"),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "role",
+    ),
+    (
+        "/v1/messages",
+        {
+            "model": "mlx-dflash",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        },
+        400,
+        "image",
+    ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": [{"role": "user", "content": "a " * 4200}]},
+        400,
+        "context limit",
+    ),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "top_k": "x", "messages": MSG}, 400, "top_k"),
 ]
 
 
 @pytest.mark.parametrize("path,body,status,words", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
 def test_bad_input_gets_4xx_in_the_dialects_shape(server, path, body, status, words):
-    r = _post(server, path, None if isinstance(body, bytes) else body,
-              raw=body if isinstance(body, bytes) else None)
+    r = _post(server, path, None if isinstance(body, bytes) else body, raw=body if isinstance(body, bytes) else None)
     assert r.status_code == status, r.text
     err = r.json()
     if path.startswith("/v1/messages"):
@@ -361,20 +436,31 @@ def test_api_key(server):
 def test_either_key_header_may_carry_the_key(server):
     """SDKs send both headers (one a placeholder): a right key in either is accepted."""
     url = server.url + "/v1/models"
-    for headers in ({"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"},
-                    {"x-api-key": KEY, "Authorization": "Bearer wrong"}):
+    for headers in (
+        {"x-api-key": "wrong", "Authorization": f"Bearer {KEY}"},
+        {"x-api-key": KEY, "Authorization": "Bearer wrong"},
+    ):
         assert httpx.get(url, headers=headers, timeout=10).status_code == 200, headers
     both_wrong = {"x-api-key": "wrong", "Authorization": "Bearer wrong"}
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "mlx-dflash", "messages": MSG},
-                   headers=both_wrong, timeout=10)
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": "mlx-dflash", "messages": MSG},
+        headers=both_wrong,
+        timeout=10,
+    )
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    r = httpx.post(server.url + "/v1/messages", json={"model": "mlx-dflash", "max_tokens": 2, "messages": MSG},
-                   headers=both_wrong, timeout=10)
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "mlx-dflash", "max_tokens": 2, "messages": MSG},
+        headers=both_wrong,
+        timeout=10,
+    )
     assert r.status_code == 401 and r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "authentication_error"
     # the Anthropic SDK with the right auth_token (Bearer) and a stale x-api-key beside it
-    client = anthropic.Anthropic(base_url=server.url, auth_token=KEY, default_headers={"x-api-key": "wrong"},
-                                 max_retries=0, timeout=120)
+    client = anthropic.Anthropic(
+        base_url=server.url, auth_token=KEY, default_headers={"x-api-key": "wrong"}, max_retries=0, timeout=120
+    )
     m = client.messages.create(model="mlx-dflash", max_tokens=2, messages=MSG)
     assert m.usage.output_tokens == 2
 
@@ -423,20 +509,35 @@ TOOL_TEMPLATE = (
     "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
     "{%- endif %}"
 )
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
-REPLY = ("Let me check the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
-         "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+REPLY = (
+    "Let me check the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
 
 
 # REPLY as six pieces, each one vocabulary entry the BPE merges never produce (so no piece
 # repeats and a bigram model can chain them); the model is rigged to emit them in turn.
-PIECES = ["Let me check the weather.", "\n</think>\n\n", "<tool_call>\n<function=get_weather>\n",
-          "<parameter=city>\nParis\n</parameter>\n", "<parameter=days>\n3\n</parameter>\n",
-          "</function>\n</tool_call>"]
+PIECES = [
+    "Let me check the weather.",
+    "\n</think>\n\n",
+    "<tool_call>\n<function=get_weather>\n",
+    "<parameter=city>\nParis\n</parameter>\n",
+    "<parameter=days>\n3\n</parameter>\n",
+    "</function>\n</tool_call>",
+]
 assert "".join(PIECES) == REPLY
 LOOP = "~"  # one byte: a single token in any byte-level BPE
 
@@ -465,8 +566,12 @@ def _rig_tool_model(folder: Path) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_tokenizer
 
-    tok_dir = tiny.build_tokenizer(folder / "tok", vocab_size=400, chat_template=TOOL_TEMPLATE,
-                                   corpus=json.dumps(WEATHER_TOOL) * 4 + TOOL_TEMPLATE + tiny._CORPUS)
+    tok_dir = tiny.build_tokenizer(
+        folder / "tok",
+        vocab_size=400,
+        chat_template=TOOL_TEMPLATE,
+        corpus=json.dumps(WEATHER_TOOL) * 4 + TOOL_TEMPLATE + tiny._CORPUS,
+    )
     from tokenizers import AddedToken, Tokenizer
 
     spec = json.loads((tok_dir / "tokenizer.json").read_text())
@@ -478,8 +583,9 @@ def _rig_tool_model(folder: Path) -> Path:
     # Qwen3.5's reasoning and tool markers are added (non-special) tokens; with <think> in the
     # vocabulary mlx-lm's tokenizer turns thinking on in the template, as for the real models.
     t = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    t.add_tokens([AddedToken(m, special=False, normalized=False)
-                  for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")])
+    t.add_tokens(
+        [AddedToken(m, special=False, normalized=False) for m in ("<think>", "</think>", "<tool_call>", "</tool_call>")]
+    )
     t.save(str(tok_dir / "tokenizer.json"))
     tok = load_tokenizer(tok_dir)
     prompt = tok.apply_chat_template(QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
@@ -489,8 +595,9 @@ def _rig_tool_model(folder: Path) -> Path:
     cfg = tiny.target_config(vocab_size=512)
     model = tiny.build_target(cfg, seed=11)
     params = dict(tree_flatten(model.parameters()))
-    updates = [(n, p * 0.01) for n, p in params.items()
-               if n.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))]
+    updates = [
+        (n, p * 0.01) for n, p in params.items() if n.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight"))
+    ]
     emb = params["language_model.model.embed_tokens.weight"] * 0.1
     head = params["language_model.lm_head.weight"]
     loop = tok.encode(LOOP, add_special_tokens=False)
@@ -515,9 +622,19 @@ def tool_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tool_server(tool_pair, tmp_path_factory):
-    s = ServerProcess("--model", str(tool_pair / "target"), "--draft", str(tool_pair / "draft"),
-                      "--model-name", "tiny-tools", "--api-key", KEY, "--max-queue", "1",
-                      log=tmp_path_factory.mktemp("tsrv") / "log.txt")
+    s = ServerProcess(
+        "--model",
+        str(tool_pair / "target"),
+        "--draft",
+        str(tool_pair / "draft"),
+        "--model-name",
+        "tiny-tools",
+        "--api-key",
+        KEY,
+        "--max-queue",
+        "1",
+        log=tmp_path_factory.mktemp("tsrv") / "log.txt",
+    )
     yield s
     s.close()
 
@@ -525,8 +642,9 @@ def tool_server(tool_pair, tmp_path_factory):
 def test_tool_model_really_says_the_tool_call(tool_pair):
     """The premise: generate() on this pair gives the scripted Qwen tool-call text."""
     eng = mlx_dflash.load(tool_pair / "target", tool_pair / "draft")
-    prompt = eng.tokenizer.apply_chat_template(QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True,
-                                               tokenize=False)
+    prompt = eng.tokenizer.apply_chat_template(
+        QUESTION, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
+    )
     out = mlx_dflash.generate(eng, eng.tokenizer.encode(prompt, add_special_tokens=False), max_tokens=100)
     assert out.text == REPLY and out.stats.finish_reason == "stop"
 
@@ -542,22 +660,29 @@ def test_openai_tool_calls(tool_server):
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
 
-    chunks = list(client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL],
-                                                 max_tokens=100, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=100, stream=True
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     calls = [tc for d in deltas for tc in d.tool_calls or []]
     assert reasoning == "Let me check the weather."
     assert "".join(d.content or "" for d in deltas) == ""
-    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
-        [(0, "get_weather", {"city": "Paris", "days": 3})]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        (0, "get_weather", {"city": "Paris", "days": 3})
+    ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_anthropic_tool_use(tool_server):
     client = tool_server.anthropic()
-    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    tool = {
+        "name": "get_weather",
+        "description": WEATHER_TOOL["function"]["description"],
+        "input_schema": WEATHER_TOOL["function"]["parameters"],
+    }
     m = client.messages.create(model="tiny-tools", max_tokens=100, messages=QUESTION, tools=[tool])
     assert m.stop_reason == "tool_use"
     assert [b.type for b in m.content] == ["thinking", "tool_use"]
@@ -577,26 +702,50 @@ def test_tool_result_turn_renders_alike_in_both_dialects(tool_server, tool_pair)
     (same usage, same greedy reply), which is what generate() says for that conversation."""
     eng = mlx_dflash.load(tool_pair / "target", tool_pair / "draft")
     convo = QUESTION + [
-        {"role": "assistant", "content": "", "reasoning_content": "Let me check the weather.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Let me check the weather.",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
     prompt = eng.tokenizer.apply_chat_template(convo, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
     ids = eng.tokenizer.encode(prompt, add_special_tokens=False)
     want = mlx_dflash.generate(eng, ids, max_tokens=12)
 
     oa_convo = json.loads(json.dumps(convo))
     oa_convo[1]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris", "days": 3})
-    r = tool_server.openai().chat.completions.create(model="tiny-tools", messages=oa_convo, tools=[WEATHER_TOOL],
-                                                     max_tokens=12)
-    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-            "input_schema": WEATHER_TOOL["function"]["parameters"]}
-    m = tool_server.anthropic().messages.create(model="tiny-tools", max_tokens=12, tools=[tool], messages=[
-        QUESTION[0],
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "Let me check the weather.", "signature": ""},
-            {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris", "days": 3}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny, 21 C"}]}])
+    r = tool_server.openai().chat.completions.create(
+        model="tiny-tools", messages=oa_convo, tools=[WEATHER_TOOL], max_tokens=12
+    )
+    tool = {
+        "name": "get_weather",
+        "description": WEATHER_TOOL["function"]["description"],
+        "input_schema": WEATHER_TOOL["function"]["parameters"],
+    }
+    m = tool_server.anthropic().messages.create(
+        model="tiny-tools",
+        max_tokens=12,
+        tools=[tool],
+        messages=[
+            QUESTION[0],
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Let me check the weather.", "signature": ""},
+                    {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris", "days": 3}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny, 21 C"}]},
+        ],
+    )
     assert r.usage.prompt_tokens == len(ids)
     assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
     assert r.usage.completion_tokens == m.usage.output_tokens == len(want.tokens)
@@ -611,15 +760,22 @@ def test_thinking_switch_reaches_the_template(tool_server, tool_pair):
     from mlx_lm.utils import load_tokenizer
 
     tok = load_tokenizer(tool_pair / "target")
-    n = {on: len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=on))
-         for on in (True, False)}
+    n = {
+        on: len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=on))
+        for on in (True, False)
+    }
     assert n[True] != n[False]
     for on in (True, False):
         r = tool_server.openai().chat.completions.create(
-            model="tiny-tools", messages=QUESTION, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": on}})
+            model="tiny-tools",
+            messages=QUESTION,
+            max_tokens=1,
+            extra_body={"chat_template_kwargs": {"enable_thinking": on}},
+        )
         thinking = {"type": "enabled", "budget_tokens": 1024} if on else {"type": "disabled"}
-        m = tool_server.anthropic().messages.create(model="tiny-tools", max_tokens=1, messages=QUESTION,
-                                                    thinking=thinking)
+        m = tool_server.anthropic().messages.create(
+            model="tiny-tools", max_tokens=1, messages=QUESTION, thinking=thinking
+        )
         assert r.usage.prompt_tokens == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n[on]
 
 
@@ -633,8 +789,10 @@ def test_second_turn_reuses_the_prefix_with_thinking_off(tool_server, tool_pair)
     context = " I am packing for a week of walks along the coast and need to know what to bring with me."
     for dialect, question in (("openai", "Is it raining in Oslo?"), ("anthropic", "Is it snowing in Bergen?")):
         convo = [{"role": "user", "content": question + context}]
-        turn2 = convo + [{"role": "assistant", "content": "I cannot tell."},
-                         {"role": "user", "content": "Guess, then."}]
+        turn2 = convo + [
+            {"role": "assistant", "content": "I cannot tell."},
+            {"role": "user", "content": "Guess, then."},
+        ]
         n = len(tok.apply_chat_template(turn2, add_generation_prompt=True, enable_thinking=False))
         turn1_prompt = len(tok.apply_chat_template(convo, add_generation_prompt=False, enable_thinking=False))
         if dialect == "openai":
@@ -645,8 +803,7 @@ def test_second_turn_reuses_the_prefix_with_thinking_off(tool_server, tool_pair)
         else:
             client = tool_server.anthropic()
             client.messages.create(model="tiny-tools", max_tokens=2, messages=convo, thinking={"type": "disabled"})
-            m = client.messages.create(model="tiny-tools", max_tokens=2, messages=turn2,
-                                       thinking={"type": "disabled"})
+            m = client.messages.create(model="tiny-tools", max_tokens=2, messages=turn2, thinking={"type": "disabled"})
             prompt, cached = m.usage.input_tokens + m.usage.cache_read_input_tokens, m.usage.cache_read_input_tokens
         assert prompt == n
         # all of turn 1's prompt but its generation-prompt tail: most of turn 2's
@@ -662,15 +819,21 @@ def test_tool_call_cut_by_max_tokens_is_text(tool_server):
     r = client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=4)
     assert r.choices[0].finish_reason == "length"
     assert not r.choices[0].message.tool_calls and r.choices[0].message.content == cut
-    chunks = list(client.chat.completions.create(model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL],
-                                                 max_tokens=4, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-tools", messages=QUESTION, tools=[WEATHER_TOOL], max_tokens=4, stream=True
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not [tc for d in deltas for tc in d.tool_calls or []]
     assert "".join(d.content or "" for d in deltas) == cut
     assert chunks[-1].choices[0].finish_reason == "length"
 
-    tool = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
-            "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    tool = {
+        "name": "get_weather",
+        "description": WEATHER_TOOL["function"]["description"],
+        "input_schema": WEATHER_TOOL["function"]["parameters"],
+    }
     aclient = tool_server.anthropic()
     m = aclient.messages.create(model="tiny-tools", max_tokens=4, messages=QUESTION, tools=[tool])
     assert m.stop_reason == "max_tokens"
@@ -696,8 +859,11 @@ def test_full_queue_gets_429_and_dropped_queued_requests_free_it(tool_server):
                     time.sleep(0.05)
                 r = c.post(tool_server.url + "/v1/completions", json={**body, "stream": False}, headers=headers)
                 assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-                r = c.post(tool_server.url + "/v1/messages", json={"model": "tiny-tools", "max_tokens": 5,
-                                                                   "messages": MSG}, headers=headers)
+                r = c.post(
+                    tool_server.url + "/v1/messages",
+                    json={"model": "tiny-tools", "max_tokens": 5, "messages": MSG},
+                    headers=headers,
+                )
                 assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     # both dropped: the engine is free again
     r = tool_server.openai().completions.create(model="tiny-tools", prompt=LOOP, max_tokens=3)

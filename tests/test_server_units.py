@@ -11,22 +11,39 @@ from mlx_dflash.server import tools
 from mlx_dflash.server.metrics import Metrics
 from mlx_dflash.server.worker import Job, QueueFull, StopMatcher, Worker
 
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array"}, "opts": {"type": "object"}, "zip": {"type": "string"}}}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "hours": {"type": "array"},
+                    "opts": {"type": "object"},
+                    "zip": {"type": "string"},
+                },
+            },
+        },
+    }
+]
 
 # The Qwen3.5 / Qwen3-Coder XML style, as those models write it.
-XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
-            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
-            "<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=opts>\n{\"a\": {\"b\": null}}\n</parameter>\n"
-            "<parameter=zip>\n02139\n</parameter>\n</function>\n</tool_call>")
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+    '<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=opts>\n{"a": {"b": null}}\n</parameter>\n'
+    "<parameter=zip>\n02139\n</parameter>\n</function>\n</tool_call>"
+)
 JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 
 
 def _body(call: str) -> str:
-    return call[len("<tool_call>"):-len("</tool_call>")]
+    return call[len("<tool_call>") : -len("</tool_call>")]
 
 
 def test_xml_call_matches_mlx_lm_parser():
@@ -36,8 +53,14 @@ def test_xml_call_matches_mlx_lm_parser():
     (got,) = tools.parse_tool_call(_body(XML_CALL), WEATHER)
     assert got.name == want["name"] == "get_weather"
     assert got.arguments == want["arguments"]
-    assert got.arguments == {"city": "San Francisco", "days": 3, "metric": True, "hours": [1, 2],
-                             "opts": {"a": {"b": None}}, "zip": "02139"}
+    assert got.arguments == {
+        "city": "San Francisco",
+        "days": 3,
+        "metric": True,
+        "hours": [1, 2],
+        "opts": {"a": {"b": None}},
+        "zip": "02139",
+    }
 
 
 def test_json_call_matches_mlx_lm_parser():
@@ -57,8 +80,10 @@ def test_xml_values_without_schema_and_multiline():
     assert c.arguments == {"days": "soon"}
 
 
-@pytest.mark.parametrize("bad", ["{not json}", '{"arguments": {}}', '{"name": "f", "arguments": [1]}',
-                                 "<function=>\n</function>", "plain words"])
+@pytest.mark.parametrize(
+    "bad",
+    ["{not json}", '{"arguments": {}}', '{"name": "f", "arguments": [1]}', "<function=>\n</function>", "plain words"],
+)
 def test_unparseable_bodies_raise(bad):
     with pytest.raises(ValueError):
         tools.parse_tool_call(bad, WEATHER)
@@ -68,7 +93,7 @@ def _stream(text, chunk, **kw):
     p = tools.OutputParser(**kw)
     events = []
     for i in range(0, len(text), chunk):
-        events += p.feed(text[i:i + chunk])
+        events += p.feed(text[i : i + chunk])
     events += p.finish()
     return events, p
 
@@ -81,7 +106,7 @@ def _split(events):
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
 def test_streaming_split_is_chunking_independent(chunk):
-    out = ("I should look this up.\n</think>\n\nChecking both.\n" + XML_CALL + "\n" + JSON_CALL)
+    out = "I should look this up.\n</think>\n\nChecking both.\n" + XML_CALL + "\n" + JSON_CALL
     events, p = _stream(out, chunk, reasoning=True, tools=WEATHER)
     r, t, calls = _split(events)
     assert r == "I should look this up."
@@ -112,7 +137,7 @@ def test_call_cut_by_the_token_limit_is_text():
     out = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
     for chunk in (1, 5, 1000):
         p = tools.OutputParser(tools=WEATHER)
-        events = [e for i in range(0, len(out), chunk) for e in p.feed(out[i:i + chunk])] + p.finish(cut=True)
+        events = [e for i in range(0, len(out), chunk) for e in p.feed(out[i : i + chunk])] + p.finish(cut=True)
         assert _split(events) == ("", out, []) and not p.made_tool_call
     assert tools.split_output(out, tools=WEATHER, cut=True) == ("", out, [])
 
@@ -133,7 +158,7 @@ def test_prompt_opens_thinking():
 def test_stop_matcher(chunk):
     text = "abc STOP def"
     m = StopMatcher(["STOP", "xyz"])
-    out = "".join(m.feed(text[i:i + chunk]) for i in range(0, len(text), chunk) if not m.hit)
+    out = "".join(m.feed(text[i : i + chunk]) for i in range(0, len(text), chunk) if not m.hit)
     assert out == "abc " and m.hit and m.matched == "STOP"
     m = StopMatcher(["STOP"])
     out = "".join(m.feed(c) for c in "abc STO") + m.flush()
@@ -145,26 +170,51 @@ def test_anthropic_and_openai_messages_render_alike():
     from mlx_dflash.server import anthropic as A
     from mlx_dflash.server import openai as O
 
-    oa = O.ChatRequest.model_validate({"model": "m", "messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
-        {"role": "assistant", "content": "", "reasoning_content": "need a tool",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
-    ]})
-    an = A.MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "be brief"}],
-                                           "messages": [
-        {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "need a tool", "signature": ""},
-                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
-                                           "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
-    ]})
+    oa = O.ChatRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "reasoning_content": "need a tool",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+            ],
+        }
+    )
+    an = A.MessagesRequest.model_validate(
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "system": [{"type": "text", "text": "be brief"}],
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "need a tool", "signature": ""},
+                        {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}},
+                    ],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]},
+            ],
+        }
+    )
     assert O.template_messages(oa.messages) == A.template_messages(an)
 
 
 # --- the engine worker, with a scripted generator in place of the model ---------------
+
 
 class _Gen:
     """A stand-in for stream_generate: one piece per cycle, records how far it ran."""
@@ -184,8 +234,12 @@ class _Gen:
                 self.steps += 1
                 stats.generated_tokens += 1
                 stats.cycles += 1
-                yield SimpleNamespace(text=f"{self.ids[0]}.{i} ", tokens=[i], stats=stats,
-                                      finish_reason="length" if i == self.n - 1 else None)
+                yield SimpleNamespace(
+                    text=f"{self.ids[0]}.{i} ",
+                    tokens=[i],
+                    stats=stats,
+                    finish_reason="length" if i == self.n - 1 else None,
+                )
         finally:
             self.closed = True
 
@@ -205,6 +259,7 @@ def _collect(job):
             out.append(ev)
             if ev[0] in ("done", "error"):
                 return out
+
     return run
 
 
@@ -213,6 +268,7 @@ def test_worker_order_cancel_timeout_and_queue_bound():
     w = Worker(lambda: SimpleNamespace(), max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)
     w.start()
     try:
+
         async def main():
             loop = asyncio.get_running_loop()
             # job a holds the engine until released, so b and c queue behind it
@@ -248,14 +304,17 @@ def test_worker_order_cancel_timeout_and_queue_bound():
     assert not w.alive
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["serve", "--port", "0"], "--port"),
-    (["serve", "--max-queue", "0"], "must be positive"),
-    (["serve", "--chat-template-args", "[1]"], "JSON object"),
-    (["serve", "--chat-template-args", "{oops"], "not valid JSON"),
-    (["serve", "--temp", "-1"], "temperature"),
-    (["serve", "--model", "/nonexistent/model"], "/nonexistent/model"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["serve", "--port", "0"], "--port"),
+        (["serve", "--max-queue", "0"], "must be positive"),
+        (["serve", "--chat-template-args", "[1]"], "JSON object"),
+        (["serve", "--chat-template-args", "{oops"], "not valid JSON"),
+        (["serve", "--temp", "-1"], "temperature"),
+        (["serve", "--model", "/nonexistent/model"], "/nonexistent/model"),
+    ],
+)
 def test_serve_cli_rejects_bad_flags_before_listening(argv, words, capsys):
     from mlx_dflash.cli import main
 

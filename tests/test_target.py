@@ -180,8 +180,9 @@ def _reference_attention(q, k, v, scale, keep):
     return np.einsum("bhtl,bhld->bhtd", p / p.sum(-1, keepdims=True), v)
 
 
-@pytest.mark.parametrize("H,Hkv,T,L,mask", [(4, 2, 16, 300, "causal"), (4, 4, 3, 400, None),
-                                            (8, 2, 5, 277, "bool"), (4, 2, 1, 30, None)])
+@pytest.mark.parametrize(
+    "H,Hkv,T,L,mask", [(4, 2, 16, 300, "causal"), (4, 4, 3, 400, None), (8, 2, 5, 277, "bool"), (4, 2, 1, 30, None)]
+)
 def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask):
     """A verify block's attention on a CPU (the fused exp; a single row is mx.fast's)."""
     keys = mx.random.split(mx.random.key(L), 4)
@@ -252,16 +253,23 @@ def test_rollback_of_several_layers_at_once_equals_each_layer_alone():
     tapes = []
     for i in range(3):
         keys = mx.random.split(mx.random.key(40 + i), 4)
-        tapes.append((mx.random.normal((1, Hv, Dv, Dk), key=keys[0]),
-                      mx.random.normal((1, T, Hk, Dk), key=keys[1]) * 0.3,
-                      mx.random.uniform(0.3, 1.0, (1, T, Hv), key=keys[2]),
-                      mx.random.normal((1, T, Hv, Dv), key=keys[3])))
+        tapes.append(
+            (
+                mx.random.normal((1, Hv, Dv, Dk), key=keys[0]),
+                mx.random.normal((1, T, Hk, Dk), key=keys[1]) * 0.3,
+                mx.random.uniform(0.3, 1.0, (1, T, Hv), key=keys[2]),
+                mx.random.normal((1, T, Hv, Dv), key=keys[3]),
+            )
+        )
     for n in (0, 1, 4, T):
         got = gated_delta.gated_delta_rollback_layers(tapes, n)
         for tape, g in zip(tapes, got):
-            np.testing.assert_allclose(np.array(g), np.array(gated_delta.gated_delta_rollback(*tape, n)),
-                                       rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(
+                np.array(g), np.array(gated_delta.gated_delta_rollback(*tape, n)), rtol=1e-6, atol=1e-6
+            )
     # Layers of different shapes fall back to one call each.
     odd = (tapes[0][0][:, :2], tapes[0][1], tapes[0][2][..., :2], tapes[0][3][:, :, :2])
     got = gated_delta.gated_delta_rollback_layers([tapes[1], odd], 4)
-    np.testing.assert_allclose(np.array(got[1]), np.array(gated_delta.gated_delta_rollback(*odd, 4)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(got[1]), np.array(gated_delta.gated_delta_rollback(*odd, 4)), rtol=1e-6, atol=1e-6
+    )

@@ -83,13 +83,21 @@ def test_training_forward_has_no_leak(dense):
 def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
     path, corpus = target_dir
     quiet = lambda _: None
-    full = train_draft(path, tmp_path / "a", corpus=[corpus],
-                       config=TrainConfig(steps=6, checkpoint_every=0, **CFG), log=quiet)
-    part = train_draft(path, tmp_path / "b", corpus=[corpus],
-                       config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet)
+    full = train_draft(
+        path, tmp_path / "a", corpus=[corpus], config=TrainConfig(steps=6, checkpoint_every=0, **CFG), log=quiet
+    )
+    part = train_draft(
+        path, tmp_path / "b", corpus=[corpus], config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet
+    )
     assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
-    resumed = train_draft(path, tmp_path / "b", corpus=[corpus], resume=True,
-                          config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet)
+    resumed = train_draft(
+        path,
+        tmp_path / "b",
+        corpus=[corpus],
+        resume=True,
+        config=TrainConfig(steps=6, checkpoint_every=3, **CFG),
+        log=quiet,
+    )
     assert resumed["start_step"] == 3
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
     assert part["final_loss"] == pytest.approx(full["final_loss"])
@@ -121,8 +129,7 @@ def test_generation_features_equal_a_plain_forward(target_dir):
 
     path, _ = target_dir
     eng = mlx_dflash.load(path)
-    seqs, feats = generated_sequences(eng, ["def fibonacci(n):", "class Stack:", "import os"], 24, 20,
-                                      capture=[0, 2])
+    seqs, feats = generated_sequences(eng, ["def fibonacci(n):", "class Stack:", "import os"], 24, 20, capture=[0, 2])
     assert feats is not None and len(feats) == 3
     for s, f in zip(seqs, feats):
         ref = compute_features(eng.target, [s], [0, 2])[0]
@@ -139,8 +146,24 @@ def cli(capsys, *args):
 
 def test_train_draft_cli(target_dir, tmp_path, capsys):
     path, corpus = target_dir
-    code, out = cli(capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "d"), "--corpus", str(corpus),
-                    "--steps", "2", "--seq-len", "40", "--batch-size", "2", "--block-size", "4")
+    code, out = cli(
+        capsys,
+        "train-draft",
+        "-m",
+        str(path),
+        "-o",
+        str(tmp_path / "d"),
+        "--corpus",
+        str(corpus),
+        "--steps",
+        "2",
+        "--seq-len",
+        "40",
+        "--batch-size",
+        "2",
+        "--block-size",
+        "4",
+    )
     assert code in (0, None), out
     assert "wrote" in out and (tmp_path / "d" / "config.json").exists()
     dcfg = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -156,7 +179,10 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
     for args, msg in [
         (base + ["--corpus", str(tmp_path / "nope.txt")], "corpus path does not exist"),
         (base + ["--corpus", str(empty)], "corpus is empty"),
-        (["train-draft", "-m", str(llama), "-o", str(tmp_path / "x"), "--corpus", str(corpus)], "unsupported model_type"),
+        (
+            ["train-draft", "-m", str(llama), "-o", str(tmp_path / "x"), "--corpus", str(corpus)],
+            "unsupported model_type",
+        ),
         (base + ["--corpus", str(corpus), "--block-size", "1"], "block size must be in 2..64"),
         (base + ["--corpus", str(corpus), "--target-layer-ids", "0,9"], "out of range"),
         (base + ["--corpus", str(corpus), "--target-layer-ids", "a,b"], "comma list"),
@@ -176,8 +202,13 @@ def test_train_dflash2_lowers_both_losses_and_decodes_losslessly(target_dir, tmp
     path, corpus = target_dir
     quiet = lambda _: None
     v1 = train_draft(path, tmp_path / "v1", corpus=[corpus], config=TrainConfig(steps=1, **CFG), log=quiet)
-    s = train_draft(path, tmp_path / "draft", corpus=[corpus], log=quiet,
-                    config=TrainConfig(steps=60, arch="dflash2", selector_top_k=4, selector_rank=8, **CFG))
+    s = train_draft(
+        path,
+        tmp_path / "draft",
+        corpus=[corpus],
+        log=quiet,
+        config=TrainConfig(steps=60, arch="dflash2", selector_top_k=4, selector_rank=8, **CFG),
+    )
     h = s["history"]
     assert h[0]["head_loss"] == pytest.approx(v1["history"][0]["loss"], rel=1e-4)
     head = [x["head_loss"] for x in h]
@@ -195,6 +226,7 @@ def test_train_dflash2_lowers_both_losses_and_decodes_losslessly(target_dir, tmp
         a = mlx_dflash.generate(eng, prompt, max_tokens=24)
         b = mlx_dflash.generate(eng, prompt, max_tokens=24, baseline=True)
         assert a.tokens == b.tokens and len(a.tokens) == 24
-    code, out = cli(capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "x"), "--corpus", str(corpus),
-                    "--arch", "dflash3")
+    code, out = cli(
+        capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "x"), "--corpus", str(corpus), "--arch", "dflash3"
+    )
     assert code == 2 and "--arch must be" in out

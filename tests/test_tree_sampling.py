@@ -89,8 +89,9 @@ def test_tree_accepts_more_than_chain_when_right_token_is_second(dense):
     prompt = PROMPTS[1]
     ref = reference_greedy(model, prompt, 48)
     chain_out, chain = run(target, prompt, 48, draft=RankedDraft(prompt, ref, 512, 1), block_size=8)
-    tree_out, tree = run(target, prompt, 48, draft=RankedDraft(prompt, ref, 512, 1), block_size=8,
-                         tree_budget=30, tree_topk=2)
+    tree_out, tree = run(
+        target, prompt, 48, draft=RankedDraft(prompt, ref, 512, 1), block_size=8, tree_budget=30, tree_topk=2
+    )
     assert chain_out == tree_out == ref
     assert tree.tau > chain.tau + 1.0
     # The right token is always within top-2, so every full cycle reaches depth 1.
@@ -301,8 +302,7 @@ def test_same_seed_same_output_in_every_mode(any_model):
         s = lambda: Sampler(temperature=1.0, top_p=0.95, seed=seed)
         plain, _ = run(target, prompt, N, sampler=s())
         chain, _ = run(target, prompt, N, draft=draft, block_size=8, sampler=s(), accept_rule="equality")
-        tree, _ = run(target, prompt, N, draft=draft, block_size=8, tree_budget=10, sampler=s(),
-                      accept_rule="equality")
+        tree, _ = run(target, prompt, N, draft=draft, block_size=8, tree_budget=10, sampler=s(), accept_rule="equality")
         assert plain == chain == tree
         outs.append(plain)
     assert outs[0] == outs[1] and outs[0] != outs[2]

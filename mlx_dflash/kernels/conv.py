@@ -38,9 +38,14 @@ def _conv_windows(parents: Tuple[int, ...], kernel_size: int) -> np.ndarray:
     return idx
 
 
-def causal_conv1d_silu(conv_in: mx.array, weight: mx.array,
-                       parents: Optional[Sequence[int]] = None, *, force_twin: bool = False,
-                       fused_exp: bool = False) -> mx.array:
+def causal_conv1d_silu(
+    conv_in: mx.array,
+    weight: mx.array,
+    parents: Optional[Sequence[int]] = None,
+    *,
+    force_twin: bool = False,
+    fused_exp: bool = False,
+) -> mx.array:
     """Depthwise causal conv1d + SiLU.
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
@@ -82,11 +87,17 @@ def conv_launch(conv_in, weight, idx) -> Launch:
     T, K = idx.shape
     return Launch(
         "conv1d_silu",
-        [("conv_in", conv_in), ("weight", weight[:, :, 0].astype(conv_in.dtype)),
-         ("idx", mx.array(idx, dtype=mx.int32)), ("R", R), ("T", T)],
+        [
+            ("conv_in", conv_in),
+            ("weight", weight[:, :, 0].astype(conv_in.dtype)),
+            ("idx", mx.array(idx, dtype=mx.int32)),
+            ("R", R),
+            ("T", T),
+        ],
         [("out", (B, T, C), conv_in.dtype)],
         [("InT", conv_in.dtype), ("K", K), ("C", C)],
-        (C, T, B), (min(C, 64), 1, 1),
+        (C, T, B),
+        (min(C, 64), 1, 1),
     )
 
 

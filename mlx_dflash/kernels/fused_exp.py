@@ -15,8 +15,14 @@ elementwise passes instead.
 import mlx.core as mx
 
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # ln 2 split: n * _LN2_HI is exact
-_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-             1.6666665459e-1, 5.0000001201e-1)  # e^r = 1 + r + r^2 * poly(r)
+_EXP_POLY = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)  # e^r = 1 + r + r^2 * poly(r)
 
 
 def _exp_parts(x):
@@ -79,8 +85,9 @@ def fused_exp_for(record: bool, dtype=None) -> bool:
     return record and mx.default_device() != mx.gpu and not (dtype is not None and row_exact(dtype))
 
 
-def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, *,
-              decode_block: bool = False) -> mx.array:
+def attention(
+    q: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None, *, decode_block: bool = False
+) -> mx.array:
     """mx.fast.scaled_dot_product_attention for q [1, H, T, D] over keys,
     values [1, Hkv, L, D]; mask None, "causal" (the T queries are the last T
     keys) or bool [T, L].

@@ -140,8 +140,9 @@ def _steps(q, k, v, g, beta, state, parents, record):
     for t in range(q.shape[1]):
         if parents is not None:
             S = state if parents[t] < 0 else states[parents[t]]
-        y, S, d = _single_step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
-                               beta[:, t:t + 1], S, True)
+        y, S, d = _single_step(
+            q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1], S, True
+        )
         ys.append(y)
         deltas.append(d)
         if parents is not None:
@@ -192,8 +193,14 @@ def gated_delta_chain(
     """
     if metal.use_metal(force_twin):
         extra = () if mask is None else (mask,)
-        y, S, *tape = metal.run_with_twin_vjp(_chain_kernel, _chain_twin_outputs, (bool(record),),
-                                              (q, k, v, g, beta, state), extra, n_out=3 if record else 2)
+        y, S, *tape = metal.run_with_twin_vjp(
+            _chain_kernel,
+            _chain_twin_outputs,
+            (bool(record),),
+            (q, k, v, g, beta, state),
+            extra,
+            n_out=3 if record else 2,
+        )
         return y, S, tape[0] if record else None
     dtype = q.dtype
     T = q.shape[1]
@@ -263,8 +270,13 @@ def _replay_compiled(n: int):
     return mx.compile(lambda state0, k, g, delta: _replay(state0, k, g, delta, n))
 
 
-def gated_delta_rollback_layers(tapes: Sequence[Tuple[mx.array, mx.array, mx.array, mx.array]], n: int,
-                                *, force_twin: bool = False, stepwise: bool = False) -> List[mx.array]:
+def gated_delta_rollback_layers(
+    tapes: Sequence[Tuple[mx.array, mx.array, mx.array, mx.array]],
+    n: int,
+    *,
+    force_twin: bool = False,
+    stepwise: bool = False,
+) -> List[mx.array]:
     """:func:`gated_delta_rollback` of several layers' chain tapes
     ``(state0, k, g, delta)`` to the same ``n``. Without the Metal kernels, layers of one
     shape are stacked along the batch and rolled back by one compiled
@@ -281,6 +293,7 @@ def _rollback_layers_compiled(n: int, count: int):
     def run(*xs):
         state0, k, g, delta = (mx.concatenate(xs[i::4], axis=0) for i in range(4))
         return mx.split(_rollback_twin(state0, k, g, delta, n), count, axis=0)
+
     return mx.compile(run)
 
 
@@ -328,8 +341,9 @@ def gated_delta_tree(
     _, depth = tree_order(parents)
     if metal.use_metal(force_twin) and max(depth) < MAX_TREE_DEPTH:
         static = (tuple(int(p) for p in parents), bool(record))
-        y, S, *tape = metal.run_with_twin_vjp(_tree_kernel, _tree_twin_outputs, static, (q, k, v, g, beta, state),
-                                              n_out=3 if record else 2)
+        y, S, *tape = metal.run_with_twin_vjp(
+            _tree_kernel, _tree_twin_outputs, static, (q, k, v, g, beta, state), n_out=3 if record else 2
+        )
         return y, S, tape[0] if record else None
     if stepwise:
         return _steps(q, k, v, g, beta, state, [int(p) for p in parents], record)
@@ -346,8 +360,7 @@ def packed_eligible(Dk: int, Dv: int) -> bool:
     return Dk == 128 and Dv % 8 == 0
 
 
-def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True,
-                 packed: Optional[bool] = None) -> Launch:
+def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True, packed: Optional[bool] = None) -> Launch:
     """``packed``: None = the packed layout where :func:`packed_eligible`."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
@@ -355,8 +368,7 @@ def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True,
         mask = mx.ones((B, T), dtype=mx.bool_)
     if packed is None:
         packed = packed_eligible(Dk, Dv)
-    inputs = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state), ("T", T),
-              ("mask", mask)]
+    inputs = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state), ("T", T), ("mask", mask)]
     if packed:
         if Dk % 4 or Dv % 8:
             raise ValueError(f"the packed kernel needs Dk % 4 == 0 and Dv % 8 == 0, got Dk {Dk}, Dv {Dv}")
@@ -364,12 +376,24 @@ def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True,
     else:
         name, grid, tg = "gated_delta_chain", (32, Dv, B * Hv), (32, 4, 1)
     return Launch(
-        name, inputs,
-        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, state.dtype),
-         ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32)],
-        [("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
-         ("Record", bool(record))],
-        grid, tg,
+        name,
+        inputs,
+        [
+            ("y", (B, T, Hv, Dv), q.dtype),
+            ("state_out", state.shape, state.dtype),
+            ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32),
+        ],
+        [
+            ("InT", q.dtype),
+            ("StT", state.dtype),
+            ("Dk", Dk),
+            ("Dv", Dv),
+            ("Hk", Hk),
+            ("Hv", Hv),
+            ("Record", bool(record)),
+        ],
+        grid,
+        tg,
     )
 
 
@@ -380,13 +404,34 @@ def tree_launch(q, k, v, g, beta, state, parents, *, record: bool = True) -> Lau
     max_depth = 1 << max(depth).bit_length()  # > deepest depth; one kernel per power of two
     return Launch(
         "gated_delta_tree",
-        [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_in", state),
-         ("order", mx.array(order, dtype=mx.int32)), ("depth", mx.array(depth, dtype=mx.int32)), ("T", T)],
-        [("y", (B, T, Hv, Dv), q.dtype), ("state_out", state.shape, state.dtype),
-         ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32)],
-        [("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
-         ("MaxDepth", max_depth), ("Record", bool(record))],
-        (32, Dv, B * Hv), (32, 4, 1),
+        [
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("g", g),
+            ("beta", beta),
+            ("state_in", state),
+            ("order", mx.array(order, dtype=mx.int32)),
+            ("depth", mx.array(depth, dtype=mx.int32)),
+            ("T", T),
+        ],
+        [
+            ("y", (B, T, Hv, Dv), q.dtype),
+            ("state_out", state.shape, state.dtype),
+            ("delta", (B, T, Hv, Dv) if record else (1,), mx.float32),
+        ],
+        [
+            ("InT", q.dtype),
+            ("StT", state.dtype),
+            ("Dk", Dk),
+            ("Dv", Dv),
+            ("Hk", Hk),
+            ("Hv", Hv),
+            ("MaxDepth", max_depth),
+            ("Record", bool(record)),
+        ],
+        (32, Dv, B * Hv),
+        (32, 4, 1),
     )
 
 
@@ -395,16 +440,25 @@ def rollback_launch(state0, k, g, delta, rows) -> Launch:
     Hv, Dv = delta.shape[2:]
     return Launch(
         "gated_delta_rollback",
-        [("state0", state0), ("k", k), ("g", g), ("delta", delta),
-         ("rows", mx.array(list(rows), dtype=mx.int32)), ("n", len(rows)), ("T", T)],
+        [
+            ("state0", state0),
+            ("k", k),
+            ("g", g),
+            ("delta", delta),
+            ("rows", mx.array(list(rows), dtype=mx.int32)),
+            ("n", len(rows)),
+            ("T", T),
+        ],
         [("state", state0.shape, state0.dtype)],
         [("InT", k.dtype), ("StT", state0.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
-        (Dk, Dv, B * Hv), (32, 4, 1),
+        (Dk, Dv, B * Hv),
+        (32, 4, 1),
     )
 
 
 # The Metal calls and their twins, as functions of (static, *arrays) for
 # metal.run_with_twin_vjp: ``static`` holds the call's Python arguments.
+
 
 def _without_none(outs):
     return [o for o in outs if o is not None]

@@ -45,7 +45,9 @@ def use_metal(force_twin: bool = False) -> bool:
 @cache
 def _compiled(name: str, inputs: Tuple[str, ...], outputs: Tuple[str, ...]):
     return mx.fast.metal_kernel(
-        name=f"dflash_{name}", input_names=list(inputs), output_names=list(outputs),
+        name=f"dflash_{name}",
+        input_names=list(inputs),
+        output_names=list(outputs),
         source=metal_source(name),
     )
 
@@ -82,8 +84,9 @@ def _with_twin_vjp(launch: Callable, twin: Callable, static: tuple, n_diff: int,
     return f
 
 
-def run_with_twin_vjp(launch: Callable, twin: Callable, static: tuple, primals: tuple, extra: tuple = (),
-                      n_out: int = 1) -> List[mx.array]:
+def run_with_twin_vjp(
+    launch: Callable, twin: Callable, static: tuple, primals: tuple, extra: tuple = (), n_out: int = 1
+) -> List[mx.array]:
     """Run the Metal kernel ``launch(static, *arrays)`` describes (its first
     ``n_out`` outputs); differentiate through ``twin(static, *arrays)``, the
     same op's MLX body, which returns those outputs.

@@ -55,27 +55,67 @@ PRE_SPLITS = {
     # Qwen2's and Qwen3.5's tokenizer.json patterns (llama.cpp spells the
     # case-insensitive contractions out); qwen35 keeps combining marks (\p{M})
     # with letters, so Devanagari vowel signs stay in their word.
-    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
-    "qwen35": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "qwen2": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "qwen35": (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
     # llama.cpp's fallback for a BPE vocabulary: punctuation runs, GPT-2's
     # pattern, digit runs, then digits in threes.
-    "default": (r"[\p{P}\$\+<=>\^~\|]+",
-                r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
-                r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "default": (
+        r"[\p{P}\$\+<=>\^~\|]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    ),
 }
 # llama.cpp normalizes no BPE text; Qwen2's and Qwen3.5's tokenizer.json
 # declare NFC (GPT-2's declares nothing), so the Qwen rules add it.
 NFC_SPLITS = {"qwen2", "qwen35"}
 PRE_TOKENIZERS = {
-    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-                     "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4",
-                     # types of their own that use GPT-2's regex
-                     "mpt", "olmo", "jais", "trillion", "granite-docling"), "gpt2"),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez",
-                     # types of their own that use Qwen2's regex
-                     "stablelm2", "hunyuan", "solar-open", "grok-2"), "qwen2"),
+    **dict.fromkeys(
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
+            "exaone4",
+            # types of their own that use GPT-2's regex
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+        ),
+        "gpt2",
+    ),
+    **dict.fromkeys(
+        (
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "megrez",
+            # types of their own that use Qwen2's regex
+            "stablelm2",
+            "hunyuan",
+            "solar-open",
+            "grok-2",
+        ),
+        "qwen2",
+    ),
     "qwen35": "qwen35",
     "default": "default",  # also what llama.cpp uses when the key is missing
 }
@@ -83,8 +123,17 @@ PRE_TOKENIZERS = {
 # no converter writes it, so it is not listed.
 # Tokens llama.cpp treats as end of generation by their text, besides the
 # eos/eot/eom ids the metadata names.
-EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>",
-             "<|end_of_text|>", "<EOT>", "_<EOT>")
+EOG_TEXTS = (
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+)
 
 
 def is_gguf(path) -> bool:
@@ -146,8 +195,7 @@ def gguf_config(reader) -> dict:
     """An HF-style config.json dict from the GGUF metadata."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHS:
-        raise DFlashError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)} (Qwen3.5/3.6)")
+        raise DFlashError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)} (Qwen3.5/3.6)")
     a = arch
     tensors = {t.name: t for t in reader.tensors}
     H = int(_req(reader, f"{a}.embedding_length"))
@@ -212,12 +260,21 @@ def gguf_config(reader) -> dict:
 
 # --- tensor names and layout ----------------------------------------------------------
 
+
 def _attention_layer_names(b: str, p: str, moe: bool) -> Dict[str, Tuple[str, str]]:
     a = p + "self_attn."
-    m = {b + "attn_norm.weight": (p + "input_layernorm.weight", ""),
-         b + "post_attention_norm.weight": (p + "post_attention_layernorm.weight", "")}
-    for g, n in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
-                 ("attn_output", "o_proj"), ("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+    m = {
+        b + "attn_norm.weight": (p + "input_layernorm.weight", ""),
+        b + "post_attention_norm.weight": (p + "post_attention_layernorm.weight", ""),
+    }
+    for g, n in (
+        ("attn_q", "q_proj"),
+        ("attn_k", "k_proj"),
+        ("attn_v", "v_proj"),
+        ("attn_output", "o_proj"),
+        ("attn_q_norm", "q_norm"),
+        ("attn_k_norm", "k_norm"),
+    ):
         m[b + g + ".weight"] = (a + n + ".weight", "")
     m.update(_ffn_names(b, p, moe))
     return m
@@ -309,7 +366,8 @@ def _check_mtp(path, cfg: dict, tensors) -> List[str]:
         if missing:
             raise DFlashError(
                 f"GGUF {path}: MTP block blk.{j} (counted in nextn_predict_layers = {n_mtp}) is missing "
-                f"{missing[:4]}: a truncated or incompletely converted MTP layer")
+                f"{missing[:4]}: a truncated or incompletely converted MTP layer"
+            )
         block = [n for n in tensors if n.startswith(f"blk.{j}.")]
         allowed = set(want) | {f"blk.{j}.{o}" for o in optional} | {fused}
         unknown = [n for n in block if n not in allowed]
@@ -330,7 +388,7 @@ def tiled_to_grouped(Hk: int, Hv: int) -> np.ndarray:
 def _heads(x: np.ndarray, idx: np.ndarray, axis: int) -> np.ndarray:
     Hv = len(idx)
     shape = x.shape
-    x = x.reshape(shape[:axis] + (Hv, shape[axis] // Hv) + shape[axis + 1:])
+    x = x.reshape(shape[:axis] + (Hv, shape[axis] // Hv) + shape[axis + 1 :])
     return np.take(x, idx, axis=axis).reshape(shape)
 
 
@@ -349,10 +407,10 @@ def transform(kind: str, w: np.ndarray, cfg: dict) -> np.ndarray:
     if kind == "head_rows":  # rows grouped per value head (one row each for alpha, beta, dt)
         return _heads(w, idx, 0)
     if kind == "qkv_rows":  # q and k rows are per key head: only the v rows move
-        return np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim:], idx, 0)], axis=0)
+        return np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim :], idx, 0)], axis=0)
     if kind == "conv":  # [C, K] -> [C, K, 1]; v channels move like the v rows
         w = w.reshape(w.shape[0], -1)
-        w = np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim:], idx, 0)], axis=0)
+        w = np.concatenate([w[: 2 * key_dim], _heads(w[2 * key_dim :], idx, 0)], axis=0)
         return w[:, :, None]
     if kind == "head_cols":
         return _heads(w, idx, 1)
@@ -448,7 +506,7 @@ def _codes(t) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     rows, n = raw.shape[:-1], int(t.shape[0])  # ggml's ne0: the row length
     blk = raw.reshape(-1, size)
     step = max(1, (1 << 22) // block)  # blocks per slice: bounded temporaries on large tensors
-    parts = [_decode_blocks(t.tensor_type, blk[i:i + step]) for i in range(0, len(blk), step)]
+    parts = [_decode_blocks(t.tensor_type, blk[i : i + step]) for i in range(0, len(blk), step)]
     k, s = (np.concatenate([p[j] for p in parts]) for j in (0, 1))
     z = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
     s = s.reshape(rows + (n // GROUP,))
@@ -468,13 +526,13 @@ def _decode_blocks(qtype, blk: np.ndarray):
     if name in ("Q4_0", "Q4_1"):
         d = _f16(blk[:, :2])
         z = -8 * d if name == "Q4_0" else _f16(blk[:, 2:4])
-        return out(_nibbles(blk[:, 2 if name == "Q4_0" else 4:]), d, z)
+        return out(_nibbles(blk[:, 2 if name == "Q4_0" else 4 :]), d, z)
     if name in ("Q5_0", "Q5_1"):
         o = 2 if name == "Q5_0" else 4
         d = _f16(blk[:, :2])
         z = -16 * d if name == "Q5_0" else _f16(blk[:, 2:4])
-        high = np.unpackbits(blk[:, o:o + 4], axis=1, bitorder="little")
-        return out(_nibbles(blk[:, o + 4:]) | (high << 4), d, z)
+        high = np.unpackbits(blk[:, o : o + 4], axis=1, bitorder="little")
+        return out(_nibbles(blk[:, o + 4 :]) | (high << 4), d, z)
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[:, :2]), _f16(blk[:, 2:4])
         sc, m = _k_scales(blk[:, 4:16])
@@ -538,9 +596,9 @@ def pack(k: np.ndarray, bits: int) -> np.ndarray:
     flat = k.reshape(-1, GROUP)
     out = np.empty((len(flat), bits), np.uint32)
     for i in range(0, len(flat), 1 << 16):  # bounded temporaries
-        c = flat[i:i + (1 << 16)]
+        c = flat[i : i + (1 << 16)]
         b = (c[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1
-        out[i:i + len(c)] = np.packbits(b.reshape(len(c), -1), axis=1, bitorder="little").view(np.uint32)
+        out[i : i + len(c)] = np.packbits(b.reshape(len(c), -1), axis=1, bitorder="little").view(np.uint32)
     return out.reshape(shape[:-1] + (shape[-1] * bits // 32,))
 
 
@@ -574,8 +632,14 @@ def default_dtype(reader):
 def _progress_bar(path, total_bytes: int):
     from tqdm import tqdm
 
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"decoding {Path(path).name}",
-                leave=False, dynamic_ncols=True)
+    return tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        desc=f"decoding {Path(path).name}",
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 def _as_file(t, kind: str, cfg: dict, pns: List[str], plan: dict, dt) -> list:
@@ -601,8 +665,15 @@ def _as_file(t, kind: str, cfg: dict, pns: List[str], plan: dict, dt) -> list:
     return updates
 
 
-def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[str, int]] = None,
-                     dtype=None, progress=None, only: Optional[Callable[[str], bool]] = None):
+def load_gguf_target(
+    path,
+    *,
+    keep_precision: bool = False,
+    bits: Optional[Dict[str, int]] = None,
+    dtype=None,
+    progress=None,
+    only: Optional[Callable[[str], bool]] = None,
+):
     """Load a GGUF target; returns (Target, config dict with an MLX ``quantization`` block).
 
     ``dtype`` (default :func:`default_dtype`) is the float type of unquantized
@@ -642,7 +713,7 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))  # lazy random init, never evaluated
     mods = dict(model.named_modules())
     t_cfg = cfg["text_config"]
-    head_cols_ok = (t_cfg["linear_value_head_dim"] % GROUP == 0)  # column groups survive the head reorder
+    head_cols_ok = t_cfg["linear_value_head_dim"] % GROUP == 0  # column groups survive the head reorder
     plan, qconf, native = {}, {}, {}
     for gname, (pname, kind) in names.items():
         tname = tensors[gname].tensor_type.name
@@ -678,13 +749,15 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
                     updates = _as_file(t, kind, cfg, pns, plan, dt)
                 except (NotImplementedError, ValueError, KeyError) as e:
                     raise DFlashError(
-                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
+                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}"
+                    ) from None
             else:
                 try:
                     w = dequantize(t.data, t.tensor_type)
                 except (NotImplementedError, ValueError, KeyError) as e:
                     raise DFlashError(
-                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}") from None
+                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}"
+                    ) from None
                 w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
                 arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
                 del w
@@ -715,8 +788,10 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
 
         nbytes = sum(int(tensors[g].n_bytes) for g in mtp)
         n_mtp = cfg["text_config"]["mtp_num_hidden_layers"]
-        sys.stderr.write(f"note: skipped the GGUF's {n_mtp} MTP (nextn) block(s), {len(mtp)} tensors, "
-                         f"{nbytes / 1e6:.1f} MB: DFlash does not use them\n")
+        sys.stderr.write(
+            f"note: skipped the GGUF's {n_mtp} MTP (nextn) block(s), {len(mtp)} tensors, "
+            f"{nbytes / 1e6:.1f} MB: DFlash does not use them\n"
+        )
     # Everything the model has must have come from the file.
     loaded_paths = {pn for pname, kind in names.values() for pn in parts(pname, kind)}
     for k, _ in tree_flatten(model.parameters()):
@@ -730,8 +805,11 @@ def load_gguf_target(path, *, keep_precision: bool = False, bits: Optional[Dict[
         from collections import Counter
 
         bits_, gs_, mode_ = Counter(plan.values()).most_common(1)[0][0]  # the default; the rest are per-layer
-        per_layer = {k: {"mode": "affine", **v} for k, v in qconf.items()
-                     if (v["bits"], v["group_size"], v.get("mode", "affine")) != (bits_, gs_, mode_)}
+        per_layer = {
+            k: {"mode": "affine", **v}
+            for k, v in qconf.items()
+            if (v["bits"], v["group_size"], v.get("mode", "affine")) != (bits_, gs_, mode_)
+        }
         out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": mode_, **per_layer}
         out_cfg["quantization_config"] = out_cfg["quantization"]
     return Target(model, out_cfg), out_cfg
@@ -750,6 +828,7 @@ def lazy_target(cfg: dict):
 
 # --- tokenizer ---------------------------------------------------------------------
 
+
 def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` from tokenizer.ggml.* (byte-level BPE), with
     the split llama.cpp uses for ``tokenizer.ggml.pre`` and, for the Qwen
@@ -763,13 +842,17 @@ def build_tokenizer(reader):
     if pre is None:  # as llama.cpp: the default split, with a warning
         import sys
 
-        sys.stderr.write("warning: the GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' split, "
-                         "which llama.cpp warns degrades generation (regenerate the file)\n")
+        sys.stderr.write(
+            "warning: the GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' split, "
+            "which llama.cpp warns degrades generation (regenerate the file)\n"
+        )
         pre = "default"
     if pre not in PRE_TOKENIZERS:
-        raise DFlashError(f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre): supported are the "
-                          f"{len(PRE_TOKENIZERS)} llama.cpp names that use its GPT-2, Qwen2, Qwen3.5 or default "
-                          f"split (docs/gguf.md)")
+        raise DFlashError(
+            f"unknown GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre): supported are the "
+            f"{len(PRE_TOKENIZERS)} llama.cpp names that use its GPT-2, Qwen2, Qwen3.5 or default "
+            f"split (docs/gguf.md)"
+        )
     rule = PRE_TOKENIZERS[pre]
     tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
     merges = list(field(reader, "tokenizer.ggml.merges") or [])
@@ -781,14 +864,15 @@ def build_tokenizer(reader):
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[rule]]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     # CONTROL tokens are special (skipped when decoding); USER_DEFINED ones
     # (Qwen's <think>, <tool_call>, ...) are matched whole but decoded as text.
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, ty in enumerate(types) if ty == 3])
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i, ty in enumerate(types) if ty == 4])
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == 3]
+    )
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == 4])
     return tok
 
 
@@ -832,8 +916,12 @@ def tokenizer_dir_for(path) -> Path:
 # ``dflash_fc`` / ``dflash_hidden_norm``. Accept each spelling seen.
 _DRAFT_GLOBAL = {
     "fc.weight": ("fc.weight", "dflash_fc.weight", "dflash.fc.weight"),
-    "hidden_norm.weight": ("enc.output_norm.weight", "dflash_hidden_norm.weight", "dflash.hidden_norm.weight",
-                           "hidden_norm.weight"),
+    "hidden_norm.weight": (
+        "enc.output_norm.weight",
+        "dflash_hidden_norm.weight",
+        "dflash.hidden_norm.weight",
+        "hidden_norm.weight",
+    ),
     "norm.weight": ("output_norm.weight", "norm.weight"),
 }
 _DRAFT_LAYER = {
@@ -879,9 +967,11 @@ def gguf_draft_config(reader) -> dict:
                 return v
         if name == "mask_token_id" and field(reader, "tokenizer.ggml.mask_token_id") is not None:
             return field(reader, "tokenizer.ggml.mask_token_id")
-        raise DFlashError(f"draft GGUF is missing {a}.{_DRAFT_KEYS[name][0]} "
-                          f"(the DFlash {name.replace('_', ' ')}; also looked for "
-                          f"{', '.join(a + '.' + k for k in _DRAFT_KEYS[name][1:])})")
+        raise DFlashError(
+            f"draft GGUF is missing {a}.{_DRAFT_KEYS[name][0]} "
+            f"(the DFlash {name.replace('_', ' ')}; also looked for "
+            f"{', '.join(a + '.' + k for k in _DRAFT_KEYS[name][1:])})"
+        )
 
     ids = dflash_key("target_layer_ids")
     H = int(get("embedding_length") or 0)
@@ -902,8 +992,7 @@ def gguf_draft_config(reader) -> dict:
         "rope_theta": float(get("rope.freq_base", 1000000.0)),
         "max_position_embeddings": int(get("context_length", 40960)),
         "block_size": int(dflash_key("block_size")),
-        "dflash_config": {"mask_token_id": int(dflash_key("mask_token_id")),
-                          "target_layer_ids": [int(i) for i in ids]},
+        "dflash_config": {"mask_token_id": int(dflash_key("mask_token_id")), "target_layer_ids": [int(i) for i in ids]},
     }
     ths = get("target_hidden_size")
     if ths is not None:
@@ -912,16 +1001,19 @@ def gguf_draft_config(reader) -> dict:
     if sw > 0:  # as llama.cpp: a window needs the per-layer pattern (true = sliding layer)
         pattern = get("attention.sliding_window_pattern")
         if pattern is None:
-            raise DFlashError(f"draft GGUF has {a}.attention.sliding_window = {sw} but no "
-                              f"{a}.attention.sliding_window_pattern (which layers slide)")
+            raise DFlashError(
+                f"draft GGUF has {a}.attention.sliding_window = {sw} but no "
+                f"{a}.attention.sliding_window_pattern (which layers slide)"
+            )
         n = cfg["num_hidden_layers"]
         if isinstance(pattern, (list, tuple)):
             slides = [bool(x) for x in pattern]
         else:  # every n-th layer is full attention
             slides = [(i + 1) % int(pattern) != 0 for i in range(n)]
         if len(slides) != n:
-            raise DFlashError(f"draft GGUF {a}.attention.sliding_window_pattern has {len(slides)} entries "
-                              f"for {n} layers")
+            raise DFlashError(
+                f"draft GGUF {a}.attention.sliding_window_pattern has {len(slides)} entries for {n} layers"
+            )
         cfg["sliding_window"] = sw
         cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in slides]
     return cfg
@@ -936,8 +1028,10 @@ def load_gguf_draft(path, target, *, dtype=None):
     cfg = gguf_draft_config(reader)
     ths = cfg.get("target_hidden_size")
     if ths is not None and ths != target.hidden_size:
-        raise DFlashError(f"draft {path}: {field(reader, 'general.architecture')}.target_hidden_size {ths} "
-                          f"!= target hidden_size {target.hidden_size}")
+        raise DFlashError(
+            f"draft {path}: {field(reader, 'general.architecture')}.target_hidden_size {ths} "
+            f"!= target hidden_size {target.hidden_size}"
+        )
     tensors = {t.name: t for t in reader.tensors}
     wanted = dict(_DRAFT_GLOBAL)
     for i in range(cfg["num_hidden_layers"]):
@@ -950,8 +1044,9 @@ def load_gguf_draft(path, target, *, dtype=None):
             raise DFlashError(f"draft GGUF {path}: missing tensor {names[0]}")
         t = tensors[name]
         w = dequantize(t.data, t.tensor_type)
-        src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(t.tensor_type.name,
-                                                            mx.float32 if t.tensor_type.name == "F32" else mx.float16)
+        src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(
+            t.tensor_type.name, mx.float32 if t.tensor_type.name == "F32" else mx.float16
+        )
         weights[ours] = mx.array(np.asarray(w, np.float32)).astype(dtype or src)
         used.add(name)
     extra = sorted(set(tensors) - used - set(_IGNORED_DRAFT))

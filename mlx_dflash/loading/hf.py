@@ -52,10 +52,12 @@ def _weight_files(p: Path, what: str):
 def _cast(module: nn.Module, dtype) -> None:
     if dtype is None:
         return
-    module.update(tree_map(
-        lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
-        module.parameters(),
-    ))
+    module.update(
+        tree_map(
+            lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+            module.parameters(),
+        )
+    )
 
 
 def load_target(path, dtype=None, lazy: bool = False) -> Target:
@@ -74,8 +76,7 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
         mt = _TEXT_TYPES[mt]
     if mt not in SUPPORTED_MODEL_TYPES:
         raise DFlashError(
-            f"unsupported model_type {mt!r} in {p / 'config.json'}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {mt!r} in {p / 'config.json'}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     _weight_files(p, "model")
     try:
@@ -111,9 +112,7 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
             f"{target.hidden_size} (the draft shares the target's embedding and lm_head)"
         )
     if cfg.vocab_size is not None and cfg.vocab_size != target.vocab_size:
-        raise DFlashError(
-            f"draft {where}: vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}"
-        )
+        raise DFlashError(f"draft {where}: vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
     if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
         raise DFlashError(
             f"draft {where}: num_target_layers {cfg.num_target_layers} != target's "
@@ -123,22 +122,17 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
         raise DFlashError(f"draft {where}: no dflash_config.target_layer_ids and no num_target_layers")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
     if bad:
-        raise DFlashError(
-            f"draft {where}: target_layer_ids {bad} out of range for a {target.num_layers}-layer target"
-        )
+        raise DFlashError(f"draft {where}: target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
     if cfg.mask_token_id is None:
         raise DFlashError(f"draft {where}: dflash_config.mask_token_id is missing")
     if not 0 <= cfg.mask_token_id < target.vocab_size:
         raise DFlashError(
-            f"draft {where}: mask_token_id {cfg.mask_token_id} outside the target vocab "
-            f"(0..{target.vocab_size - 1})"
+            f"draft {where}: mask_token_id {cfg.mask_token_id} outside the target vocab (0..{target.vocab_size - 1})"
         )
     if cfg.block_size < 2:
         raise DFlashError(f"draft {where}: block_size {cfg.block_size} < 2")
     if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
-        raise DFlashError(
-            f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers"
-        )
+        raise DFlashError(f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers")
     if cfg.is_v2:
         validate_v2(cfg, where)
 
@@ -165,8 +159,9 @@ def validate_v2(cfg: DraftConfig, where: str) -> None:
         raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
-def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
-               group_size: int = 64, dtype=None) -> DFlashDraft:
+def load_draft(
+    path, target: Target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None
+) -> DFlashDraft:
     """Load a DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft
     GGUF file) and bind it to ``target``.
 
@@ -197,10 +192,9 @@ def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
     if cfg.vocab_size is None:
         cfg.vocab_size = target.vocab_size  # the selector's codebooks span the target vocab
     validate_draft(cfg, target, where)
-    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    weights = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in weights.items()}
     # Drafts ship without embedding/lm_head; ignore copies if a converter kept them.
-    weights = {k: v for k, v in weights.items()
-               if not k.startswith(("embed_tokens.", "lm_head."))}
+    weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
     fc = weights.get("fc.weight")
     want = len(cfg.target_layer_ids) * target.hidden_size
     if fc is not None and fc.shape[-1] != want:
@@ -227,7 +221,9 @@ def load_draft(path, target: Target, *, quantize_bits: Optional[int] = None,
         if quantize_bits not in (4, 8):
             raise DFlashError(f"draft quantization must be 4 or 8 bits, got {quantize_bits}")
         nn.quantize(
-            draft, group_size=group_size, bits=quantize_bits,
+            draft,
+            group_size=group_size,
+            bits=quantize_bits,
             class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0,
         )
     mx.eval(draft.parameters())

@@ -21,15 +21,15 @@ from typing import Optional, Tuple, Union
 from ..errors import DFlashError
 
 # What the folder loaders read (mlx_dflash.loading.hf, mlx-lm's tokenizer loader); no *.py.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model",
-                  "*.txt", "*.jinja"]
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jinja"]
 IGNORE_PATTERNS = ["*/*"]  # the loaders read the top level only
 
 _PART = r"[A-Za-z0-9][\w.-]*"
 _HUB_ID = re.compile(
     rf"^(?P<repo>{_PART}/{_PART})"
     rf"(?:(?::(?P<quant>[\w.-]+))|(?:/(?P<file>[^@:]+\.gguf)))?"
-    rf"(?:@(?P<rev>[\w.-]+))?$")
+    rf"(?:@(?P<rev>[\w.-]+))?$"
+)
 
 
 def parse(spec: str) -> Optional[Tuple[str, Optional[str], Optional[str], Optional[str]]]:
@@ -66,13 +66,17 @@ def resolve(path_or_id: Union[str, Path, None]) -> Optional[Path]:
 def _download_repo(repo: str, rev: Optional[str]) -> Path:
     from huggingface_hub import snapshot_download
 
-    folder = Path(_offline_first(snapshot_download, repo, revision=rev, allow_patterns=ALLOW_PATTERNS,
-                                 ignore_patterns=IGNORE_PATTERNS))
+    folder = Path(
+        _offline_first(
+            snapshot_download, repo, revision=rev, allow_patterns=ALLOW_PATTERNS, ignore_patterns=IGNORE_PATTERNS
+        )
+    )
     if not any(folder.glob("*.safetensors")):
         ggufs = _gguf_names(_repo_files(repo, rev))
         if ggufs:
-            raise DFlashError(f"{repo} is a GGUF repo: name one file, as {repo}:QUANT or {repo}/FILE.gguf "
-                              f"(files: {', '.join(ggufs)})")
+            raise DFlashError(
+                f"{repo} is a GGUF repo: name one file, as {repo}:QUANT or {repo}/FILE.gguf (files: {', '.join(ggufs)})"
+            )
     return folder
 
 
@@ -80,16 +84,19 @@ def _download_file(repo: str, file: str, rev: Optional[str]) -> Path:
     from huggingface_hub import hf_hub_download
 
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", file):
-        raise DFlashError(f"{repo}/{file} is one part of a split GGUF, which is not supported; merge the parts "
-                          "with llama.cpp's `llama-gguf-split --merge` and pass the merged file")
+        raise DFlashError(
+            f"{repo}/{file} is one part of a split GGUF, which is not supported; merge the parts "
+            "with llama.cpp's `llama-gguf-split --merge` and pass the merged file"
+        )
     return Path(_offline_first(hf_hub_download, repo, file, revision=rev))
 
 
 def _no_network(e: BaseException) -> bool:
     from huggingface_hub import errors as he
 
-    return (isinstance(e, (he.OfflineModeIsEnabled, ConnectionError, TimeoutError))
-            or type(e).__module__.startswith("httpx"))  # httpx's connection errors are no OSErrors
+    return isinstance(e, (he.OfflineModeIsEnabled, ConnectionError, TimeoutError)) or type(e).__module__.startswith(
+        "httpx"
+    )  # httpx's connection errors are no OSErrors
 
 
 def _offline_first(fetch, *args, **kwargs):
@@ -127,14 +134,15 @@ def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
     """The GGUF file of ``repo`` whose name carries the tag ``quant`` (case-insensitive, as llama.cpp matches)."""
     files = _gguf_names(_repo_files(repo, rev))
     tag = re.compile(rf"(?:^|[-_.]){re.escape(quant)}(?:[-_.]|$)", re.IGNORECASE)
-    hits = [f for f in files if tag.search(Path(f).name[:-len(".gguf")])]
+    hits = [f for f in files if tag.search(Path(f).name[: -len(".gguf")])]
     if not hits:
-        raise DFlashError(f"{repo} has no GGUF file tagged {quant!r}"
-                          + (f" (files: {', '.join(files)})" if files else " (no .gguf files)"))
+        raise DFlashError(
+            f"{repo} has no GGUF file tagged {quant!r}"
+            + (f" (files: {', '.join(files)})" if files else " (no .gguf files)")
+        )
     whole = [f for f in hits if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f)]
     if len(whole) > 1:
-        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(whole)}); "
-                          f"name one as {repo}/FILE.gguf")
+        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(whole)}); name one as {repo}/FILE.gguf")
     return whole[0] if whole else hits[0]  # a split file: _download_file says why it is refused
 
 
@@ -154,16 +162,21 @@ class _hub_errors:
 
         where = f"{self.spec!r} is not a local path, and as a Hugging Face repo id"
         if isinstance(e, he.GatedRepoError):
-            msg = (f"{where}: {self.repo} is gated; accept its terms on huggingface.co and log in "
-                   "(`hf auth login`, or HF_TOKEN)")
+            msg = (
+                f"{where}: {self.repo} is gated; accept its terms on huggingface.co and log in "
+                "(`hf auth login`, or HF_TOKEN)"
+            )
         elif isinstance(e, he.RepositoryNotFoundError):
             msg = f"{where}: no repo {self.repo} on the Hub (or it is private and you are not logged in)"
         elif isinstance(e, he.RevisionNotFoundError):
             msg = f"{where}: {self.repo} has no revision {self.rev!r}"
         elif isinstance(e, he.LocalEntryNotFoundError):
-            msg = (f"{where}: {self.repo}" + (f"@{self.rev}" if self.rev else "")
-                   + " is not in the Hugging Face cache and the Hub cannot be reached"
-                   + (" (HF_HUB_OFFLINE is set)" if _offline() else " (no network?)"))
+            msg = (
+                f"{where}: {self.repo}"
+                + (f"@{self.rev}" if self.rev else "")
+                + " is not in the Hugging Face cache and the Hub cannot be reached"
+                + (" (HF_HUB_OFFLINE is set)" if _offline() else " (no network?)")
+            )
         elif isinstance(e, he.EntryNotFoundError):
             msg = f"{where}: {self.repo} has no file {self.file or ''}".rstrip()
         elif isinstance(e, (he.HfHubHTTPError, OSError)) or _no_network(e):
@@ -204,7 +217,7 @@ _NAME = re.compile(r"qwen3\.?([56])[-_ ]?(\d+b(?:[-_]a\d+b)?)", re.IGNORECASE)
 def _shape(config: dict) -> Tuple[Optional[str], Optional[int], Optional[int]]:
     c = {**config, **(config.get("text_config") or {})}
     mt = str(c.get("model_type") or config.get("model_type") or "")
-    mt = mt[:-len("_text")] if mt.endswith("_text") else mt
+    mt = mt[: -len("_text")] if mt.endswith("_text") else mt
     if mt == "qwen3_5" and (c.get("num_experts") or 0) > 0:
         mt = "qwen3_5_moe"
     return mt, c.get("hidden_size"), c.get("num_hidden_layers")
@@ -231,5 +244,4 @@ def draft_hint(drafts: list) -> Optional[str]:
     """One line naming the published draft(s) (``suggest_draft``'s list) for a target loaded without one."""
     if not drafts:
         return None
-    return (f"no draft given, decoding without one; the published DFlash draft for this target is "
-            f"{' or '.join(drafts)}")
+    return f"no draft given, decoding without one; the published DFlash draft for this target is {' or '.join(drafts)}"

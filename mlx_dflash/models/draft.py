@@ -105,7 +105,8 @@ class DraftConfig:
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"),
             sliding_block_causal=d.get("sliding_block_causal", True),
-            architecture="DFlash2DraftModel" if "DFlash2DraftModel" in (d.get("architectures") or [])
+            architecture="DFlash2DraftModel"
+            if "DFlash2DraftModel" in (d.get("architectures") or [])
             else "DFlashDraftModel",
             **{k: (int(dc[k]) if k in dc else d.get(k)) for k in V2_FIELDS},
             output_multiplier=float(dc.get("output_multiplier", d.get("output_multiplier", 1.0))),
@@ -139,7 +140,9 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(D, eps=cfg.rms_norm_eps)
         self.rope = initialize_rope(
-            D, base=cfg.rope_theta, traditional=False,
+            D,
+            base=cfg.rope_theta,
+            traditional=False,
             scaling_config=cfg.rope_scaling,
             max_position_embeddings=cfg.max_position_embeddings,
         )
@@ -226,8 +229,10 @@ class Draft2Layer(DraftLayer):
 
     def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
         mlp = lambda x: self.mlp(x, fused_exp)  # noqa: E731
-        for norm, conv, fn in ((self.input_layernorm, self.attention_conv, attend),
-                               (self.post_attention_layernorm, self.mlp_conv, mlp)):
+        for norm, conv, fn in (
+            (self.input_layernorm, self.attention_conv, attend),
+            (self.post_attention_layernorm, self.mlp_conv, mlp),
+        ):
             x = norm(h)
             c = conv.coefficients(x)
             h = h + conv(fn(conv(x, c, 0)), c, 1)
@@ -301,8 +306,7 @@ class DraftCache:
 
     step = 256
 
-    def __init__(self, keys, values, positions=None, length: int = 0,
-                 window: Optional[Tuple[int, int]] = None):
+    def __init__(self, keys, values, positions=None, length: int = 0, window: Optional[Tuple[int, int]] = None):
         self._k: List[Optional[mx.array]] = list(keys)  # buffers: rows [0, len(positions)) are held
         self._v: List[Optional[mx.array]] = list(values)
         self.positions: List[int] = list(positions or [])
@@ -374,7 +378,8 @@ class DFlashDraft(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         if cfg.is_v2:
             self.candidate_selector = CandidateSelector(
-                cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k)
+                cfg.vocab_size, cfg.hidden_size, cfg.selector_rank, cfg.selector_top_k
+            )
 
     def bind(self, target) -> "DFlashDraft":
         """Borrow the target's embedding and lm_head (kept out of the parameter tree)."""
@@ -483,8 +488,9 @@ class DFlashDraft(nn.Module):
         self._extend_context(features, anchor_pos, cache)
         ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
         h = self.embed(ids)[None]
-        compiled = (self.compiled and not cfg.is_v2
-                    and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers))
+        compiled = (
+            self.compiled and not cfg.is_v2 and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers)
+        )
         pos = mx.array(anchor_pos, dtype=mx.int32) if compiled else None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -522,14 +528,17 @@ class DFlashDraft(nn.Module):
             layer = self.layers[i]
             attn = layer.self_attn
             if kind == "pre":
+
                 def run(h, pos):
                     x = layer.input_layernorm(h)
                     q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
                     return (attn.rope(q, offset=pos),) + attn.kv(x, pos)
             else:
+
                 def run(h, out):
                     h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
                     return h + layer.mlp(layer.post_attention_layernorm(h), fused)
+
             fns[key] = mx.compile(run, inputs=[layer.state])
         return fns[key]
 
@@ -545,8 +554,16 @@ class DFlashDraft(nn.Module):
         selector's unary logits, which DDTree reads)."""
         return self.logits(self.block_hidden(features, anchor, anchor_pos, block_size, cache)[1:])
 
-    def propose(self, features, anchor: int, anchor_pos: int, block_size: int, cache: DraftCache,
-                sampler=None, sample: bool = False):
+    def propose(
+        self,
+        features,
+        anchor: int,
+        anchor_pos: int,
+        block_size: int,
+        cache: DraftCache,
+        sampler=None,
+        sample: bool = False,
+    ):
         """The drafted block: (tokens [B-1] int32, q [B-1, V] or None).
 
         Greedy: v1 takes each slot's argmax, DFlash 2 walks the selector's
@@ -589,8 +606,7 @@ def logits_proposal(logits: mx.array, anchor_pos: int, sampler=None, sample: boo
     return mx.argmax(lg + g, axis=-1).astype(mx.int32), q
 
 
-def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cache,
-            sampler=None, sample: bool = False):
+def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cache, sampler=None, sample: bool = False):
     """A draft's block proposal (tokens, q); drafts that only return logits
     (``draft(features, anchor, anchor_pos, B, cache)``) are drafted from those."""
     if hasattr(draft, "propose"):
@@ -599,6 +615,7 @@ def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cach
 
 
 # --- training forward -----------------------------------------------------------
+
 
 def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     """The layer's RoPE module (scaling included, as at inference) at explicit
@@ -610,8 +627,9 @@ def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
     return out.reshape(Bt, S, nh, D).transpose(0, 2, 1, 3)
 
 
-def training_mask(anchors: mx.array, L: int, B: int, sliding_window: Optional[int] = None,
-                  block_causal: bool = True) -> mx.array:
+def training_mask(
+    anchors: mx.array, L: int, B: int, sliding_window: Optional[int] = None, block_causal: bool = True
+) -> mx.array:
     """Boolean [Bt, m*B, L + m*B]: block j (anchor a_j) sees context positions
     p < a_j (p >= a_j - (W-1) for a sliding layer) and its own block slots
     (causally for a sliding layer with ``block_causal``); never another block."""

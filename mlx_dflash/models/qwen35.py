@@ -54,8 +54,7 @@ class Target:
         self.compile_widths = 64  # wider verifies are compute-bound: plain ops
         # The compiled attention takes its RoPE offset as an array, which
         # mlx-lm's dynamic-NTK RoPE cannot (it compares the offset in Python).
-        self._compilable = all(array_offset_rope(layer.self_attn.rope)
-                               for layer in self.layers if not layer.is_linear)
+        self._compilable = all(array_offset_rope(layer.self_attn.rope) for layer in self.layers if not layer.is_linear)
         self._fns = {}
 
     # --- shape facts -----------------------------------------------------
@@ -171,21 +170,21 @@ class Target:
         if parents is None:
             y, new_ssm, tape = gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
         else:
-            y, new_ssm, tape = gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record,
-                                                stepwise=stepwise)
+            y, new_ssm, tape = gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record, stepwise=stepwise)
         st.tape = (ssm, k, g, tape, conv_in, K) if record else None
         st.ssm = new_ssm
         st.conv = conv_in[:, -(K - 1) :]
         if fused:  # mlx-lm's gated RMSNorm, its SiLU fused
             f32 = mx.float32
-            out = (silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32))
+            out = silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32)
             out = out.astype(y.dtype)
         else:
             out = la.norm(y, z)
         return la.out_proj(out.reshape(B, T, -1))
 
-    def layers_forward(self, h: mx.array, caches, *, capture: Sequence[int] = (), record: bool = False,
-                       parents=None, tree=None) -> Tuple[mx.array, Optional[mx.array]]:
+    def layers_forward(
+        self, h: mx.array, caches, *, capture: Sequence[int] = (), record: bool = False, parents=None, tree=None
+    ) -> Tuple[mx.array, Optional[mx.array]]:
         """The decoder layers over embeddings h [B, T, H] with per-layer caches
         (None: no cache, from position 0). Returns the last hidden state and
         the ``capture`` layers' outputs concatenated [B, T, N*H] (or None).
@@ -194,8 +193,14 @@ class Target:
         # Decode-time forwards only (a plain step, a recorded verify): prefill
         # chunks and suffixes come in every length, each a new trace.
         T = h.shape[1]
-        if (self.compiled and self._compilable and tree is None and h.shape[0] == 1
-                and (T == 1 or (record and T <= self.compile_widths)) and all(c is not None for c in caches)):
+        if (
+            self.compiled
+            and self._compilable
+            and tree is None
+            and h.shape[0] == 1
+            and (T == 1 or (record and T <= self.compile_widths))
+            and all(c is not None for c in caches)
+        ):
             return self._compiled_layers(h, caches, capture, record)
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
             x = layer.input_layernorm(h)
@@ -246,6 +251,7 @@ class Target:
             return fn
         layer = self.layers[i]
         if kind == "linear":
+
             def run(h, conv, ssm):
                 st = DeltaNetState()
                 st.conv, st.ssm = conv, ssm
@@ -256,13 +262,16 @@ class Target:
                 _, k, g, delta, conv_in, _ = st.tape
                 return h, st.conv, st.ssm, k, g, delta, conv_in
         elif kind == "pre":
+
             def run(h, offset):
                 return self._attention_inputs(layer.self_attn, layer.input_layernorm(h), offset)
         else:
+
             def run(h, o, gate):
                 attn = layer.self_attn
                 h = h + attn.o_proj(self._gate(o.transpose(0, 2, 1, 3).reshape(1, T, -1), gate, fused))
                 return h + self._mlp(layer, layer.post_attention_layernorm(h), fused)
+
         fn = self._fns[key] = mx.compile(run, inputs=[layer.state])
         return fn
 
@@ -294,8 +303,9 @@ class Target:
                 raise ValueError("a tree forward must be recorded (it is always rolled back)")
             parents = list(parents)
             tree = tree_inputs(parents)
-        h, features = self.layers_forward(self.embed_tokens(tokens[None]), cache.layers, capture=capture,
-                                          record=record, parents=parents, tree=tree)
+        h, features = self.layers_forward(
+            self.embed_tokens(tokens[None]), cache.layers, capture=capture, record=record, parents=parents, tree=tree
+        )
         cache.offset += T
         cache.block = T if record else 0
         if features is not None:
@@ -336,7 +346,7 @@ class Target:
                 logits="last" if last else "none",
             )
             if f is not None:
-                feats.append(f[max(capture_from - s, 0):])
+                feats.append(f[max(capture_from - s, 0) :])
             # Bound the lazy graph: materialise each chunk's cache.
             mx.eval(cache.state(), *feats[-1:])
         features = mx.concatenate(feats, axis=0) if feats else None

@@ -34,8 +34,14 @@ def build(settings: Settings, load_engine: Callable[[], object], generate_fn: Op
     """Load the engine on its generation thread and return (app, worker);
     ``generate_fn`` replaces api.stream_generate (the pipeline's)."""
     metrics = Metrics()
-    worker = Worker(load_engine, max_queue=settings.max_queue, metrics=metrics, generate_fn=generate_fn,
-                    prompt_cache=settings.prompt_cache, prompt_cache_bytes=settings.prompt_cache_bytes)
+    worker = Worker(
+        load_engine,
+        max_queue=settings.max_queue,
+        metrics=metrics,
+        generate_fn=generate_fn,
+        prompt_cache=settings.prompt_cache,
+        prompt_cache_bytes=settings.prompt_cache_bytes,
+    )
     worker.start()
     metrics.queue_length = lambda: worker.queue_length
     metrics.running = lambda: int(worker.running is not None)
@@ -51,18 +57,29 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def serve(settings: Settings, load_engine: Callable[[], object], *, host: str = "127.0.0.1",
-          port: int = 8080, log_level: str = "info", generate_fn: Optional[Callable] = None) -> None:
+def serve(
+    settings: Settings,
+    load_engine: Callable[[], object],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    log_level: str = "info",
+    generate_fn: Optional[Callable] = None,
+) -> None:
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     app, worker = build(settings, load_engine, generate_fn)
     if not _loopback(host) and settings.api_key is None:
-        print(f"warning: serving on {host} without --api-key: anyone who can reach this port can use it",
-              file=sys.stderr)
-    print(f"mlx-dflash: serving '{settings.model_id}' on http://{host}:{port} "
-          "(OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
-          file=sys.stderr, flush=True)
+        print(
+            f"warning: serving on {host} without --api-key: anyone who can reach this port can use it", file=sys.stderr
+        )
+    print(
+        f"mlx-dflash: serving '{settings.model_id}' on http://{host}:{port} "
+        "(OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
     finally:

@@ -95,14 +95,12 @@ def template_messages(req: CountRequest) -> List[dict]:
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.name:
                     raise APIError(400, f"{where}: tool_use block without a name")
-                calls.append({"id": b.id, "type": "function",
-                              "function": {"name": b.name, "arguments": b.input or {}}})
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}})
             elif b.type == "tool_result" and m.role == "user":
                 content = _text(b.content, f"{where} tool_result")
                 out.append({"role": "tool", "content": content, "tool_call_id": b.tool_use_id})
             else:
-                raise APIError(400, f"{where}: content block type '{b.type}' is not supported "
-                                    f"in a {m.role} message")
+                raise APIError(400, f"{where}: content block type '{b.type}' is not supported in a {m.role} message")
         if m.role == "user" and not text and any(b.type == "tool_result" for b in m.content):
             continue  # only tool results: they are the tool messages above
         msg: Dict[str, Any] = {"role": m.role, "content": "".join(text)}
@@ -118,9 +116,14 @@ def _tools(req: CountRequest) -> List[dict]:
     if req.tool_choice and req.tool_choice.get("type") == "none":
         return []
     # Server-side tools (web search, ...) have a type and no schema: nothing here can run them.
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}}
-            for t in req.tools or [] if t.type in (None, "custom")]
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in req.tools or []
+        if t.type in (None, "custom")
+    ]
 
 
 def _template_kwargs(req: CountRequest) -> Dict[str, Any]:
@@ -137,8 +140,12 @@ def _prompt(server: Server, req: CountRequest):
 
 def _usage(d: Dict[str, Any]) -> dict:
     # Anthropic counts cached prompt tokens apart from input_tokens.
-    return {"input_tokens": d["prompt_tokens"] - d["cached_tokens"], "output_tokens": d["generated_tokens"],
-            "cache_read_input_tokens": d["cached_tokens"], "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": d["prompt_tokens"] - d["cached_tokens"],
+        "output_tokens": d["generated_tokens"],
+        "cache_read_input_tokens": d["cached_tokens"],
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def _stop_reason(finish: str, d: Dict[str, Any], tool_calls: bool):
@@ -191,9 +198,18 @@ async def messages(request: Request):
                     blocks.append({"type": key, key: v, **({"signature": ""} if key == "thinking" else {})})
             if ev[0] == "done":
                 reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
-                return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": model,
-                                     "content": blocks, "stop_reason": reason, "stop_sequence": seq,
-                                     "usage": _usage(ev[2])})
+                return JSONResponse(
+                    {
+                        "id": mid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": blocks,
+                        "stop_reason": reason,
+                        "stop_sequence": seq,
+                        "usage": _usage(ev[2]),
+                    }
+                )
         raise APIError(499, "client closed the request")
 
     async def stream():
@@ -203,8 +219,16 @@ async def messages(request: Request):
             # Sent once the prompt is prefilled, so its split of cached and new input tokens
             # is the one message_delta reports.
             first = {"prompt_tokens": len(ids), "generated_tokens": 0, "cached_tokens": cached}
-            msg = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": _usage(first)}
+            msg = {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": _usage(first),
+            }
             return sse({"type": "message_start", "message": msg}, "message_start")
 
         def close():
@@ -220,12 +244,22 @@ async def messages(request: Request):
                 if kind == "tool":
                     yield close()
                     index += 1
-                    yield sse({"type": "content_block_start", "index": index,
-                               "content_block": {"type": "tool_use", "id": "toolu_" + v.id, "name": v.name,
-                                                 "input": {}}}, "content_block_start")
-                    yield sse({"type": "content_block_delta", "index": index,
-                               "delta": {"type": "input_json_delta", "partial_json": v.arguments_json}},
-                              "content_block_delta")
+                    yield sse(
+                        {
+                            "type": "content_block_start",
+                            "index": index,
+                            "content_block": {"type": "tool_use", "id": "toolu_" + v.id, "name": v.name, "input": {}},
+                        },
+                        "content_block_start",
+                    )
+                    yield sse(
+                        {
+                            "type": "content_block_delta",
+                            "index": index,
+                            "delta": {"type": "input_json_delta", "partial_json": v.arguments_json},
+                        },
+                        "content_block_delta",
+                    )
                     open_kind = "tool"
                     yield close()
                     continue
@@ -236,11 +270,14 @@ async def messages(request: Request):
                     block = {"type": key, key: ""}
                     if key == "thinking":
                         block["signature"] = ""
-                    yield sse({"type": "content_block_start", "index": index, "content_block": block},
-                              "content_block_start")
+                    yield sse(
+                        {"type": "content_block_start", "index": index, "content_block": block}, "content_block_start"
+                    )
                     open_kind = key
-                yield sse({"type": "content_block_delta", "index": index,
-                           "delta": {"type": f"{key}_delta", key: v}}, "content_block_delta")
+                yield sse(
+                    {"type": "content_block_delta", "index": index, "delta": {"type": f"{key}_delta", key: v}},
+                    "content_block_delta",
+                )
 
         started = False
         async for ev in server.events(job, request):
@@ -258,9 +295,16 @@ async def messages(request: Request):
             if ev[0] == "done":
                 yield close()
                 reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
-                yield sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
-                           "usage": _usage(ev[2])}, "message_delta")
+                yield sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": _usage(ev[2]),
+                    },
+                    "message_delta",
+                )
                 yield sse({"type": "message_stop"}, "message_stop")
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -42,30 +42,50 @@ class Settings:
 class APIError(Exception):
     """A client error; rendered in the shape of the API the request used."""
 
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None):
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-_OPENAI_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                 429: "rate_limit_error", 500: "server_error", 503: "server_error", 504: "timeout"}
-_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                    503: "overloaded_error", 504: "timeout_error"}
+_OPENAI_TYPES = {
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "timeout",
+}
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
-def error_body(path: str, status: int, message: str, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(path: str, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
     if is_anthropic(path):
-        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"),
-                                           "message": message}}
-    return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+        return {
+            "type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(status, "invalid_request_error"), "message": message},
+        }
+    return {
+        "error": {
+            "message": message,
+            "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
@@ -98,9 +118,12 @@ class Server:
         if name is None:
             raise APIError(400, "missing required field 'model'", param="model")
         if name != self.settings.model_id and name not in self.settings.aliases:
-            raise APIError(404, f"model '{name}' is not served here; this server serves "
-                                f"'{self.settings.model_id}' (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model '{name}' is not served here; this server serves '{self.settings.model_id}' (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_max_tokens(self, n: Optional[int], param: str) -> int:
         n = self.settings.generation.max_tokens if n is None else n
@@ -112,8 +135,11 @@ class Server:
         if not ids:
             raise APIError(400, "empty prompt: the request renders to no tokens")
         if len(ids) >= self.max_context:
-            raise APIError(400, f"prompt has {len(ids)} tokens; the context limit is {self.max_context}",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"prompt has {len(ids)} tokens; the context limit is {self.max_context}",
+                code="context_length_exceeded",
+            )
 
     def config(self, request, max_tokens: int) -> GenerationConfig:
         """The server's generation options with a request's on top (by field name), checked."""
@@ -125,16 +151,18 @@ class Server:
         return gen
 
     # --- prompts -------------------------------------------------------------------
-    def render_chat(self, messages: List[dict], tools: Optional[List[dict]],
-                    template_kwargs: Optional[Dict[str, Any]]) -> Tuple[List[int], bool]:
+    def render_chat(
+        self, messages: List[dict], tools: Optional[List[dict]], template_kwargs: Optional[Dict[str, Any]]
+    ) -> Tuple[List[int], bool]:
         """Token ids of the chat prompt, and whether the template left a reasoning block open."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
         kwargs = self.template_args(template_kwargs)
         try:
-            text = tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                           tokenize=False, **kwargs)
+            text = tok.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+            )
         except Exception as e:  # a template that rejects these messages (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}") from None
         ids = list(tok.encode(text, add_special_tokens=False))
@@ -159,8 +187,13 @@ class Server:
         return ids
 
     # --- running ---------------------------------------------------------------------
-    def submit(self, ids: List[int], config: GenerationConfig, stops: Sequence[str],
-               template_kwargs: Optional[Dict[str, Any]] = None) -> Job:
+    def submit(
+        self,
+        ids: List[int],
+        config: GenerationConfig,
+        stops: Sequence[str],
+        template_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Job:
         """Queue a generation; ``template_kwargs`` (a chat request's) let the prefix cache find
         the prompt's stable boundary as this request's template renders it."""
         s = self.settings
@@ -173,8 +206,7 @@ class Server:
         try:
             self.worker.submit(job)
         except QueueFull:
-            raise APIError(429, f"the server is busy: {s.max_queue} requests are already queued; "
-                                "retry later") from None
+            raise APIError(429, f"the server is busy: {s.max_queue} requests are already queued; retry later") from None
         return job
 
     async def events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
@@ -238,8 +270,16 @@ def sse(data: Any, event: Optional[str] = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
 
 
-ENDPOINTS = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+ENDPOINTS = {
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+}
 
 
 class CountRequests:
@@ -306,9 +346,14 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = server.worker.alive
-        return JSONResponse({"status": "ok" if ok else "error", "model": server.settings.model_id,
-                             "queue_length": server.worker.queue_length},
-                            status_code=200 if ok else 503)
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "error",
+                "model": server.settings.model_id,
+                "queue_length": server.worker.queue_length,
+            },
+            status_code=200 if ok else 503,
+        )
 
     deps = [Depends(require_key)]
 
@@ -320,9 +365,15 @@ def create_app(server: Server) -> FastAPI:
     async def models():
         # One listing both SDKs accept: OpenAI's fields and Anthropic's side by side.
         mid = server.settings.model_id
-        entry = {"id": mid, "object": "model", "type": "model", "display_name": mid,
-                 "created": server.created, "owned_by": "mlx-dflash",
-                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created))}
+        entry = {
+            "id": mid,
+            "object": "model",
+            "type": "model",
+            "display_name": mid,
+            "created": server.created,
+            "owned_by": "mlx-dflash",
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created)),
+        }
         return {"object": "list", "data": [entry], "has_more": False, "first_id": mid, "last_id": mid}
 
     app.include_router(openai.router, dependencies=deps)

@@ -61,26 +61,50 @@ class Metrics:
                 for labels, v in samples:
                     out.append(f"mlx_dflash_{name}{labels} {v}")
 
-            metric("requests_total", "counter", "HTTP requests by endpoint and status.",
-                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
-            metric("prompt_tokens_total", "counter", "Prompt tokens of finished generations.",
-                   [("", self.prompt_tokens)])
+            metric(
+                "requests_total",
+                "counter",
+                "HTTP requests by endpoint and status.",
+                [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())],
+            )
+            metric(
+                "prompt_tokens_total", "counter", "Prompt tokens of finished generations.", [("", self.prompt_tokens)]
+            )
             metric("generation_tokens_total", "counter", "Generated tokens.", [("", self.generated_tokens)])
-            metric("cancelled_total", "counter", "Generations stopped because the client went away.",
-                   [("", self.cancelled)])
+            metric(
+                "cancelled_total",
+                "counter",
+                "Generations stopped because the client went away.",
+                [("", self.cancelled)],
+            )
             metric("decode_cycles_total", "counter", "Draft/verify cycles.", [("", self.cycles)])
             tau = self.cycle_tokens / self.cycles if self.cycles else 0.0
             metric("tau", "gauge", "Mean tokens committed per cycle since start.", [("", f"{tau:.4f}")])
-            metric("decode_tokens_per_second", "gauge", "Decode speed of the last finished generation.",
-                   [("", f"{self.last_decode_tps:.2f}")])
-            metric("prefix_cache_lookups_total", "counter", "Generations that looked up the prefix cache.",
-                   [("", self.cache_lookups)])
-            metric("prefix_cache_hits_total", "counter", "Generations that reused a cached prefix.",
-                   [("", self.cache_hits)])
-            metric("prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-                   [("", self.cached_tokens)])
-            metric("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.",
-                   [("", self.cache_bytes)])
+            metric(
+                "decode_tokens_per_second",
+                "gauge",
+                "Decode speed of the last finished generation.",
+                [("", f"{self.last_decode_tps:.2f}")],
+            )
+            metric(
+                "prefix_cache_lookups_total",
+                "counter",
+                "Generations that looked up the prefix cache.",
+                [("", self.cache_lookups)],
+            )
+            metric(
+                "prefix_cache_hits_total",
+                "counter",
+                "Generations that reused a cached prefix.",
+                [("", self.cache_hits)],
+            )
+            metric(
+                "prefix_cache_hit_tokens_total",
+                "counter",
+                "Prompt tokens served from the prefix cache.",
+                [("", self.cached_tokens)],
+            )
+            metric("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", self.cache_bytes)])
             metric("queue_length", "gauge", "Requests waiting for the engine.", [("", self.queue_length())])
             metric("running_requests", "gauge", "Requests being generated (0 or 1).", [("", self.running())])
             return "\n".join(out) + "\n"

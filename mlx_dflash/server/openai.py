@@ -115,8 +115,9 @@ def template_messages(messages: List[Message]) -> List[dict]:
                         args = json.loads(args) if args.strip() else {}
                     except ValueError:
                         raise APIError(400, f"messages[{i}]: tool call arguments are not valid JSON") from None
-                calls.append({"id": tc.id, "type": "function",
-                              "function": {"name": tc.function.name, "arguments": args}})
+                calls.append(
+                    {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": args}}
+                )
             msg["tool_calls"] = calls
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
@@ -129,14 +130,16 @@ def _stops(stop) -> List[str]:
 
 
 def _usage(d: Dict[str, Any]) -> dict:
-    return {"prompt_tokens": d["prompt_tokens"], "completion_tokens": d["generated_tokens"],
-            "total_tokens": d["prompt_tokens"] + d["generated_tokens"],
-            "prompt_tokens_details": {"cached_tokens": d["cached_tokens"]}}
+    return {
+        "prompt_tokens": d["prompt_tokens"],
+        "completion_tokens": d["generated_tokens"],
+        "total_tokens": d["prompt_tokens"] + d["generated_tokens"],
+        "prompt_tokens_details": {"cached_tokens": d["cached_tokens"]},
+    }
 
 
 def _tool_json(c: ToolCall, index: Optional[int] = None) -> dict:
-    out = {"id": "call_" + c.id, "type": "function",
-           "function": {"name": c.name, "arguments": c.arguments_json}}
+    out = {"id": "call_" + c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
     if index is not None:
         out = {"index": index, **out}
     return out
@@ -199,18 +202,31 @@ async def chat_completions(request: Request):
             msg["reasoning_content"] = reasoning
         if calls:
             msg["tool_calls"] = [_tool_json(c) for c in calls]
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": _finish(finish, bool(calls)),
-                         "logprobs": None}],
-            "usage": _usage(d),
-        })
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "message": msg, "finish_reason": _finish(finish, bool(calls)), "logprobs": None}
+                ],
+                "usage": _usage(d),
+            }
+        )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(delta, finish=None):
-        return sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+        return sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            }
+        )
 
     async def stream():
         yield chunk({"role": "assistant", "content": ""})
@@ -240,12 +256,21 @@ async def chat_completions(request: Request):
                     yield c
                 yield chunk({}, _finish(ev[1], n_calls > 0))
                 if include_usage:
-                    yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                               "model": model, "choices": [], "usage": _usage(ev[2])})
+                    yield sse(
+                        {
+                            "id": cid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(ev[2]),
+                        }
+                    )
                 yield "data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 @router.post("/v1/completions")
@@ -262,17 +287,29 @@ async def completions(request: Request):
 
     if not req.stream:
         text, _, _, finish, d = await _collect(server, request, job, None)
-        return JSONResponse({
-            "id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": _finish(finish, False), "logprobs": None}],
-            "usage": _usage(d),
-        })
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": _finish(finish, False), "logprobs": None}],
+                "usage": _usage(d),
+            }
+        )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def chunk(text, finish=None):
-        return sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]})
+        return sse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+            }
+        )
 
     async def stream():
         async for ev in server.events(job, request):
@@ -286,9 +323,18 @@ async def completions(request: Request):
             else:
                 yield chunk("", _finish(ev[1], False))
                 if include_usage:
-                    yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": _usage(ev[2])})
+                    yield sse(
+                        {
+                            "id": cid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(ev[2]),
+                        }
+                    )
                 yield "data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -65,14 +65,16 @@ def _text_of(content: Any, where: str) -> str:
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text") \
-                and isinstance(part.get("text"), str):
+        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text") and isinstance(
+            part.get("text"), str
+        ):
             out.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             out.append(part["refusal"])
         else:
-            raise APIError(400, f"{where}.content[{j}]: only text parts are supported, got '{kind}'",
-                           param=f"{where}.content")
+            raise APIError(
+                400, f"{where}.content[{j}]: only text parts are supported, got '{kind}'", param=f"{where}.content"
+            )
     return "".join(out)
 
 
@@ -102,8 +104,9 @@ def template_messages(req: ResponsesRequest) -> List[dict]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise APIError(400, f"{where}: role must be user, system, developer or assistant, got {role!r}",
-                               param="input")
+                raise APIError(
+                    400, f"{where}: role must be user, system, developer or assistant, got {role!r}", param="input"
+                )
             text = _text_of(item.get("content"), where)
             if role in ("system", "developer"):
                 if out:  # a later instruction stays where it was given
@@ -128,20 +131,26 @@ def template_messages(req: ResponsesRequest) -> List[dict]:
                 raise APIError(400, f"{where}: function_call arguments must be a JSON object", param="input")
             msg = assistant(new=False)
             msg.setdefault("tool_calls", []).append(
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output item needs a call_id", param="input")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text_of(item.get("output", ""), where)})
+            out.append(
+                {"role": "tool", "tool_call_id": item["call_id"], "content": _text_of(item.get("output", ""), where)}
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             text = _text_of(parts, where)
             if text:
                 reasoning.append(text)
         elif kind == "item_reference":
-            raise APIError(400, f"{where}: item references need stored responses, which this server does "
-                                "not keep; send the items themselves", param="input")
+            raise APIError(
+                400,
+                f"{where}: item references need stored responses, which this server does "
+                "not keep; send the items themselves",
+                param="input",
+            )
         else:
             raise APIError(400, f"{where}: input item type '{kind}' is not supported", param="input")
     if system:
@@ -159,9 +168,16 @@ def _tools(req: ResponsesRequest) -> List[dict]:
             continue
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise APIError(400, f"tools[{i}]: a function tool needs a name", param="tools")
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                                     "parameters": t.get("parameters") or
-                                                     {"type": "object", "properties": {}}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("parameters") or {"type": "object", "properties": {}},
+                },
+            }
+        )
     return out
 
 
@@ -174,11 +190,13 @@ def _template_kwargs(req: ResponsesRequest) -> Dict[str, Any]:
 
 
 def _usage(d: Dict[str, Any], reasoning_tokens: int) -> dict:
-    return {"input_tokens": d["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": d["cached_tokens"], "cache_write_tokens": 0},
-            "output_tokens": d["generated_tokens"],
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": d["prompt_tokens"] + d["generated_tokens"]}
+    return {
+        "input_tokens": d["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": d["cached_tokens"], "cache_write_tokens": 0},
+        "output_tokens": d["generated_tokens"],
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": d["prompt_tokens"] + d["generated_tokens"],
+    }
 
 
 class _Output:
@@ -191,10 +209,20 @@ class _Output:
 
     def _text_item(self, kind: str) -> Dict[str, Any]:
         if kind == "reasoning":
-            return {"type": "reasoning", "id": "rs_" + uuid.uuid4().hex[:24], "summary": [], "content": [],
-                    "status": "in_progress"}
-        return {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "role": "assistant", "content": [],
-                "status": "in_progress"}
+            return {
+                "type": "reasoning",
+                "id": "rs_" + uuid.uuid4().hex[:24],
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+        return {
+            "type": "message",
+            "id": "msg_" + uuid.uuid4().hex[:24],
+            "role": "assistant",
+            "content": [],
+            "status": "in_progress",
+        }
 
     @staticmethod
     def _part(item: Dict[str, Any], text: str) -> dict:
@@ -219,8 +247,17 @@ class _Output:
                 self.items.append(self.open)
                 idx = len(self.items) - 1
                 out.append(("response.output_item.added", {"output_index": idx, "item": self._public(self.open)}))
-                out.append(("response.content_part.added", {"item_id": self.open["id"], "output_index": idx,
-                                                            "content_index": 0, "part": self._part(self.open, "")}))
+                out.append(
+                    (
+                        "response.content_part.added",
+                        {
+                            "item_id": self.open["id"],
+                            "output_index": idx,
+                            "content_index": 0,
+                            "part": self._part(self.open, ""),
+                        },
+                    )
+                )
             self.open["text"] += v
             if want == "reasoning":
                 self.reasoning += v
@@ -248,18 +285,28 @@ class _Output:
             done = ("response.reasoning_text.done", {**ref, "text": text})
         else:
             done = ("response.output_text.done", {**ref, "text": text, "logprobs": []})
-        return [done, ("response.content_part.done", {**ref, "part": self._part(item, text)}),
-                ("response.output_item.done", {"output_index": idx, "item": item})]
+        return [
+            done,
+            ("response.content_part.done", {**ref, "part": self._part(item, text)}),
+            ("response.output_item.done", {"output_index": idx, "item": item}),
+        ]
 
     def _call(self, c: ToolCall) -> List[tuple]:
-        item = {"type": "function_call", "id": "fc_" + c.id, "call_id": "call_" + c.id, "name": c.name,
-                "arguments": "", "status": "in_progress"}
+        item = {
+            "type": "function_call",
+            "id": "fc_" + c.id,
+            "call_id": "call_" + c.id,
+            "name": c.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         self.items.append(item)
         idx, args = len(self.items) - 1, c.arguments_json
-        out = [("response.output_item.added", {"output_index": idx, "item": dict(item)}),
-               ("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx, "delta": args}),
-               ("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
-                                                          "arguments": args})]
+        out = [
+            ("response.output_item.added", {"output_index": idx, "item": dict(item)}),
+            ("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx, "delta": args}),
+            ("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx, "arguments": args}),
+        ]
         item.update(arguments=args, status="completed")
         out.append(("response.output_item.done", {"output_index": idx, "item": dict(item)}))
         return out
@@ -271,12 +318,15 @@ async def responses(request: Request):
     req: ResponsesRequest = parse_body(ResponsesRequest, await read_json(request, server.settings.max_body_bytes))
     server.check_model(req.model)
     if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server stores no responses; "
-                            "send the whole conversation in 'input'", param="previous_response_id")
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this server stores no responses; "
+            "send the whole conversation in 'input'",
+            param="previous_response_id",
+        )
     fmt = (req.text or {}).get("format")
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise APIError(400, f"text.format '{fmt.get('type')}' is not supported; only plain text",
-                       param="text.format")
+        raise APIError(400, f"text.format '{fmt.get('type')}' is not supported; only plain text", param="text.format")
     max_tokens = server.check_max_tokens(req.max_output_tokens, "max_output_tokens")
     tools = _tools(req)
     kwargs = _template_kwargs(req)
@@ -286,22 +336,38 @@ async def responses(request: Request):
     parser = OutputParser(reasoning=thinking, tools=tools)
     rid, created, model = "resp_" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
-    def response(status: str, output: List[dict], d: Optional[Dict[str, Any]] = None,
-                 reasoning: str = "", error: Optional[dict] = None) -> dict:
+    def response(
+        status: str,
+        output: List[dict],
+        d: Optional[Dict[str, Any]] = None,
+        reasoning: str = "",
+        error: Optional[dict] = None,
+    ) -> dict:
         return {
-            "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
-            "output": output, "error": error,
+            "id": rid,
+            "object": "response",
+            "created_at": created,
+            "model": model,
+            "status": status,
+            "output": output,
+            "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": gen.temperature, "top_p": gen.top_p,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
             "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto",
+            "tools": req.tools or [],
             "reasoning": req.reasoning.model_dump() if req.reasoning else None,
-            "text": {"format": {"type": "text"}}, "store": False, "previous_response_id": None,
+            "text": {"format": {"type": "text"}},
+            "store": False,
+            "previous_response_id": None,
             "metadata": req.metadata or {},
             "completed_at": int(time.time()) if status == "completed" else None,
-            "usage": None if d is None else _usage(
-                d, len(server.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0),
+            "usage": None
+            if d is None
+            else _usage(d, len(server.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0),
         }
 
     def status_of(finish: str) -> str:
@@ -347,11 +413,12 @@ async def responses(request: Request):
                 continue
             status = status_of(ev[1])
             for kind, fields in out.feed(parser.finish(cut=ev[1] == "length")) + out.close(
-                    "incomplete" if status == "incomplete" else "completed"):
+                "incomplete" if status == "incomplete" else "completed"
+            ):
                 yield event(kind, fields)
             final = response(status, out.items, ev[2], out.reasoning)
-            yield event("response.incomplete" if status == "incomplete" else "response.completed",
-                        {"response": final})
+            yield event("response.incomplete" if status == "incomplete" else "response.completed", {"response": final})
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

@@ -168,7 +168,7 @@ class OutputParser:
             return
         s = self.held_ws + s
         keep = len(s) - len(s.rstrip())
-        self.held_ws = "" if final else s[len(s) - keep:]
+        self.held_ws = "" if final else s[len(s) - keep :]
         out = s if final else s[: len(s) - keep]
         if out:
             events.append(("text", out))
@@ -181,7 +181,7 @@ class OutputParser:
                 # Only a <think> at the very beginning opens reasoning.
                 stripped = self.buf.lstrip()
                 if stripped.startswith(THINK_START):
-                    self.buf = stripped[len(THINK_START):]
+                    self.buf = stripped[len(THINK_START) :]
                     self.state = "reasoning"
                     continue
                 if THINK_START.startswith(stripped) and stripped:
@@ -196,7 +196,7 @@ class OutputParser:
                     r = self.buf[:i].rstrip()
                     if r:
                         events.append(("reasoning", r))
-                    self.buf = self.buf[i + len(THINK_END):]
+                    self.buf = self.buf[i + len(THINK_END) :]
                     self.state, self.strip_lead = "text", True
                     continue
                 hold = _held_suffix(self.buf, [THINK_END])
@@ -206,26 +206,26 @@ class OutputParser:
                 emit = body[: len(body) - keep]
                 if emit:
                     events.append(("reasoning", emit))
-                self.buf = self.buf[len(emit):]
+                self.buf = self.buf[len(emit) :]
                 return events
             if self.state == "text":
                 i = self.buf.find(TOOL_START) if self.parse_tools else -1
                 if i >= 0:
                     self._text(self.buf[:i], events)
                     self.held_ws = ""  # whitespace between content and a call is layout
-                    self.buf = self.buf[i + len(TOOL_START):]
+                    self.buf = self.buf[i + len(TOOL_START) :]
                     self.state = "tool"
                     continue
                 hold = _held_suffix(self.buf, self._markers())
                 self._text(self.buf[: len(self.buf) - hold], events)
-                self.buf = self.buf[len(self.buf) - hold:]
+                self.buf = self.buf[len(self.buf) - hold :]
                 return events
             if self.state == "tool":
                 i = self.buf.find(TOOL_END)
                 if i < 0:
                     return events
                 body = self.buf[:i]
-                self.buf = self.buf[i + len(TOOL_END):]
+                self.buf = self.buf[i + len(TOOL_END) :]
                 self.state, self.strip_lead = "text", True
                 self._tool(body, TOOL_START + body + TOOL_END, events)
                 continue
@@ -260,8 +260,9 @@ class OutputParser:
         return events
 
 
-def split_output(text: str, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None,
-                 cut: bool = False) -> Tuple[str, str, List[ToolCall]]:
+def split_output(
+    text: str, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None, cut: bool = False
+) -> Tuple[str, str, List[ToolCall]]:
     """(reasoning, content, tool calls) of a whole output (``cut``: stopped by the token limit)."""
     p = OutputParser(reasoning=reasoning, tools=tools)
     events = p.feed(text) + p.finish(cut)

@@ -50,7 +50,7 @@ class StopMatcher:
                     hold = k
                     break
         out = self.buf[: len(self.buf) - hold]
-        self.buf = self.buf[len(self.buf) - hold:]
+        self.buf = self.buf[len(self.buf) - hold :]
         return out
 
     def flush(self) -> str:
@@ -83,8 +83,14 @@ class Job:
 
 def _stats_dict(stats) -> Dict[str, Any]:
     if stats is None:
-        return {"prompt_tokens": 0, "generated_tokens": 0, "cached_tokens": 0, "cycles": 0,
-                "tau": 0.0, "decode_tps": 0.0}
+        return {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "cached_tokens": 0,
+            "cycles": 0,
+            "tau": 0.0,
+            "decode_tps": 0.0,
+        }
     return {
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
@@ -98,9 +104,16 @@ def _stats_dict(stats) -> Dict[str, Any]:
 class Worker:
     """Owns the engine; runs queued jobs in arrival order on one thread."""
 
-    def __init__(self, load_engine: Callable[[], Any], *, max_queue: int, metrics: Metrics,
-                 generate_fn: Optional[Callable] = None, prompt_cache_bytes: Optional[int] = None,
-                 prompt_cache: bool = True):
+    def __init__(
+        self,
+        load_engine: Callable[[], Any],
+        *,
+        max_queue: int,
+        metrics: Metrics,
+        generate_fn: Optional[Callable] = None,
+        prompt_cache_bytes: Optional[int] = None,
+        prompt_cache: bool = True,
+    ):
         self._load = load_engine
         self._q: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self.metrics = metrics
