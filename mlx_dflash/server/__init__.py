@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from .app import Server, Settings, create_app
+from .app import Server, Settings
 from .metrics import Metrics
+from .routes import create_app
 from .worker import Worker
 
 __all__ = ["Settings", "build", "serve"]
