@@ -87,7 +87,8 @@ def worker(spec_path: str, out_path: str) -> None:
         for mode in spec["modes"]:
             run(ids, n, mode, False)  # warm-up (compiles this row's shapes)
             toks, timed = run(ids, n, mode, False)
-            ptoks, prof = run(ids, n, mode, True)
+            # The phase split (the run synchronised per phase) for the drafted modes.
+            ptoks, prof = run(ids, n, mode, True) if mode != "baseline" else (toks, None)
             row["modes"][mode] = {
                 "tokens": toks,
                 "profiled_tokens_equal": ptoks == toks,
@@ -116,23 +117,20 @@ def summarize(before, after, modes=MODES) -> dict:
     rows = []
     for i, first in enumerate(before[0]["rows"]):
         out = {"prompt": first["prompt"], "max_tokens": first["max_tokens"], "modes": {}}
-        plain = first["modes"]["baseline"]["tokens"] if "baseline" in first["modes"] else None
-        ref = {m: first["modes"][m]["tokens"] for m in modes}
+        plain = first["modes"]["baseline"]["tokens"]
         out["same_prompt"] = all(r["rows"][i]["prompt_ids"] == first["prompt_ids"] for r in before + after)
         for m in modes:
             b = [r["rows"][i]["modes"][m] for r in before]
             a = [r["rows"][i]["modes"][m] for r in after]
-            want = plain if plain is not None else ref[m]
             out["modes"][m] = {
                 "before_tps": med(x["tps"] for x in b),
                 "after_tps": med(x["tps"] for x in a),
                 "ratio": med(y["tps"] / x["tps"] if x["tps"] else 0.0 for x, y in zip(b, a)),
-                "before_non_forward_ms": med(x["profiled"]["non_forward_ms"] for x in b),
-                "after_non_forward_ms": med(x["profiled"]["non_forward_ms"] for x in a),
-                "before_cycle_ms": med(x["profiled"]["ms_per_cycle"] for x in b),
-                "after_cycle_ms": med(x["profiled"]["ms_per_cycle"] for x in a),
-                "identical_tokens": all(x["tokens"] == want and x["profiled_tokens_equal"] for x in b + a),
+                "identical_tokens": all(x["tokens"] == plain and x["profiled_tokens_equal"] for x in b + a),
             }
+            if m != "baseline":
+                out["modes"][m]["before_non_forward_ms"] = med(x["profiled"]["non_forward_ms"] for x in b)
+                out["modes"][m]["after_non_forward_ms"] = med(x["profiled"]["non_forward_ms"] for x in a)
         rows.append(out)
     medians = {m: med(r["modes"][m]["ratio"] for r in rows) for m in modes}
     nf = {
@@ -141,6 +139,7 @@ def summarize(before, after, modes=MODES) -> dict:
             med(r["modes"][m]["after_non_forward_ms"] for r in rows),
         )
         for m in modes
+        if m != "baseline"
     }
     slow = {
         m: [f"{r['prompt']}/{r['max_tokens']}" for r in rows if r["modes"][m]["ratio"] < 1 - TOLERANCE] for m in modes
@@ -160,6 +159,7 @@ def summarize(before, after, modes=MODES) -> dict:
 
 def to_markdown(s: dict, header) -> str:
     modes = s["modes"]
+    drafted = [m for m in modes if m != "baseline"]
     lines = ["# Before/after: two revisions on the 12-row bench", ""] + [f"- {h}" for h in header]
     lines += [
         f"- rounds: {s['rounds']}, the revisions taking turns (AB, BA, ...), a fresh process per revision and round; "
@@ -191,18 +191,17 @@ def to_markdown(s: dict, header) -> str:
         "less the draft and verify phases, i.e. accept, commit, cache rollback and the loop's host work; "
         "a plain step counts as a cycle):",
         "",
-        "| prompt | max | " + " | ".join(f"{m} before | {m} after" for m in modes if m != "baseline") + " |",
-        "|---|---:|" + "---:|---:|" * sum(m != "baseline" for m in modes),
+        "| prompt | max | " + " | ".join(f"{m} before | {m} after" for m in drafted) + " |",
+        "|---|---:|" + "---:|---:|" * len(drafted),
     ]
-    spec = [m for m in modes if m != "baseline"]
     for r in s["rows"]:
         cells = [r["prompt"], str(r["max_tokens"])]
-        for m in spec:
+        for m in drafted:
             x = r["modes"][m]
             cells += [f"{x['before_non_forward_ms']:.2f}", f"{x['after_non_forward_ms']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""]
-    for m in spec:
+    for m in drafted:
         b, a = s["non_forward_ms"][m]
         lines.append(f"- {m}: median over rows {b:.2f} ms before, {a:.2f} ms after")
     return "\n".join(lines) + "\n"
@@ -263,7 +262,7 @@ def main():
     prompts = list(read_prompts().items())[: args.rows]
     lengths = args.max_tokens or [128, 512]
     rows = [(name, text, n) for name, text in prompts for n in lengths]
-    tic = time.perf_counter()
+    tic, load = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="compare-revisions-") as tmp:
         tmp = Path(tmp)
         spec = tmp / "spec.json"
@@ -294,7 +293,10 @@ def main():
                 if tree != ROOT:
                     git("worktree", "remove", "--force", str(tree))
     s = summarize(results["before"], results["after"], modes)
-    header.append(f"wall time: {time.perf_counter() - tic:.0f} s")
+    header.append(
+        f"wall time: {time.perf_counter() - tic:.0f} s; load average (1 min) at the start {load:.1f}, "
+        f"at the end {os.getloadavg()[0]:.1f} (this run's own process counts 1; more: other work shared the CPU)"
+    )
     text = to_markdown(s, header)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

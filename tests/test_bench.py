@@ -174,7 +174,7 @@ def _worker_result(tps, non_forward, tokens=(1, 2, 3)):
     for name, n, row_tps, nf in zip("ab", (128, 512), tps, non_forward):
         modes = {}
         for mode, t in row_tps.items():
-            prof = {"non_forward_ms": nf, "ms_per_cycle": 5.0 + nf}
+            prof = {"non_forward_ms": nf} if mode != "baseline" else None  # as the worker: no split for plain
             modes[mode] = {"tokens": list(tokens), "profiled_tokens_equal": True, "tps": t, "profiled": prof}
         rows.append({"prompt": name, "max_tokens": n, "prompt_ids": [7, 8], "modes": modes})
     return {"blas": "test", "rows": rows}
