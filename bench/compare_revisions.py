@@ -53,20 +53,16 @@ def worker(spec_path: str, out_path: str) -> None:
 
     engine = mlx_dflash.load()
     chat = engine.tokenizer.chat_template is not None
+    config = getattr(mlx_dflash, "GenerationConfig", None)  # revisions before it took keywords only
 
     def run(ids, n, mode, profile):
         st = GenerationStats()
         draft = None if mode == "baseline" else engine.draft
+        options = dict(max_tokens=n, adaptive=mode != "dflash-pinned", profile=profile)
+        args, options = ((config(**options),), {}) if config is not None else ((), options)
         toks = []
         for t in generate_tokens(
-            engine.target,
-            ids,
-            draft=draft,
-            max_tokens=n,
-            eos_token_ids=engine.tokenizer.eos_token_ids,
-            stats=st,
-            adaptive=mode != "dflash-pinned",
-            profile=profile,
+            engine.target, ids, *args, draft=draft, eos_token_ids=engine.tokenizer.eos_token_ids, stats=st, **options
         ):
             toks.extend(t)
         c = max(st.cycles, 1)
