@@ -12,8 +12,8 @@ from .errors import DFlashError
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
 
 NOT_LOADED = object()  # validate() before the engine is loaded
-# The fields a server request may set (by the same name in its body).
-SAMPLING = (
+# The sampler's filter options, by the names Sampler and Sampler.check take.
+SAMPLER_OPTIONS = (
     "temperature",
     "top_p",
     "top_k",
@@ -21,9 +21,9 @@ SAMPLING = (
     "min_tokens_to_keep",
     "repetition_penalty",
     "repetition_context_size",
-    "seed",
-    "accept_rule",
 )
+# The fields a server request may set (by the same name in its body).
+SAMPLING = SAMPLER_OPTIONS + ("seed", "accept_rule")
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,11 @@ class GenerationConfig:
         """The sampler these options describe. Greedy needs no seed: none is drawn
         (drawing one would move MLX's global random state)."""
         seed = 0 if self.seed is None and self.temperature == 0 else self.seed
-        return Sampler(
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.repetition_penalty,
-            self.repetition_context_size,
-            seed,
-            min_tokens_to_keep=self.min_tokens_to_keep,
-        )
+        return Sampler(**self.sampler_options(), seed=seed)
+
+    def sampler_options(self) -> dict:
+        """The sampler's filter options (seed apart), by the names :class:`Sampler` takes."""
+        return {name: getattr(self, name) for name in SAMPLER_OPTIONS}
 
     def validate(self, draft=NOT_LOADED) -> None:
         """Every check of these options, raising :class:`DFlashError` naming the cause.
@@ -103,15 +98,7 @@ class GenerationConfig:
         """
         from .cache import check_kv_bits
 
-        Sampler.check(
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            self.min_p,
-            self.repetition_penalty,
-            self.repetition_context_size,
-            self.min_tokens_to_keep,
-        )
+        Sampler.check(**self.sampler_options())
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")
         if self.prefill_chunk < 1:

@@ -155,3 +155,65 @@ def test_speedup_is_the_median_of_paired_ratios():
     tps, base = [10.0, 30.0, 20.0], [5.0, 20.0, 40.0]
     assert paired_speedup(tps, base) == pytest.approx(1.5)  # ratios 2, 1.5, 0.5
     assert paired_speedup([3.0], [0.0]) == 0.0
+
+
+def _compare_revisions():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "compare_revisions.py"
+    spec = importlib.util.spec_from_file_location("compare_revisions", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker_result(tps, non_forward, tokens=(1, 2, 3)):
+    """A worker's result: rows ``a``/128 and ``b``/512; ``tps[row][mode]``, ``non_forward[row]`` (ms)."""
+    rows = []
+    for name, n, row_tps, nf in zip("ab", (128, 512), tps, non_forward):
+        modes = {}
+        for mode, t in row_tps.items():
+            prof = {"non_forward_ms": nf} if mode != "baseline" else None  # as the worker: no split for plain
+            modes[mode] = {"tokens": list(tokens), "profiled_tokens_equal": True, "tps": t, "profiled": prof}
+        rows.append({"prompt": name, "max_tokens": n, "prompt_ids": [7, 8], "modes": modes})
+    return {"blas": "test", "rows": rows}
+
+
+def test_compare_revisions_table_and_medians():
+    """The before/after script's arithmetic on made-up rounds: a row's ratio is
+    the median of within-round ratios (not a ratio of medians), rows below
+    0.97 are named, the non-forward time is the median over rounds and rows,
+    and a token that differs anywhere is reported."""
+    cr = _compare_revisions()
+    modes = ("dflash", "baseline")
+    # Row a: rounds at 100, 200, 300 tok/s before; after 110, 180, 330: ratios 1.1, 0.9, 1.1 -> 1.1.
+    # Row b: after 0.95x in every round -> below tolerance.
+    before = [
+        _worker_result([{"dflash": t, "baseline": 50.0}, {"dflash": 40.0, "baseline": 50.0}], [1.0, 2.0])
+        for t in (100.0, 200.0, 300.0)
+    ]
+    after = [
+        _worker_result([{"dflash": t, "baseline": 50.0}, {"dflash": 38.0, "baseline": 50.0}], [nf, 1.0])
+        for t, nf in ((110.0, 0.5), (180.0, 0.5), (330.0, 3.0))
+    ]
+    s = cr.summarize(before, after, modes)
+    a, b = s["rows"][0]["modes"]["dflash"], s["rows"][1]["modes"]["dflash"]
+    assert a["ratio"] == pytest.approx(1.1) and a["before_tps"] == 200.0 and a["after_tps"] == 180.0
+    assert b["ratio"] == pytest.approx(0.95)
+    assert s["median_ratio"]["dflash"] == pytest.approx((1.1 + 0.95) / 2)
+    assert s["median_ratio"]["baseline"] == pytest.approx(1.0)
+    assert s["rows_below_tolerance"] == {"dflash": ["b/512"], "baseline": []}
+    assert a["before_non_forward_ms"] == 1.0 and a["after_non_forward_ms"] == 0.5
+    assert s["non_forward_ms"]["dflash"] == (pytest.approx(1.5), pytest.approx(0.75))
+    assert s["identical_tokens"]
+    md = cr.to_markdown(s, ["before: x; after: y"])
+    assert "| a | 128 | 200.0 | 180.0 | 1.100 | 50.0 | 50.0 | 1.000 |" in md
+    assert "- dflash: median after/before 1.025; rows below 0.97: b/512" in md
+    assert "| b | 512 | 2.00 | 1.00 |" in md
+    assert "- dflash: median over rows 1.50 ms before, 0.75 ms after" in md
+    # One round of the after side decoding one other token is caught.
+    after[2]["rows"][1]["modes"]["dflash"]["tokens"] = [1, 2, 4]
+    s = cr.summarize(before, after, modes)
+    assert not s["identical_tokens"] and not s["rows"][1]["modes"]["dflash"]["identical_tokens"]
+    assert "equal the base's plain decoding: False" in cr.to_markdown(s, [])

@@ -133,3 +133,26 @@ def test_server_request_sets_the_sampling_fields_it_names():
     got = defaults.with_request(req, max_tokens=40)
     assert got == GenerationConfig(max_tokens=40, temperature=0.7, top_p=0.9, top_k=5, seed=3, block_size=8)
     assert isinstance(got.top_p, float)
+
+
+def test_sampler_options_are_named_once():
+    """The sampler and its checks take the config's sampling fields from one
+    helper: every option ``Sampler.check`` takes, no more, by the same name."""
+    from mlx_dflash.sampling import Sampler
+
+    cfg = GenerationConfig(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        min_tokens_to_keep=2,
+        repetition_penalty=1.1,
+        repetition_context_size=7,
+        seed=3,
+    )
+    options = cfg.sampler_options()
+    assert set(options) == set(inspect.signature(Sampler.check).parameters)
+    sampler = cfg.sampler()
+    for name, value in options.items():
+        assert getattr(sampler, name) == value, name
+    assert sampler.seed == 3

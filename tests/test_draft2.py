@@ -395,8 +395,9 @@ def exact_pairs(target, prompt, sampler):
     return p0[:, None] * np.array(sampler.probs(second[:, -1]), np.float64)
 
 
-def sample_counts(target, prompt, kw, n, rule=speculative_rule):
-    """Counts of the first two tokens (joint) and of the third; drafts kept."""
+def sample_counts(target, prompt, kw, n, rule=speculative_rule, draft=None):
+    """Counts of the first two tokens (joint) and of the third; drafts kept.
+    ``draft``: a real draft (default: an :class:`OftenRightDraft` per run)."""
     V = target.vocab_size
     pairs, third = np.zeros((V, V)), np.zeros(V)
     accepted, memo = 0, {}
@@ -406,7 +407,7 @@ def sample_counts(target, prompt, kw, n, rule=speculative_rule):
             target,
             prompt,
             5,
-            draft=OftenRightDraft(target, prompt, s, memo),
+            draft=draft if draft is not None else OftenRightDraft(target, prompt, s, memo),
             sampler=s,
             block_size=4,
             accept_rule="speculative",
@@ -441,6 +442,36 @@ def test_speculative_rule_gives_the_target_distribution(small_vocab):
     # A rule that resamples a rejected row from p instead of the residual is caught.
     wrong, _, _ = sample_counts(target, prompt, kw, n, rule=wrong_rule)
     assert mode_z(wrong, joint, n) > 4
+
+
+def sharpened_q_rule(p, q, drafted, picks, seed, positions):
+    """The rule fed q**2 (renormalised) instead of the q the draft drew from:
+    what a draft reporting the proposal of half its temperature would cause."""
+    q2 = q * q
+    return speculative_rule(p, q2 / q2.sum(axis=-1, keepdims=True), drafted, picks, seed, positions)
+
+
+@pytest.mark.slow  # 1200 generations (~40-100 s)
+def test_speculative_rule_with_a_real_draft_gives_the_target_distribution(small_vocab):
+    """As above, but the drafts come from a real (random-weight) DFlash draft
+    through its own sampled propose path, so its reported q, its draws and
+    the rule's residual are checked together against the target's own
+    sampling distribution; a residual that is p, or a q the draft did not
+    draw from, fails the same test."""
+    target = small_vocab
+    dcfg = tiny.draft_config(tiny.target_config(vocab_size=12), num_hidden_layers=1, block_size=4)
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    prompt, kw, n = [1, 5, 7], dict(temperature=0.5, top_k=8), 400
+    joint = exact_pairs(target, prompt, Sampler(**kw, seed=0)).reshape(-1)
+    third = exact_marginals(target, prompt, Sampler(**kw, seed=0), 3)[2]
+    got_pairs, got_third, accepted = sample_counts(target, prompt, kw, n, draft=draft)
+    assert accepted > n // 2  # drafts kept and drafts rejected: both branches of the rule ran
+    assert not chi2_fails(got_pairs, joint, n)[0], chi2_fails(got_pairs, joint, n)
+    assert not chi2_fails(got_third, third, n)[0], chi2_fails(got_third, third, n)
+    wrong, _, _ = sample_counts(target, prompt, kw, n, rule=wrong_rule, draft=draft)
+    assert chi2_fails(wrong, joint, n)[0], chi2_fails(wrong, joint, n)
+    sharp, _, _ = sample_counts(target, prompt, kw, n, rule=sharpened_q_rule, draft=draft)
+    assert chi2_fails(sharp, joint, n)[0], chi2_fails(sharp, joint, n)
 
 
 def test_speculative_rule_unit():
