@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dflash import tiny
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -229,7 +229,7 @@ def wait_all(procs, timeout):
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    from mlx_dflash import tiny
+    from tools import tiny
 
     root = tmp_path_factory.mktemp("pipe")
     tok = tiny.build_tokenizer(root / "tok", vocab_size=400)
@@ -353,9 +353,9 @@ def test_costs_group_tensors_by_layer():
 
 
 def test_info_shows_the_stage_plan(capsys, tmp_path):
-    from mlx_dflash import tiny
     from mlx_dflash.cli import main
     from mlx_dflash.distributed import plan
+    from tools import tiny
 
     cfg = tiny.target_config(moe=True, num_hidden_layers=6)
     path = tiny.save_hf(

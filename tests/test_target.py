@@ -136,7 +136,7 @@ def bf16_converted(tmp_path_factory, tok_dir):
     ``mlx_lm.convert`` itself (what a user's bf16 checkpoint is)."""
     from mlx_lm.convert import convert
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     root = tmp_path_factory.mktemp("bf16")
     out = []
