@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward, reference_greedy
+from support.reference import assert_cache_is_plain_forward, reference_greedy
 
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError

@@ -9,8 +9,8 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
 from safetensors.numpy import save_file
+from support.reference import reference_greedy
 from test_draft import rope_ref
 from test_tree_sampling import chi2_fails, exact_marginals
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_writer import convert_draft_to_gguf, convert_hf_to_gguf, encode_q4_k, encode_q6_k
+from support.reference import reference_greedy
 
 import mlx_dflash
 from mlx_dflash.cli import main

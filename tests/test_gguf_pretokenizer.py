@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import reference_greedy
 from gguf_writer import convert_hf_to_gguf
+from support.reference import reference_greedy
 from test_gguf import add_mtp, mlx_lm_model
 
 import mlx_dflash

@@ -5,7 +5,7 @@ import json
 import random
 
 import pytest
-from conftest import reference_greedy
+from support.reference import reference_greedy
 from test_decode import ScriptedDraft
 
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens

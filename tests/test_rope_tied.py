@@ -4,7 +4,7 @@ forward), and targets with tied embeddings."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
+from support.reference import reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
 from test_draft import draft_ref
 

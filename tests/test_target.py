@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward
+from support.reference import assert_cache_is_plain_forward
 
 from mlx_dflash.kernels import fused_exp, gated_delta
 from mlx_dflash.models.qwen35 import Target

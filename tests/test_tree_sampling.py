@@ -5,7 +5,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward, reference_greedy
+from support.reference import assert_cache_is_plain_forward, reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
 
 from mlx_dflash import ddtree
