@@ -136,3 +136,42 @@ def test_the_metal_launcher_reaches_no_op_family():
             todo.append(parent)
     reached = {m: _defines(m) & FAMILY_OPS for m in seen}
     assert {m: ops for m, ops in reached.items() if ops} == {}
+
+
+def _top_level_imports(path: Path) -> Set[str]:
+    """The first name of every absolute import in a file (``tools.tiny`` -> ``tools``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.partition(".")[0])
+    return out
+
+
+def test_the_package_imports_nothing_test_only():
+    """The wheel holds mlx_dflash alone: no module of it may import the repo's
+    tools/ (tiny random models), tests/ or their helpers."""
+    root = PKG.parent
+    test_only = {"tools", "tests", "conftest", "support"} | {p.stem for p in (root / "tests").glob("*.py")}
+    found = {name: _top_level_imports(path) & test_only for name, path in MODULES.items()}
+    assert {name: names for name, names in found.items() if names} == {}
+    # tools/ and the test helpers exist where this looks (the check is not vacuous)
+    assert (root / "tools" / "tiny.py").is_file() and "gguf_writer" in test_only
+
+
+def test_every_module_serves_the_package():
+    """Each module is reached from the entry points (``import mlx_dflash``, the
+    CLI): a module only tests or bench/ import (as ``tiny.py`` once was) is
+    test-only code in the wheel."""
+    seen, todo = set(), ["mlx_dflash", "mlx_dflash.__main__", "mlx_dflash.cli"]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(GRAPH[m])
+        parent = m.rpartition(".")[0]
+        if parent in MODULES:  # importing a submodule runs its package's __init__
+            todo.append(parent)
+    assert sorted(set(MODULES) - seen) == []
