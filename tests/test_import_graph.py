@@ -175,3 +175,28 @@ def test_every_module_serves_the_package():
         if parent in MODULES:  # importing a submodule runs its package's __init__
             todo.append(parent)
     assert sorted(set(MODULES) - seen) == []
+
+
+def test_pipeline_modules_import_one_way():
+    """plan (costs, the split) and link (the wire) know nothing of stages;
+    stage builds on both; none of them reaches back to the engine factory."""
+    pipeline = {m for m in MODULES if m.startswith("mlx_dflash.distributed.")}
+    assert pipeline == {f"mlx_dflash.distributed.{m}" for m in ("plan", "link", "stage")}
+    assert GRAPH["mlx_dflash.distributed.plan"] & pipeline == set()
+    assert GRAPH["mlx_dflash.distributed.link"] & pipeline == set()
+    assert GRAPH["mlx_dflash.distributed.stage"] & pipeline == pipeline - {"mlx_dflash.distributed.stage"}
+    for m in pipeline | {"mlx_dflash.distributed"}:
+        assert not GRAPH[m] & {"mlx_dflash.api", "mlx_dflash.cli", "mlx_dflash.server"}, m
+
+
+def test_one_engine_factory():
+    """Only ``api.load`` constructs an Engine: pipeline stages included, there
+    is no second way to make one."""
+    makers = []
+    for name, path in MODULES.items():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)]
+                if any(getattr(c.func, "id", getattr(c.func, "attr", None)) == "Engine" for c in calls):
+                    makers.append(f"{name}.{fn.name}")
+    assert makers == ["mlx_dflash.api.load"]
