@@ -16,16 +16,19 @@ plain greedy output over 200 tokens.
 """
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_dflash import tiny
 from mlx_dflash.decode import generate_tokens
 from mlx_dflash.kernels import gated_delta
 from mlx_dflash.loading import load_target
+from tools import tiny
 
 N = 200
 LENGTHS = (5, 40, 150, 600)

@@ -15,8 +15,11 @@ arrays); its share of a cycle is reported. Writes bench/results/cycle-<model>.md
 import argparse
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
 
 from mlx_dflash import blas  # noqa: E402
 
@@ -36,8 +39,8 @@ def med(fn, reps):
 
 def medium_pair(tmp):
     """A >= 100M-parameter random fp32 target and a 2-layer draft, in memory."""
-    from mlx_dflash import tiny
     from mlx_dflash.models.qwen35 import Target
+    from tools import tiny
 
     cfg = tiny.target_config(
         vocab_size=32000,

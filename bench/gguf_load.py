@@ -22,11 +22,11 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # gguf_writer; tools/
     from gguf import GGMLQuantizationType as Q
     from gguf_writer import convert_hf_to_gguf
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     heads = hidden // 128
     cfg = tiny.target_config(

@@ -26,14 +26,14 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def build(d: Path, hidden: int, layers: int, vocab: int) -> dict:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # gguf_writer; tools/
     import mlx.core as mx
     from gguf import GGMLQuantizationType as Q
     from gguf_writer import convert_hf_to_gguf
     from mlx_lm import convert as mlx_lm_convert
 
-    from mlx_dflash import tiny
     from mlx_dflash.cli import main
+    from tools import tiny
 
     heads = hidden // 128
     cfg = tiny.target_config(

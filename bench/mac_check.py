@@ -107,8 +107,8 @@ def _verify_rows():
     so speculative greedy output equals plain output on this GPU)."""
     import mlx.core as mx
 
-    from mlx_dflash import tiny
     from mlx_dflash.models.qwen35 import Target
+    from tools import tiny
 
     cfg = tiny.target_config(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
     target = Target(tiny.build_target(cfg, seed=1, dtype=mx.bfloat16))
@@ -228,8 +228,8 @@ def _grad():
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_dflash import tiny
     from mlx_dflash.models.qwen35 import Target
+    from tools import tiny
 
     model = tiny.build_target(tiny.target_config(), seed=3)
     tokens = mx.array([[1, 5, 9, 33, 2, 7, 11, 4]])

@@ -26,6 +26,7 @@ from pathlib import Path
 from mlx_dflash import blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tools/
 PROMPT_LENGTHS = (16, 32, 48, 64)
 SKIP = ("test", "idlelib", "lib2to3", "site-packages", "turtledemo", "ensurepip", "__pycache__", "pydoc_data")
 
@@ -49,7 +50,7 @@ def stdlib_sources(limit_bytes: int):
 
 
 def target_config():
-    from mlx_dflash import tiny
+    from tools import tiny
 
     cfg = tiny.target_config(
         vocab_size=2048,
@@ -75,8 +76,8 @@ def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=1e-3, log=print):
     import mlx.optimizers as optim
     import numpy as np
 
-    from mlx_dflash import tiny
     from mlx_dflash.models.qwen35 import Target
+    from tools import tiny
 
     model = tiny.build_target(cfg, seed=0)
     # Start from plain norms (1.0), as a real init would.
@@ -151,8 +152,8 @@ def main():
 
     import mlx.core as mx
 
-    from mlx_dflash import tiny
     from mlx_dflash.train import TrainConfig, train_draft
+    from tools import tiny
 
     t0 = time.perf_counter()
     work = args.out.parent / (args.out.name + ".building")

@@ -61,7 +61,6 @@ def child(args):
     """One repeat of every prompt in this process (mode single) or as one rank (mode pipeline)."""
     import mlx.core as mx
 
-    from mlx_dflash import distributed
     from mlx_dflash.api import load
     from mlx_dflash.cache import TargetCache
 
@@ -83,7 +82,8 @@ def child(args):
     if args.child == "single":
         engine, stage = load(), None
     else:
-        stage = distributed.load()
+        engine = load(pipeline=True)
+        stage = engine.stage
         if stage.rank != 0:
             stage.serve()
             w = stage.worker
@@ -102,7 +102,6 @@ def child(args):
                 )
             )
             return
-        engine = stage.engine
     eos = engine.tokenizer.eos_token_ids
     out = {"rows": {}}
     for name, text in prompts.items():

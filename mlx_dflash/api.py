@@ -10,8 +10,7 @@ import mlx.core as mx
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
-from .loading import load_draft, load_target, load_tokenizer
-from .loading.gguf import is_gguf, load_gguf_target, tokenizer_dir_for
+from .loading import load_draft, load_target, load_tokenizer, tokenizer_folder
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -21,7 +20,13 @@ DEFAULT_DRAFT = DEFAULT_MODEL_DIR / "draft"
 
 @dataclass
 class Engine:
-    """A loaded target (+ optional draft) and its tokenizer."""
+    """A loaded target (+ optional draft) and its tokenizer; made by :func:`load`.
+
+    In a pipeline, ``stage`` is this rank's :class:`~mlx_dflash.distributed.Stage`:
+    on rank 0 the engine generates as any other (``target`` is the whole
+    pipeline as the decode loop sees it); a rank > 0 holds only its layers
+    (no tokenizer, no draft) and runs ``stage.serve()``.
+    """
 
     target: object
     tokenizer: object
@@ -30,6 +35,7 @@ class Engine:
     draft_path: Optional[Path] = None
     # Loaded without a draft: the published DFlash draft(s) that fit the target (hub ids).
     suggested_drafts: List[str] = field(default_factory=list)
+    stage: Optional[object] = None
 
     def encode(
         self,
@@ -67,6 +73,7 @@ def load(
     draft_quantize: Optional[int] = None,
     draft_dtype: Optional[mx.Dtype] = None,
     compile: bool = True,
+    pipeline=None,
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
@@ -81,6 +88,10 @@ def load(
     ``draft_quantize`` = 4 or 8 quantizes the draft at load.
     ``compile`` (default): decode-time forwards run as ``mx.compile``'d
     pieces (same results, fewer dispatches); False runs plain MLX ops.
+    ``pipeline`` (True or a :class:`~mlx_dflash.distributed.Pipeline`): call on
+    every rank of an ``mlx.launch`` run; each loads only its stage of the
+    target's layers (``Engine.stage``). Rank 0 also loads the tokenizer and
+    the draft and generates; the other ranks call ``engine.stage.serve()``.
     """
     name = str(model) if model is not None else ""
     if model is None:
@@ -90,19 +101,27 @@ def load(
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
     model, draft = resolve(model), resolve(draft)
-    if is_gguf(model):  # a llama.cpp file: weights and tokenizer (checked first) from it
-        tok_dir = tokenizer_dir_for(model)
-        target, _ = load_gguf_target(model, dtype=dtype, progress=True)
+    stage, tok_dir = None, None
+    if pipeline:
+        from .distributed import Pipeline, load_stage
+
+        stage = load_stage(model, draft, dtype=dtype, pipeline=pipeline if isinstance(pipeline, Pipeline) else None)
+        target = stage.target
+        if stage.rank != 0:  # its layers only: it serves rank 0
+            set_compiled(target, None, compile)
+            return Engine(target, None, model_path=Path(model), stage=stage)
     else:
-        target = load_target(model, dtype=dtype)
-        tok_dir = model
+        tok_dir = tokenizer_folder(model)  # a GGUF's tokenizer is checked before its weights are decoded
+        target = load_target(model, dtype=dtype, progress=True)
     eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
-    tokenizer = load_tokenizer(tok_dir, eos_token_ids=eos)
+    tokenizer = load_tokenizer(tok_dir or tokenizer_folder(model), eos_token_ids=eos)
     d = None
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
     set_compiled(target, d, compile)
-    engine = Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None)
+    engine = Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None, stage=stage)
+    if stage is not None:
+        stage.load_peak_memory = mx.get_peak_memory() / 1e9
     if d is None:
         engine.suggested_drafts = suggest_draft(target.config, name)
         if engine.suggested_drafts:
@@ -190,24 +209,28 @@ def stream_generate(
     detok = tok.detokenizer
     detok.reset()
     stats = GenerationStats()
-    for tokens in generate_tokens(
-        engine.target,
-        ids,
-        config,
-        draft=engine.draft,
-        eos_token_ids=tok.eos_token_ids,
-        stats=stats,
-        prefix_cache=prefix_cache,
-        prefix_boundary=(
-            prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
-        ),
-    ):
-        for t in tokens:
-            if t not in tok.eos_token_ids:
-                detok.add_token(t)
-        if stats.finish_reason is not None:
-            detok.finalize()
-        yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
+    try:
+        for tokens in generate_tokens(
+            engine.target,
+            ids,
+            config,
+            draft=engine.draft,
+            eos_token_ids=tok.eos_token_ids,
+            stats=stats,
+            prefix_cache=prefix_cache,
+            prefix_boundary=(
+                prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
+            ),
+        ):
+            for t in tokens:
+                if t not in tok.eos_token_ids:
+                    detok.add_token(t)
+            if stats.finish_reason is not None:
+                detok.finalize()
+            yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
+    finally:
+        if engine.stage is not None:  # the other stages apply the last rollback, then wait unbounded
+            engine.stage.sync()
 
 
 def generate(
@@ -221,7 +244,7 @@ def generate(
 
 
 def collect(pieces) -> GenerationResult:
-    """Join streamed pieces (``stream_generate``'s, or a pipeline's) into one result."""
+    """Join streamed pieces into one result."""
     text, tokens, stats = [], [], None
     for r in pieces:
         text.append(r.text)

@@ -2,7 +2,7 @@
 
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 
@@ -228,6 +228,31 @@ def _local(path: Optional[Path]) -> Optional[Path]:
     return resolve(path)
 
 
+def _engine_loader(
+    model, draft, *, dtype, compile_, pipeline: bool, pipeline_timeout: float, draft_quantize=None
+) -> Optional[Callable[[], object]]:
+    """How a command gets its engine: a function that loads it (call it where
+    the engine is used). With --pipeline every rank loads its stage now: rank 0
+    gets a function returning its engine; any other rank serves its layers
+    until rank 0 is done and gets None (the command then returns)."""
+    from .api import load
+
+    dt = _dtype(dtype)  # a bad --dtype is an error before anything loads
+
+    def get(**extra):
+        return load(model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_, **extra)
+
+    if not pipeline:
+        return get
+    from .distributed import Pipeline
+
+    engine = get(pipeline=Pipeline(timeout=pipeline_timeout))
+    if engine.stage.rank != 0:
+        engine.stage.serve()
+        return None
+    return lambda: engine
+
+
 def _say_draft_hint(engine, baseline: bool = False) -> None:
     """One stderr line naming the published draft when a target was loaded without one."""
     from .loading.hub import draft_hint
@@ -363,37 +388,28 @@ def generate(
     gen=None,
 ):
     """Generate text, streaming tokens to stdout as they are committed."""
-    from .api import load, stream_generate
+    from .api import stream_generate
 
-    stage = None
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
-    if pipeline:
-        from .distributed import load as load_stage  # noqa: F811 (rank 0 drives the pipeline)
-        from .distributed import stream_generate
-
-        stage = load_stage(
-            _local(model),
-            _local(draft),
-            dtype=_dtype(dtype),
-            draft_quantize=draft_quantize,
-            timeout=pipeline_timeout,
-            compile=compile_,
-        )
-        if stage.rank != 0:
-            stage.serve()  # this rank's layers, until rank 0 is done
-            return
+    load_engine = _engine_loader(
+        model,
+        draft,
+        dtype=dtype,
+        draft_quantize=draft_quantize,
+        compile_=compile_,
+        pipeline=pipeline,
+        pipeline_timeout=pipeline_timeout,
+    )
+    if load_engine is None:
+        return
     text = _read_prompt(prompt, prompt_opt)
     if ignore_chat_template:
         if chat_template:
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
     template_kwargs = _template_config(chat_template_config)
-    engine = (
-        stage.engine
-        if stage is not None
-        else load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_)
-    )
+    engine = load_engine()
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
     for tok in extra_eos_token or ():
@@ -720,7 +736,6 @@ def bench(
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
     from plain decoding's (agreement with mlx-lm is reported, not required)."""
     from . import blas
-    from .api import load
     from .benchmark import read_prompts, run_bench, write_results
 
     if blas_mode not in ("auto", "openblas", "bundled"):
@@ -732,17 +747,13 @@ def bench(
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     texts = read_prompts(prompts)
-    if pipeline:
-        from .distributed import load as load_stage
-
-        stage = load_stage(
-            _local(model), _local(draft), dtype=_dtype(dtype), timeout=pipeline_timeout, compile=compile_
-        )
-        if stage.rank != 0:
-            stage.serve()  # this rank's layers, until rank 0 is done
-            return
+    load_engine = _engine_loader(
+        model, draft, dtype=dtype, compile_=compile_, pipeline=pipeline, pipeline_timeout=pipeline_timeout
+    )
+    if load_engine is None:
+        return
     typer.echo(f"BLAS: {blas.describe()}", err=True)
-    engine = stage.engine if pipeline else load(model, draft, dtype=_dtype(dtype), compile=compile_)
+    engine = load_engine()
     _say_draft_hint(engine)
     if engine.draft is not None:
         gen.validate(engine.draft)
@@ -860,11 +871,11 @@ def info(
     path, draft = _local(path), _local(draft)
     typer.echo(describe(path, draft))
     if stages:
-        from .distributed import plan
+        from .distributed import stage_plan
 
         if stages < 2:
             raise DFlashError(f"--stages must be 2 or more, got {stages}")
-        typer.echo(plan(path, stages, draft).describe())
+        typer.echo(stage_plan(path, stages, draft).describe())
 
 
 @app.command()
@@ -943,7 +954,6 @@ def serve(
     The generation options are the defaults of requests that do not set their own."""
     import json
 
-    from .api import load
     from .server import Settings, model_names
     from .server import serve as run_server
 
@@ -974,66 +984,62 @@ def serve(
         prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
     )
-    dt = _dtype(dtype)
-    stage, generate_fn = None, None
-    if pipeline:
-        import os
-
-        from .distributed import load as load_stage
-        from .distributed import stream_generate as pipe_generate
-
-        stage = load_stage(
-            _local(model),
-            _local(draft),
-            dtype=dt,
-            draft_quantize=draft_quantize,
-            timeout=pipeline_timeout,
-            compile=compile_,
-        )
-        if stage.rank != 0:
-            stage.serve()  # this rank's layers, until rank 0 shuts down
-            return
-        if not no_prompt_cache:
-            typer.echo(
-                "mlx-dflash: --pipeline: prefix cache off (each rank holds only its own layers' state)", err=True
-            )
-
-        def generate_fn(engine, prompt, **kwargs):
-            # A lost rank leaves the ring unusable: end the server (like the watchdog) rather than fail requests.
-            try:
-                yield from pipe_generate(engine, prompt, **kwargs)
-            except DFlashError as e:
-                if engine.target.link.broken:
-                    sys.stderr.write(f"error: {e}; stopping the server\n")
-                    sys.stderr.flush()
-                    os._exit(2)
-                raise
-
-        import signal
-
-        def stop(*_):
-            # uvicorn re-raises SIGTERM after its graceful shutdown: release the
-            # other ranks (Stage.close), flush, and exit 0 without the
-            # interpreter's teardown, which now and then (about 1 run in 20)
-            # aborted in MLX's C++ destructors on rank 0 after everything was done.
-            stage.close()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-
-        signal.signal(signal.SIGTERM, stop)
+    get_engine = _engine_loader(
+        model,
+        draft,
+        dtype=dtype,
+        draft_quantize=draft_quantize,
+        compile_=compile_,
+        pipeline=pipeline,
+        pipeline_timeout=pipeline_timeout,
+    )
+    if get_engine is None:
+        return
+    generate_fn = _pipeline_server(get_engine().stage, no_prompt_cache) if pipeline else None
 
     def load_engine():
-        engine = (
-            stage.engine
-            if stage is not None
-            else load(model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_)
-        )
+        engine = get_engine()
         _say_draft_hint(engine)
         gen.validate(engine.draft)
         return engine
 
     run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)
+
+
+def _pipeline_server(stage, no_prompt_cache: bool):
+    """Rank 0 serving a pipeline: the server's generate function, which ends
+    the server when a rank is lost, and a SIGTERM handler that releases the others."""
+    import os
+    import signal
+
+    from .api import stream_generate
+
+    if not no_prompt_cache:
+        typer.echo("mlx-dflash: --pipeline: prefix cache off (each rank holds only its own layers' state)", err=True)
+
+    def generate_fn(engine, prompt, **kwargs):
+        # A lost rank leaves the ring unusable: end the server (like the watchdog) rather than fail requests.
+        try:
+            yield from stream_generate(engine, prompt, **kwargs)
+        except DFlashError as e:
+            if stage.link.broken:
+                sys.stderr.write(f"error: {e}; stopping the server\n")
+                sys.stderr.flush()
+                os._exit(2)
+            raise
+
+    def stop(*_):
+        # uvicorn re-raises SIGTERM after its graceful shutdown: release the
+        # other ranks (Stage.close), flush, and exit 0 without the
+        # interpreter's teardown, which now and then (about 1 run in 20)
+        # aborted in MLX's C++ destructors on rank 0 after everything was done.
+        stage.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    return generate_fn
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -26,7 +26,7 @@ def _params(module) -> int:
 
 
 def describe(path, draft: Optional[Path] = None) -> str:
-    from .loading.hf import load_draft, load_target
+    from .loading import load_draft, load_target
     from .models.draft import DraftConfig
 
     p = Path(path).expanduser()
@@ -92,7 +92,7 @@ def describe(path, draft: Optional[Path] = None) -> str:
 
 
 def _draft_fit(draft: Path, target) -> str:
-    from .loading.hf import load_draft
+    from .loading import load_draft
 
     try:
         d = load_draft(draft, target)

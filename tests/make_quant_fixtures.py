@@ -48,10 +48,11 @@ def fixture(name: str) -> Path:
 
 def source_gguf(out_dir) -> Path:
     """The unquantized F32 GGUF every fixture was quantized from."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # gguf_writer; tools/ at the repo root
     from gguf_writer import convert_hf_to_gguf
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     out_dir = Path(out_dir)
     cfg = tiny.target_config(**CONFIG)

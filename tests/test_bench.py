@@ -6,11 +6,12 @@ import mlx.core as mx
 import pytest
 
 import mlx_dflash
-from mlx_dflash import benchmark, tiny
+from mlx_dflash import benchmark
 from mlx_dflash.benchmark import read_prompts, run_bench, write_results
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 
 def test_bench_writes_json_markdown_plot(tmp_path):

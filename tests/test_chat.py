@@ -13,10 +13,10 @@ import pytest
 from test_prefix import engines  # noqa: F401  (the fixture)
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.prefix import PrefixCache
+from tools import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from mlx_dflash import blas, tiny
+from mlx_dflash import blas
 from mlx_dflash.cli import main
+from tools import tiny
 
 
 def cli(capsys, *args):

@@ -5,8 +5,8 @@ import json
 import pytest
 from test_cli import cli
 
-from mlx_dflash import tiny
 from mlx_dflash.api import DEFAULT_DRAFT
+from tools import tiny
 
 KEYS = ("mode", "prompt tokens", "generated tokens", "finish reason", "cycles", "block size", "acceptance histogram")
 

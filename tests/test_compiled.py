@@ -6,11 +6,11 @@ compile are seen."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
+from support.reference import reference_greedy
 
-from mlx_dflash import tiny
 from mlx_dflash.decode import generate_tokens
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 PROMPT = [1, 10, 20, 30, 40, 7, 9]
 

@@ -4,11 +4,11 @@ import inspect
 
 import pytest
 
-from mlx_dflash import tiny
 from mlx_dflash.config import GenerationConfig
 from mlx_dflash.decode import GenerationStats, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 PROMPT = [3, 17, 42, 5, 99, 7]
 

@@ -3,12 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward, reference_greedy
+from support.reference import assert_cache_is_plain_forward, reference_greedy
 
-from mlx_dflash import tiny
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300], [2, 450]]
 N = 24

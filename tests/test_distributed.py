@@ -76,12 +76,14 @@ CASES = {
 def _rank_main(args):
     import mlx.core as mx
 
-    from mlx_dflash import distributed
+    from mlx_dflash import load
     from mlx_dflash.decode import GenerationStats, generate_tokens
-    from mlx_dflash.loading import load_draft, load_target
+    from mlx_dflash.distributed import Pipeline
+    from mlx_dflash.loading import load_draft, load_target, tensor_sizes
 
     out = Path(args.out)
-    stage = distributed.load(args.model, args.draft, dtype=mx.float32, timeout=args.timeout)
+    engine = load(args.model, args.draft, dtype=mx.float32, pipeline=Pipeline(timeout=args.timeout))
+    stage = engine.stage
     r = stage.rank
     info = {
         "rank": r,
@@ -91,8 +93,8 @@ def _rank_main(args):
         "load_peak": stage.load_peak_memory,
         "total_bytes": stage.costs.total,
     }
-    if r == 0 and stage.engine.draft is not None:
-        info["draft_bytes"] = sum(distributed.safetensors_sizes(args.draft).values())
+    if r == 0 and engine.draft is not None:
+        info["draft_bytes"] = sum(tensor_sizes(args.draft).values())
     (out / f"info{r}.json").write_text(json.dumps(info))
     results = {}
     ref_t = ref_d = None
@@ -120,7 +122,7 @@ def _rank_main(args):
             case.setdefault("adaptive", False)
             outs, feats, stats = {}, {}, {}
             script = None
-            for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, stage.engine.draft)):
+            for which, target, d in (("single", ref_t, ref_d), ("pipeline", stage.target, engine.draft)):
                 if (kind == "script" or eos_at is not None) and script is None:
                     script = prompt + [t for ts in generate_tokens(ref_t, prompt, max_tokens=args.n) for t in ts]
                 draft = None
@@ -229,7 +231,7 @@ def wait_all(procs, timeout):
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
-    from mlx_dflash import tiny
+    from tools import tiny
 
     root = tmp_path_factory.mktemp("pipe")
     tok = tiny.build_tokenizer(root / "tok", vocab_size=400)
@@ -353,9 +355,9 @@ def test_costs_group_tensors_by_layer():
 
 
 def test_info_shows_the_stage_plan(capsys, tmp_path):
-    from mlx_dflash import tiny
     from mlx_dflash.cli import main
-    from mlx_dflash.distributed import plan
+    from mlx_dflash.distributed import stage_plan
+    from tools import tiny
 
     cfg = tiny.target_config(moe=True, num_hidden_layers=6)
     path = tiny.save_hf(
@@ -368,7 +370,7 @@ def test_info_shows_the_stage_plan(capsys, tmp_path):
         main(["info", str(path), "--stages", "3"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    p = plan(path, 3)
+    p = stage_plan(path, 3)
     for s, (a, b) in enumerate(p.bounds):
         assert f"rank {2 - s}: layers {a}-{b - 1}" in out
     assert sum(p.shares) == p.costs.total

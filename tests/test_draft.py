@@ -7,10 +7,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_dflash import tiny
 from mlx_dflash.loading import load_draft
 from mlx_dflash.models.draft import default_target_layer_ids
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 
 def rope_ref(x, positions, theta):

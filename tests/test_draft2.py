@@ -9,17 +9,17 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
 from safetensors.numpy import save_file
+from support.reference import reference_greedy
 from test_draft import rope_ref
 from test_tree_sampling import chi2_fails, exact_marginals
 
-from mlx_dflash import tiny
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_draft
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.sampling import Sampler, speculative_rule
+from tools import tiny
 
 V2 = dict(selector_rank=8, selector_top_k=6, conv_kernel_size=2, conv_group_size=16)
 

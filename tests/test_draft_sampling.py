@@ -10,9 +10,9 @@ import pytest
 from test_draft2 import random_v2
 from test_tree_sampling import chi2_fails
 
-from mlx_dflash import tiny
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.sampling import Sampler
+from tools import tiny
 
 ANCHOR, POS, B = 17, 12, 4
 

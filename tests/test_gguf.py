@@ -11,18 +11,18 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_writer import convert_draft_to_gguf, convert_hf_to_gguf, encode_q4_k, encode_q6_k
+from support.reference import reference_greedy
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.cli import main
 from mlx_dflash.decode import generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading.gguf import load_gguf_target, open_gguf, write_tokenizer
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [1, 5, 9, 33, 71, 100, 4, 8, 200, 301, 17]

@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import reference_greedy
 from gguf_writer import convert_hf_to_gguf
+from support.reference import reference_greedy
 from test_gguf import add_mtp, mlx_lm_model
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_tokenizer
 from mlx_dflash.loading.gguf import open_gguf, write_tokenizer
+from tools import tiny
 
 # The split patterns as the models' tokenizer.json files write them (GPT-2's
 # is ByteLevel's built-in regex, so it has no pattern here).

@@ -260,7 +260,7 @@ def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
 
     from gguf import GGMLQuantizationType as Q
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_writer import convert_hf_to_gguf
@@ -298,7 +298,7 @@ def test_head_reorder_that_would_split_groups_stays_float(tmp_path):
     import mlx.nn as nn
     from gguf import GGMLQuantizationType as Q
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     sys.path.insert(0, str(Path(__file__).parent))
     from gguf_writer import convert_hf_to_gguf

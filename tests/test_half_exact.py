@@ -11,9 +11,9 @@ import mlx.core as mx
 import pytest
 from test_decode import ScriptedDraft, run
 
-from mlx_dflash import tiny
 from mlx_dflash.kernels import fused_exp
 from mlx_dflash.loading import load_target
+from tools import tiny
 
 N = 200
 PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300, 17, 45, 201, 3, 9]]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from gguf_writer import convert_hf_to_gguf
 
-from mlx_dflash import tiny
 from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+from tools import tiny
 
 PROMPT = "def fibonacci(n):"
 

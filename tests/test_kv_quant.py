@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from test_decode import ScriptedDraft
 
-from mlx_dflash import tiny
 from mlx_dflash.cache import KVBuffer, QuantizedKVBuffer
 from mlx_dflash.cli import main
 from mlx_dflash.decode import GenerationStats, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 PROMPT = [3, 17, 250, 9, 41, 77, 5]
 N = 40

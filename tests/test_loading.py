@@ -8,10 +8,10 @@ import mlx.core as mx
 import pytest
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_draft, load_target
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 PROMPT = [1, 5, 9, 33, 71, 100, 4, 8, 200, 301, 17]
 

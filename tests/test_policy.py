@@ -5,14 +5,14 @@ import json
 import random
 
 import pytest
-from conftest import reference_greedy
+from support.reference import reference_greedy
 from test_decode import ScriptedDraft
 
-from mlx_dflash import tiny
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
+from tools import tiny
 
 PROMPT = [1, 10, 20, 30, 40]
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.api import Engine
 from mlx_dflash.cli import main
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import load_tokenizer
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.prefix import PrefixCache
+from tools import tiny
 
 N = 20
 

@@ -4,13 +4,13 @@ forward), and targets with tied embeddings."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import reference_greedy
+from support.reference import reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
 from test_draft import draft_ref
 
-from mlx_dflash import tiny
 from mlx_dflash.models.draft import train_logits
 from mlx_dflash.models.qwen35 import Target
+from tools import tiny
 
 
 def test_draft_rope_scaling_from_rope_parameters(dense):

@@ -121,10 +121,11 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     import inspect
 
     import mlx_dflash
-    from mlx_dflash import cli, tiny
+    from mlx_dflash import cli
     from mlx_dflash.config import GenerationConfig
     from mlx_dflash.decode import generate_tokens
     from mlx_dflash.sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE
+    from tools import tiny
 
     assert DEFAULT_ACCEPT_RULE in ACCEPT_RULES
     # The decode loop and the API take it from the config.

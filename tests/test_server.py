@@ -23,8 +23,8 @@ import openai
 import pytest
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.server.tools import split_output
+from tools import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward
+from support.reference import assert_cache_is_plain_forward
 
 from mlx_dflash.kernels import fused_exp, gated_delta
 from mlx_dflash.models.qwen35 import Target
@@ -136,7 +136,7 @@ def bf16_converted(tmp_path_factory, tok_dir):
     ``mlx_lm.convert`` itself (what a user's bf16 checkpoint is)."""
     from mlx_lm.convert import convert
 
-    from mlx_dflash import tiny
+    from tools import tiny
 
     root = tmp_path_factory.mktemp("bf16")
     out = []

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import mlx_dflash
-from mlx_dflash import tiny
 from mlx_dflash.cli import main
 from mlx_dflash.models.draft import train_logits, training_mask
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.train import TrainConfig, train_draft
+from tools import tiny
 
 CFG = dict(seq_len=48, batch_size=4, blocks_per_seq=4, block_size=8, lr=3e-3, warmup=3, log_every=1)
 

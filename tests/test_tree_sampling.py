@@ -5,13 +5,14 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_cache_is_plain_forward, reference_greedy
+from support.reference import assert_cache_is_plain_forward, reference_greedy
 from test_decode import PROMPTS, ScriptedDraft, run
 
-from mlx_dflash import ddtree, tiny
+from mlx_dflash import ddtree
 from mlx_dflash.decode import longest_match
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.sampling import Sampler
+from tools import tiny
 
 N = 24
 

@@ -1,3 +1,76 @@
-from .hf import load_draft, load_target, load_tokenizer, read_config
+"""Loading, dispatched on format in this one place: a GGUF file goes to
+:mod:`.gguf`, a folder (HF or MLX format) to :mod:`.hf`; drafts come as
+either. Hub ids are resolved to local paths first (:func:`.hub.resolve`,
+called by ``api.load``, the engine factory)."""
 
-__all__ = ["load_draft", "load_target", "load_tokenizer", "read_config"]
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
+from .hf import build_draft, read_config, read_draft, safetensors_sizes
+from .hf import load_target as load_folder_target
+from .hf import load_tokenizer as load_folder_tokenizer
+
+__all__ = [
+    "load_draft",
+    "load_target",
+    "load_tokenizer",
+    "read_config",
+    "tensor_sizes",
+    "text_config",
+    "tokenizer_folder",
+]
+
+
+def load_target(path, dtype=None, lazy: bool = False, *, only: Optional[Callable[[str], bool]] = None, progress=None):
+    """A Qwen3.5/3.6 target from a folder or a llama.cpp GGUF file.
+
+    ``lazy`` (folders): weights stay unread until used. ``only(parameter
+    name)`` (GGUF): decode just those tensors, the rest stay lazy placeholders
+    (a pipeline stage's share; give a folder ``lazy`` for the same).
+    ``progress``: a GGUF's decode progress (see :func:`.gguf.load_gguf_target`).
+    """
+    if is_gguf(path):
+        target, _ = load_gguf_target(path, dtype=dtype, only=only, progress=progress)
+        return target
+    return load_folder_target(path, dtype=dtype, lazy=lazy)
+
+
+def tokenizer_folder(path) -> Path:
+    """The folder holding a model's tokenizer files (a GGUF's are written out once)."""
+    return tokenizer_dir_for(path) if is_gguf(path) else Path(path)
+
+
+def load_tokenizer(path, eos_token_ids=None):
+    """The tokenizer of a model folder, or the one a GGUF file carries."""
+    return load_folder_tokenizer(tokenizer_folder(path), eos_token_ids=eos_token_ids)
+
+
+def load_draft(path, target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None):
+    """A DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft GGUF
+    file), bound to ``target``; ``quantize_bits`` (4 or 8) quantizes it at load."""
+    p = Path(path).expanduser()
+    if is_gguf(p):
+        raw, weights = load_gguf_draft(p, target, dtype=dtype)
+        where = str(p)
+    else:
+        raw, weights, where = read_draft(p)
+    return build_draft(
+        raw, weights, target, path=p, where=where, quantize_bits=quantize_bits, group_size=group_size, dtype=dtype
+    )
+
+
+def tensor_sizes(path) -> Dict[str, int]:
+    """Tensor name -> bytes of a folder or GGUF file, from headers alone ({} for neither)."""
+    p = Path(path).expanduser()
+    if is_gguf(p):
+        return gguf_sizes(p)
+    return safetensors_sizes(p) if p.is_dir() else {}
+
+
+def text_config(path) -> dict:
+    """A target's text config (``num_hidden_layers``, ...) without loading it."""
+    if is_gguf(path):
+        return gguf_config(open_gguf(path))["text_config"]
+    raw = read_config(path, "model")
+    return raw.get("text_config", raw)

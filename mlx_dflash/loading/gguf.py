@@ -156,6 +156,11 @@ def open_gguf(path):
         raise DFlashError(f"cannot read GGUF file {p} (truncated or corrupt?): {type(e).__name__}: {e}") from None
 
 
+def gguf_sizes(path) -> Dict[str, int]:
+    """Tensor name -> bytes in the file (from its header, no data read)."""
+    return {t.name: int(t.n_bytes) for t in open_gguf(path).tensors}
+
+
 def field(reader, key: str, default=None):
     f = reader.get_field(key)
     if f is None:

@@ -8,8 +8,9 @@ overrides). This module adds the checks that turn bad input into one clear
 
 import glob
 import json
+import struct
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,9 +87,23 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
     except Exception as e:  # mlx-lm raises ValueError/KeyError/OSError for bad folders
         raise DFlashError(f"cannot load model from {p}: {type(e).__name__}: {e}") from None
     _cast(model, dtype)
-    if dtype is not None:
+    if dtype is not None and not lazy:
         mx.eval(model.parameters())
     return Target(model, config)
+
+
+def safetensors_sizes(folder) -> Dict[str, int]:
+    """Tensor name -> bytes, from the headers of a folder's safetensors files (no data read)."""
+    sizes = {}
+    for f in sorted(Path(folder).expanduser().glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                a, b = v["data_offsets"]
+                sizes[k] = b - a
+    return sizes
 
 
 def load_tokenizer(path, eos_token_ids=None):
@@ -159,30 +174,35 @@ def validate_v2(cfg: DraftConfig, where: str) -> None:
         raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
-def load_draft(
-    path, target: Target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None
+def read_draft(path):
+    """A z-lab draft folder's config dict, weights and the place errors name."""
+    p = _folder(path, "draft")
+    raw = read_config(p, "draft")
+    weights = {}
+    for f in _weight_files(p, "draft"):
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:
+            raise DFlashError(f"cannot read draft weights {f}: {e}") from None
+    return raw, weights, str(p / "config.json")
+
+
+def build_draft(
+    raw: dict,
+    weights: dict,
+    target: Target,
+    *,
+    path: Path,
+    where: str,
+    quantize_bits: Optional[int] = None,
+    group_size: int = 64,
+    dtype=None,
 ) -> DFlashDraft:
-    """Load a DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft
-    GGUF file) and bind it to ``target``.
+    """A DFlash v1 or DFlash 2 draft from its config dict and weights (read
+    from a folder or a draft GGUF), checked against ``target`` and bound to it.
 
     ``quantize_bits`` (4 or 8) quantizes the draft's linear layers at load.
     """
-    from .gguf import is_gguf, load_gguf_draft
-
-    p = Path(path).expanduser()
-    if is_gguf(p):
-        raw, weights = load_gguf_draft(p, target, dtype=dtype)
-        where = str(p)
-    else:
-        p = _folder(path, "draft")
-        raw = read_config(p, "draft")
-        where = str(p / "config.json")
-        weights = {}
-        for f in _weight_files(p, "draft"):
-            try:
-                weights.update(mx.load(f))
-            except Exception as e:
-                raise DFlashError(f"cannot read draft weights {f}: {e}") from None
     try:
         cfg = DraftConfig.from_dict(raw)
     except KeyError as e:
@@ -199,7 +219,7 @@ def load_draft(
     want = len(cfg.target_layer_ids) * target.hidden_size
     if fc is not None and fc.shape[-1] != want:
         raise DFlashError(
-            f"draft {p}: fc.weight takes {fc.shape[-1]} inputs but "
+            f"draft {path}: fc.weight takes {fc.shape[-1]} inputs but "
             f"{len(cfg.target_layer_ids)} target layers x hidden {target.hidden_size} = {want}"
         )
     draft = DFlashDraft(cfg)
@@ -208,14 +228,14 @@ def load_draft(
     extra = sorted(set(weights) - expected)
     if missing or extra:
         raise DFlashError(
-            f"draft {p}: weight names do not match a {cfg.kind} draft with this config"
+            f"draft {path}: weight names do not match a {cfg.kind} draft with this config"
             + (f"; missing {missing[:5]}" if missing else "")
             + (f"; unexpected {extra[:5]}" if extra else "")
         )
     try:
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise DFlashError(f"draft {p}: {e}") from None
+        raise DFlashError(f"draft {path}: {e}") from None
     _cast(draft, dtype)
     if quantize_bits is not None:
         if quantize_bits not in (4, 8):

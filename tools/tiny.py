@@ -281,7 +281,7 @@ def draft_config(
     text = target_cfg.get("text_config", target_cfg)
     n_target = text["num_hidden_layers"]
     if target_layer_ids is None:
-        from .models.draft import default_target_layer_ids
+        from mlx_dflash.models.draft import default_target_layer_ids
 
         target_layer_ids = default_target_layer_ids(n_target, num_hidden_layers)
     cfg = {
@@ -309,7 +309,7 @@ def draft_config(
 
 def build_draft(config: dict, seed: int = 0, dtype=mx.float32):
     """A DFlash draft with seeded random weights (unbound: no embedding/lm_head)."""
-    from .models.draft import DFlashDraft, DraftConfig
+    from mlx_dflash.models.draft import DFlashDraft, DraftConfig
 
     mx.random.seed(seed)
     draft = DFlashDraft(DraftConfig.from_dict(config))
