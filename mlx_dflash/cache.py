@@ -112,7 +112,8 @@ class Rows:
         """Write ``new`` (one array per buffer, same row count) at row
         ``start``; returns views of rows [0, start + T)."""
         end = start + new[0].shape[2]
-        if self.bufs[0] is None or end > self.bufs[0].shape[2]:
+        first = self.bufs[0]
+        if first is None or end > first.shape[2]:
             cap = ((end + self.step - 1) // self.step) * self.step
             grown = []
             for old, x in zip(self.bufs, new):
@@ -121,9 +122,11 @@ class Rows:
                     buf[:, :, :start] = old[:, :, :start]
                 grown.append(buf)
             self.bufs = grown
+        rows = (slice(None), slice(None), slice(start, end))
         for buf, x in zip(self.bufs, new):
-            buf[:, :, start:end] = x
-        return [b[:, :, :end] for b in self.bufs]
+            buf[rows] = x
+        held = (slice(None), slice(None), slice(0, end))
+        return [b[held] for b in self.bufs]
 
     def held(self, n: int) -> List[mx.array]:
         """Views of rows [0, n) (empty when nothing was written)."""
@@ -182,16 +185,11 @@ class KVBuffer(LayerCache):
     def layout(self) -> dict:
         return {"type": "kv", "bits": None}
 
-    def _store(self, k: mx.array, v: mx.array) -> List[mx.array]:
-        return [k, v]
-
     def append(self, k: mx.array, v: mx.array):
-        """Append rows k, v [B, H, T, D]; returns the keys and values of all
-        rows held (quantized: their (packed, scales, biases) triples)."""
-        held = self.buf.write(self.offset, self._store(k, v))
+        """Append rows k, v [B, H, T, D]; returns the keys and values of all rows held."""
+        keys, values = self.buf.write(self.offset, (k, v))
         self.offset += k.shape[2]
-        h = len(held) // 2
-        return (held[0], held[1]) if h == 1 else (held[:h], held[h:])
+        return keys, values
 
     def compact(self, start: int, rows) -> None:
         """Move block rows ``start + rows[i]`` to ``start + i`` (an accepted tree path)."""
@@ -282,12 +280,15 @@ class QuantizedKVBuffer(KVBuffer):
     def _rotate(self, x: mx.array) -> mx.array:
         return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
 
-    def _store(self, k: mx.array, v: mx.array) -> List[mx.array]:
-        """Rotate and quantize k, v [B, H, T, D]."""
+    def append(self, k: mx.array, v: mx.array):
+        """Rotate and quantize k, v [B, H, T, D] and append them; returns the
+        (packed, scales, biases) triples of all rows held."""
         gs = self._group(k.shape[-1])
         qk = list(mx.quantize(self._rotate(k), group_size=gs, bits=self.bits))
         qv = list(mx.quantize(v, group_size=gs, bits=self.bits))
-        return qk + qv
+        held = self.buf.write(self.offset, qk + qv)
+        self.offset += k.shape[2]
+        return held[:3], held[3:]
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
         from mlx_lm.models.base import quantized_scaled_dot_product_attention
