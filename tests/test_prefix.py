@@ -467,3 +467,16 @@ def test_cli_refuses_an_edited_prompt_cache_file(dense, tok_dir, tmp_path, capsy
     engine = mlx_dflash.load(target, draft)
     with pytest.raises(DFlashError, match="corrupt"):
         PrefixCache.load(f, engine)
+
+
+def test_an_older_file_version_is_refused(engines, tmp_path):
+    """Version 3 stores opaque cache states; a version-2 file (arrays named by
+    cache field) is refused with a clear error, not misread."""
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(eng, ids(18, 40), max_tokens=4, prefix_cache=pc)
+    f = tmp_path / "pc.safetensors"
+    pc.save(f)
+    _rewrite_metadata(f, lambda meta: meta.update(version="2"))
+    with pytest.raises(DFlashError, match="unsupported prompt cache version '2'.*delete the file"):
+        PrefixCache.load(f, eng)
