@@ -33,6 +33,9 @@ class LayerCache:
       unwindowed draft context). Rows [a, b) of such a cache depend only on
       the tokens before b, so a prefix store can share them between
       snapshots. False: a fixed-size state, exact only where it was taken.
+    - appending: a sequence cache takes new rows after those it holds (KV:
+      ``append(k, v)``; the draft's context: ``write(layer, start, k, v)``);
+      a fixed-size state is replaced by the forward that advances it.
     - ``rows``: positions held (sequence caches).
     - ``truncate(n)``: keep the first ``n`` rows (sequence caches).
     - ``rollback(start, n_keep, path)``: after a recorded block that began at

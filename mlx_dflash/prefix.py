@@ -28,6 +28,11 @@ Design:
   every ``rung_interval`` tokens of a long prefill (recurrent state only: a
   request that diverges mid-history resumes from the last rung below the
   divergence) and the end of generation (prompt + reply).
+- The store sees the caches only through ``cache.LayerCache``: sequence
+  caches (attention KV, float or quantized; an unwindowed draft) give row
+  ranges for segments, fixed-size ones (DeltaNet, a windowed draft) their
+  whole state, each as opaque arrays plus a JSON meta, which is also what
+  the file holds. A cache holds one KV format (``--kv-bits``).
 - Memory: LRU eviction by the bytes of the arrays held (each shared segment
   counted once); the default budget is ``DEFAULT_MEMORY_FRACTION`` of device
   memory. Snapshots stay on the device; only ``save`` reads them back.
