@@ -1,10 +1,14 @@
-"""Target cache: attention KV, DeltaNet state, and what verify records for rollback.
+"""Per-layer caches of the target (attention KV, float or quantized; DeltaNet
+state) and what verify records for rollback.
 
-Batch size is 1 throughout (one generation per cache).
+Every per-layer cache, the draft's context cache included
+(:class:`~mlx_dflash.models.draft.DraftCache`), follows one protocol
+(:class:`LayerCache`), which is all the prefix store (``prefix.py``) knows
+of them. Arrays keep a leading batch dimension [B, ...]; B is 1 today.
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -16,46 +20,191 @@ from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_laye
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
 
+# An opaque piece of cache state: arrays, and a JSON-able dict saying what
+# they hold (the cache's ``layout()`` plus counts such as ``rows``).
+State = Tuple[List[mx.array], dict]
 
-class KVBuffer:
-    """Attention keys/values [1, Hkv, capacity, D]; positions >= offset are garbage.
+
+class LayerCache:
+    """The operations every per-layer cache offers.
+
+    - ``sequence``: True when the cache holds one row per position, rows
+      [0, rows) along axis 2 of [B, H, rows, ...] arrays (attention KV, an
+      unwindowed draft context). Rows [a, b) of such a cache depend only on
+      the tokens before b, so a prefix store can share them between
+      snapshots. False: a fixed-size state, exact only where it was taken.
+    - appending: a sequence cache takes new rows after those it holds (KV:
+      ``append(k, v)``; the draft's context: ``write(layer, start, k, v)``);
+      a fixed-size state is replaced by the forward that advances it.
+    - ``rows``: positions held (sequence caches).
+    - ``truncate(n)``: keep the first ``n`` rows (sequence caches).
+    - ``rollback(start, n_keep, path)``: after a recorded block that began at
+      row ``start``, keep its first ``n_keep`` rows, or the block rows on
+      ``path`` (tree verify, root first). Where it applies.
+    - ``snapshot_state(a, b)``: an opaque :data:`State` (right-sized copies:
+      nothing later written into the cache reaches it). Sequence caches give
+      rows [a, b); fixed-size ones their whole state.
+    - ``restore_state(pieces)``: replace the contents by the states given
+      (sequence caches: consecutive pieces from row 0; fixed-size: one).
+      A piece of another ``layout()`` is refused.
+    - ``layout()``: JSON-able description of the stored format (not of the
+      contents): two caches of equal layout exchange states.
+    - ``state()``: the arrays held (to evaluate); ``nbytes()`` their bytes.
+    """
+
+    sequence = False
+
+    def layout(self) -> dict:
+        raise NotImplementedError
+
+    def state(self) -> List[mx.array]:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of what is held (not spare capacity)."""
+        return sum(a.nbytes for a in self.state())
+
+    def _check(self, pieces: Sequence[State]) -> None:
+        want = self.layout()
+        for _, meta in pieces:
+            got = {k: v for k, v in meta.items() if k in want}
+            if got != want:
+                raise DFlashError(f"cannot restore a {describe(meta)} state into a {describe(want)} cache")
+
+
+def describe(layout: dict) -> str:
+    """A layout in words, for error messages."""
+    kind = layout.get("type", "?")
+    if kind == "kv":
+        return f"{layout['bits']}-bit KV" if layout.get("bits") else "full-precision KV"
+    return kind
+
+
+def first_rows(state: State, n: int) -> State:
+    """The first ``n`` rows of a sequence cache's state piece."""
+    arrays, meta = state
+    return [a[:, :, :n] for a in arrays], {**meta, "rows": n}
+
+
+def piece_rows(state: State) -> int:
+    """Rows of a sequence cache's state piece (its meta and arrays agree)."""
+    arrays, meta = state
+    rows = meta["rows"]
+    if any(a.ndim < 3 or a.shape[2] != rows for a in arrays):
+        raise ValueError(f"a state piece of {rows} rows holds arrays of other row counts")
+    return rows
+
+
+def _copy(x: mx.array) -> mx.array:
+    """A right-sized copy: a slice (or ``mx.contiguous`` of one) would keep
+    its whole source buffer alive."""
+    return mx.array(x)
+
+
+class Rows:
+    """A group of arrays [B, H, capacity, ...] grown together in steps of
+    ``step`` rows along axis 2. Which rows are held is the owner's business;
+    rows past them are scratch, overwritten by the next write."""
+
+    step = 256
+
+    def __init__(self, n: int):
+        self.bufs: List[Optional[mx.array]] = [None] * n
+
+    def write(self, start: int, new: Sequence[mx.array]) -> List[mx.array]:
+        """Write ``new`` (one array per buffer, same row count) at row
+        ``start``; returns views of rows [0, start + T)."""
+        end = start + new[0].shape[2]
+        first = self.bufs[0]
+        if first is None or end > first.shape[2]:
+            cap = ((end + self.step - 1) // self.step) * self.step
+            grown = []
+            for old, x in zip(self.bufs, new):
+                buf = mx.zeros(x.shape[:2] + (cap,) + x.shape[3:], x.dtype)
+                if old is not None and start > 0:
+                    buf[:, :, :start] = old[:, :, :start]
+                grown.append(buf)
+            self.bufs = grown
+        rows = (slice(None), slice(None), slice(start, end))
+        for buf, x in zip(self.bufs, new):
+            buf[rows] = x
+        held = (slice(None), slice(None), slice(0, end))
+        return [b[held] for b in self.bufs]
+
+    def held(self, n: int) -> List[mx.array]:
+        """Views of rows [0, n) (empty when nothing was written)."""
+        return [] if self.bufs[0] is None else [b[:, :, :n] for b in self.bufs]
+
+    def gather(self, start: int, idx: Sequence[int]) -> None:
+        """Rows ``idx[i]`` move to ``start + i``."""
+        sel = mx.array(list(idx))
+        for b in self.bufs:
+            if b is not None:
+                b[:, :, start : start + len(idx)] = b[:, :, sel]
+
+    def copy(self, a: int, b: int) -> List[mx.array]:
+        return [_copy(x[:, :, a:b]) for x in self.bufs]
+
+    def load(self, pieces: Sequence[Sequence[mx.array]]) -> int:
+        """Buffers holding the pieces' rows one after another (room for more
+        after them); returns the row count."""
+        n = sum(p[0].shape[2] for p in pieces)
+        cap = (n // self.step + 1) * self.step
+        out = []
+        for j in range(len(self.bufs)):
+            parts = [p[j] for p in pieces]
+            x = parts[0]
+            pad = mx.zeros(x.shape[:2] + (cap - n,) + x.shape[3:], x.dtype)
+            out.append(mx.concatenate(parts + [pad], axis=2))
+        self.bufs = out
+        return n
+
+
+class KVBuffer(LayerCache):
+    """Attention keys/values [B, Hkv, capacity, D]; rows >= offset are garbage.
 
     Truncation (rollback) only moves ``offset``: the rejected rows are
     overwritten by the next append.
     """
 
-    step = 256
+    sequence = True
 
     def __init__(self):
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.buf = Rows(2)
         self.offset = 0
 
-    def append(self, k: mx.array, v: mx.array) -> Tuple[mx.array, mx.array]:
-        T = k.shape[2]
-        end = self.offset + T
-        if self.keys is None or end > self.keys.shape[2]:
-            cap = ((end + self.step - 1) // self.step) * self.step
-            nk = mx.zeros((k.shape[0], k.shape[1], cap, k.shape[3]), k.dtype)
-            nv = mx.zeros((v.shape[0], v.shape[1], cap, v.shape[3]), v.dtype)
-            if self.keys is not None and self.offset > 0:
-                nk[:, :, : self.offset] = self.keys[:, :, : self.offset]
-                nv[:, :, : self.offset] = self.values[:, :, : self.offset]
-            self.keys, self.values = nk, nv
-        self.keys[:, :, self.offset : end] = k
-        self.values[:, :, self.offset : end] = v
-        self.offset = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+    @property
+    def rows(self) -> int:
+        return self.offset
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return self.buf.bufs[0]
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return self.buf.bufs[1]
+
+    def layout(self) -> dict:
+        return {"type": "kv", "bits": None}
+
+    def append(self, k: mx.array, v: mx.array):
+        """Append rows k, v [B, H, T, D]; returns the keys and values of all rows held."""
+        keys, values = self.buf.write(self.offset, (k, v))
+        self.offset += k.shape[2]
+        return keys, values
 
     def compact(self, start: int, rows) -> None:
         """Move block rows ``start + rows[i]`` to ``start + i`` (an accepted tree path)."""
-        idx = mx.array([start + r for r in rows])
-        n = len(rows)
-        self.keys[:, :, start : start + n] = self.keys[:, :, idx]
-        self.values[:, :, start : start + n] = self.values[:, :, idx]
+        self.buf.gather(start, [start + r for r in rows])
 
     def truncate(self, length: int) -> None:
         self.offset = min(self.offset, length)
+
+    def rollback(self, start: int, n_keep: int, path=None) -> None:
+        if path is not None:
+            self.compact(start, path)
+        self.truncate(start + n_keep)
 
     def snapshot(self):
         return self.offset
@@ -64,34 +213,23 @@ class KVBuffer:
         self.truncate(snap)
 
     def state(self) -> List[mx.array]:
-        if self.keys is None:
-            return []
-        return [self.keys[:, :, : self.offset], self.values[:, :, : self.offset]]
+        return self.buf.held(self.offset)
+
+    def snapshot_state(self, a: int = 0, b: Optional[int] = None) -> State:
+        b = self.offset if b is None else b
+        if not 0 <= a <= b <= self.offset:
+            raise ValueError(f"rows [{a}, {b}) outside the {self.offset} held")
+        return self.buf.copy(a, b), {**self.layout(), "rows": b - a}
+
+    def restore_state(self, pieces: Sequence[State]) -> None:
+        self._check(pieces)
+        self.offset = self.buf.load([arrays for arrays, _ in pieces])
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
-        """Append the block's k, v and attend q [1, H, T, D] over everything
+        """Append the block's k, v and attend q [B, H, T, D] over everything
         held (``verify``: a verify block's rows, fused_exp.attention)."""
         keys, values = self.append(k, v)
         return attention(q, keys, values, scale, mask, decode_block=verify)
-
-    def nbytes(self) -> int:
-        """Bytes of the rows held (not the spare capacity)."""
-        return sum(a.nbytes for a in self.state())
-
-
-def _grow(parts: List[Optional[mx.array]], new: List[mx.array], offset: int, step: int) -> List[mx.array]:
-    """Buffers [1, H, cap, *] holding ``offset`` rows, grown in ``step``s to fit ``new``."""
-    end = offset + new[0].shape[2]
-    if parts[0] is not None and end <= parts[0].shape[2]:
-        return parts
-    cap = ((end + step - 1) // step) * step
-    out = []
-    for old, n in zip(parts, new):
-        buf = mx.zeros(n.shape[:2] + (cap,) + n.shape[3:], n.dtype)
-        if old is not None and offset > 0:
-            buf[:, :, :offset] = old[:, :, :offset]
-        out.append(buf)
-    return out
 
 
 def check_kv_bits(bits: Optional[int], head_dim: Optional[int] = None) -> None:
@@ -109,26 +247,35 @@ def check_kv_bits(bits: Optional[int], head_dim: Optional[int] = None) -> None:
             raise DFlashError(f"--kv-bits: no Walsh-Hadamard transform of size {head_dim}")
 
 
-class QuantizedKVBuffer:
+class QuantizedKVBuffer(KVBuffer):
     """Attention K/V stored quantized (``bits`` 8 or 4, affine groups along
     the head dim, as mlx-lm's quantized KV cache), K rotated by an orthonormal
     Walsh-Hadamard transform first: the rotation spreads outlier channels
     over the group so they quantize with less error, and since q.k = (Hq).(Hk)
     the queries are rotated alike and attention is unchanged in exact
-    arithmetic. Rows are quantized one by one when appended, so truncation
-    and tree compaction move quantized rows exactly as :class:`KVBuffer`
-    moves float ones.
+    arithmetic. Rows are quantized one by one when appended, so truncation,
+    tree compaction and snapshots move quantized rows exactly as
+    :class:`KVBuffer` moves float ones (six arrays instead of two: packed
+    keys, scales, biases, then the same for values).
     """
-
-    step = 256
 
     def __init__(self, bits: int = 8, group_size: int = KV_GROUP_SIZE):
         check_kv_bits(bits)
         self.bits = bits
         self.group_size = group_size
-        self.keys: List[Optional[mx.array]] = [None, None, None]  # packed, scales, biases
-        self.values: List[Optional[mx.array]] = [None, None, None]
+        self.buf = Rows(6)
         self.offset = 0
+
+    @property
+    def keys(self) -> List[Optional[mx.array]]:
+        return self.buf.bufs[:3]  # packed, scales, biases
+
+    @property
+    def values(self) -> List[Optional[mx.array]]:
+        return self.buf.bufs[3:]
+
+    def layout(self) -> dict:
+        return {"type": "kv", "bits": self.bits, "group_size": self.group_size}
 
     def _group(self, D: int) -> int:
         return self.group_size if D % self.group_size == 0 else 32
@@ -137,18 +284,14 @@ class QuantizedKVBuffer:
         return mx.hadamard_transform(x, scale=1.0 / math.sqrt(x.shape[-1]))
 
     def append(self, k: mx.array, v: mx.array):
-        """Rotate and quantize k, v [1, H, T, D]; returns the (packed, scales,
-        biases) triples of all rows held."""
+        """Rotate and quantize k, v [B, H, T, D] and append them; returns the
+        (packed, scales, biases) triples of all rows held."""
         gs = self._group(k.shape[-1])
         qk = list(mx.quantize(self._rotate(k), group_size=gs, bits=self.bits))
         qv = list(mx.quantize(v, group_size=gs, bits=self.bits))
-        end = self.offset + k.shape[2]
-        self.keys = _grow(self.keys, qk, self.offset, self.step)
-        self.values = _grow(self.values, qv, self.offset, self.step)
-        for buf, new in zip(self.keys + self.values, qk + qv):
-            buf[:, :, self.offset : end] = new
-        self.offset = end
-        return [a[:, :, :end] for a in self.keys], [a[:, :, :end] for a in self.values]
+        held = self.buf.write(self.offset, qk + qv)
+        self.offset += k.shape[2]
+        return held[:3], held[3:]
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, scale: float, mask, verify: bool = False) -> mx.array:
         from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -161,43 +304,19 @@ class QuantizedKVBuffer:
     def dequantized(self) -> Tuple[mx.array, mx.array]:
         """K (rotated back) and V of the rows held, as floats (diagnostics, tests)."""
         gs = self._group(self._head_dim())
-        ks = [a[:, :, : self.offset] for a in self.keys]
-        vs = [a[:, :, : self.offset] for a in self.values]
-        k = mx.dequantize(*ks, group_size=gs, bits=self.bits)
-        return self._rotate(k), mx.dequantize(*vs, group_size=gs, bits=self.bits)
+        held = self.state()
+        k = mx.dequantize(*held[:3], group_size=gs, bits=self.bits)
+        return self._rotate(k), mx.dequantize(*held[3:], group_size=gs, bits=self.bits)
 
     def _head_dim(self) -> int:
         return self.keys[0].shape[-1] * 32 // self.bits
 
-    def compact(self, start: int, rows) -> None:
-        idx = mx.array([start + r for r in rows])
-        n = len(rows)
-        for buf in self.keys + self.values:
-            buf[:, :, start : start + n] = buf[:, :, idx]
 
-    def truncate(self, length: int) -> None:
-        self.offset = min(self.offset, length)
+class DeltaNetState(LayerCache):
+    """Gated DeltaNet layer state (fixed size: ``sequence`` is False).
 
-    def snapshot(self):
-        return self.offset
-
-    def restore(self, snap) -> None:
-        self.truncate(snap)
-
-    def state(self) -> List[mx.array]:
-        if self.keys[0] is None:
-            return []
-        return [a[:, :, : self.offset] for a in self.keys + self.values]
-
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state())
-
-
-class DeltaNetState:
-    """Gated DeltaNet layer state.
-
-    conv: [1, K-1, C] the last K-1 pre-conv qkv rows (input dtype).
-    ssm:  [1, Hv, Dv, Dk] recurrent state, fp32.
+    conv: [B, K-1, C] the last K-1 pre-conv qkv rows (input dtype).
+    ssm:  [B, Hv, Dv, Dk] recurrent state, fp32.
     tape: set by a recording forward: (ssm before the block, k, g, delta,
           conv_in) -- enough to restore both states after any prefix.
     """
@@ -207,19 +326,23 @@ class DeltaNetState:
         self.ssm: Optional[mx.array] = None
         self.tape = None
 
-    def rollback(self, n: int, path=None) -> None:
-        """Keep the first ``n`` tokens of the recorded block, or (tree verify)
-        the tokens on ``path`` (block rows, root first; n == len(path))."""
+    def layout(self) -> dict:
+        return {"type": "deltanet"}
+
+    def rollback(self, start: int, n_keep: int, path=None) -> None:
+        """Keep the first ``n_keep`` tokens of the recorded block, or (tree
+        verify) the tokens on ``path`` (block rows, root first; n_keep ==
+        len(path)). ``start`` is not needed: the tape holds the block."""
         if path is None:
-            DeltaNetState.rollback_chain([self], n)
+            DeltaNetState.rollback_chain([self], n_keep)
             return
         ssm0, k, g, delta, conv_in, K = self.tape
         self.tape = None
         P = mx.array(path)
         k, g, delta = k[:, P], g[:, P], delta[:, P]
         conv_in = mx.concatenate([conv_in[:, : K - 1], conv_in[:, K - 1 + P]], axis=1)
-        self.ssm = gated_delta_rollback(ssm0, k, g, delta, n, stepwise=row_exact(k.dtype))
-        self.conv = conv_state_rollback(conv_in, n, K)
+        self.ssm = gated_delta_rollback(ssm0, k, g, delta, n_keep, stepwise=row_exact(k.dtype))
+        self.conv = conv_state_rollback(conv_in, n_keep, K)
 
     @staticmethod
     def rollback_chain(states: List["DeltaNetState"], n: int) -> None:
@@ -247,17 +370,34 @@ class DeltaNetState:
     def state(self) -> List[mx.array]:
         return [x for x in (self.conv, self.ssm) if x is not None]
 
+    def snapshot_state(self, a: int = 0, b: Optional[int] = None) -> State:
+        if self.conv is None or self.ssm is None:
+            raise ValueError("no DeltaNet state to snapshot (nothing was run)")
+        return [_copy(self.conv), _copy(self.ssm)], self.layout()
+
+    def restore_state(self, pieces: Sequence[State]) -> None:
+        self._check(pieces)
+        if len(pieces) != 1 or len(pieces[0][0]) != 2:
+            raise ValueError("a DeltaNet state is one piece of two arrays (conv, ssm)")
+        self.conv, self.ssm = pieces[0][0]
+        self.tape = None
+
 
 class TargetCache:
     """Per-layer caches of the target plus the number of committed positions."""
 
     def __init__(self, is_linear: List[bool], kv_bits: Optional[int] = None, kv_group_size: int = KV_GROUP_SIZE):
         check_kv_bits(kv_bits)
+        self.is_linear = list(is_linear)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         attn = (lambda: QuantizedKVBuffer(kv_bits, kv_group_size)) if kv_bits else KVBuffer
-        self.kv_bits = kv_bits
-        self.layers = [DeltaNetState() if lin else attn() for lin in is_linear]
+        self.layers: List[LayerCache] = [DeltaNetState() if lin else attn() for lin in is_linear]
         self.offset = 0  # positions held (including an unrolled-back block)
         self.block = 0  # tokens of the last recorded block, 0 if none pending
+
+    def empty(self) -> "TargetCache":
+        """A new, empty cache of the same layers and format."""
+        return TargetCache(self.is_linear, self.kv_bits, self.kv_group_size)
 
     def rollback(self, n_keep: int, path=None) -> None:
         """After a recorded forward of ``self.block`` tokens, keep ``n_keep``:
@@ -270,18 +410,20 @@ class TargetCache:
         if path is not None and len(path) != n_keep:
             raise ValueError(f"path of {len(path)} rows for n_keep={n_keep}")
         start = self.offset - self.block
-        new_offset = start + n_keep
+        chain = []
         for c in self.layers:
-            if isinstance(c, (KVBuffer, QuantizedKVBuffer)):
-                if path is not None:
-                    c.compact(start, path)
-                c.truncate(new_offset)
-            elif path is not None:
-                c.rollback(n_keep, path)
-        if path is None:
-            DeltaNetState.rollback_chain([c for c in self.layers if isinstance(c, DeltaNetState)], n_keep)
-        self.offset = new_offset
+            if path is None and isinstance(c, DeltaNetState):
+                chain.append(c)  # rolled back together below
+            else:
+                c.rollback(start, n_keep, path)
+        DeltaNetState.rollback_chain(chain, n_keep)
+        self.offset = start + n_keep
         self.block = 0
+
+    def restored(self, n: int) -> None:
+        """Every layer was given the state of the first ``n`` positions
+        (``restore_state``): the cache now holds those, no block pending."""
+        self.offset, self.block = n, 0
 
     def snapshot(self):
         """A cheap handle on the current state (references, no copies)."""
@@ -301,4 +443,4 @@ class TargetCache:
 
     def kv_nbytes(self) -> int:
         """Bytes of attention K/V held (the part that grows with the context)."""
-        return sum(c.nbytes() for c in self.layers if not isinstance(c, DeltaNetState))
+        return sum(c.nbytes() for c in self.layers if c.sequence)

@@ -879,7 +879,9 @@ def info(
 
 
 @app.command()
-@generation_options("max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk", max_tokens=512)
+@generation_options(
+    "max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk", "kv_bits", max_tokens=512
+)
 def serve(
     model: Optional[Path] = typer.Option(
         None,

@@ -486,9 +486,6 @@ def _generate_tokens(
     # The sequence (prompt + output) never holds more than max_context tokens:
     # the context limit is a length limit like max_tokens, the same in every mode.
     max_tokens = min(max_tokens, max_context - len(prompt))
-    if prefix_cache is not None and (kv_bits or getattr(cache, "kv_bits", None)):
-        # Snapshots copy float KV rows; quantized rows are not snapshotted yet.
-        raise DFlashError("the prefix cache does not work with a quantized KV cache (--kv-bits) yet")
     sampler = hooks.sampler or c.sampler()
     spec = c.accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
     if draft is not None:

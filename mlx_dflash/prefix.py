@@ -28,6 +28,11 @@ Design:
   every ``rung_interval`` tokens of a long prefill (recurrent state only: a
   request that diverges mid-history resumes from the last rung below the
   divergence) and the end of generation (prompt + reply).
+- The store sees the caches only through ``cache.LayerCache``: sequence
+  caches (attention KV, float or quantized; an unwindowed draft) give row
+  ranges for segments, fixed-size ones (DeltaNet, a windowed draft) their
+  whole state, each as opaque arrays plus a JSON meta, which is also what
+  the file holds. A cache holds one KV format (``--kv-bits``).
 - Memory: LRU eviction by the bytes of the arrays held (each shared segment
   counted once); the default budget is ``DEFAULT_MEMORY_FRACTION`` of device
   memory. Snapshots stay on the device; only ``save`` reads them back.
@@ -43,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cache import DeltaNetState, KVBuffer
+from .cache import State, describe, first_rows, piece_rows
 from .errors import DFlashError
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
@@ -51,7 +56,7 @@ DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
 # no prefill forward; bench/results/prefix-cache.md measures the interval.
 RUNG_STEP = 512
 FILE_FORMAT = "mlx-dflash-prefix-cache"
-FILE_VERSION = "2"  # 2: the checksum covers the metadata too
+FILE_VERSION = "3"  # 2: the checksum covers the metadata too; 3: opaque cache states + meta
 
 
 def device_memory() -> int:
@@ -65,32 +70,30 @@ def device_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _copy(x: mx.array) -> mx.array:
-    """A right-sized copy: a slice (or ``mx.contiguous`` of one) would keep
-    its whole source buffer alive."""
-    return mx.array(x)
-
-
 class _Segment:
-    """Attention KV rows [start, end) of one conversation; rows before
-    ``start`` come from ``parent`` (whose end is >= start). ``dkv``: the
-    same rows of an unwindowed draft's context K/V (also position-local),
-    or None."""
+    """Rows [start, end) of one conversation's sequence caches: ``layers``
+    maps each sequence layer of the target to its state piece, ``draft`` is
+    the same rows of an unwindowed draft's context (or None). Rows before
+    ``start`` come from ``parent`` (whose end is >= start)."""
 
-    __slots__ = ("start", "end", "parent", "kv", "dkv")
+    __slots__ = ("start", "end", "parent", "layers", "draft")
 
     def __init__(
         self,
         start: int,
         end: int,
         parent: Optional["_Segment"],
-        kv: Dict[int, Tuple[mx.array, mx.array]],
-        dkv: Optional[List[Tuple[mx.array, mx.array]]] = None,
+        layers: Dict[int, State],
+        draft: Optional[State] = None,
     ):
-        self.start, self.end, self.parent, self.kv, self.dkv = start, end, parent, kv, dkv
+        self.start, self.end, self.parent, self.layers, self.draft = start, end, parent, layers, draft
+
+    def own_arrays(self) -> List[mx.array]:
+        out = [a for arrays, _ in self.layers.values() for a in arrays]
+        return out + (self.draft[0] if self.draft is not None else [])
 
     def has_draft_rows(self, n: int) -> bool:
-        return all(seg.dkv is not None for seg, _, _ in self.pieces(n))
+        return all(seg.draft is not None for seg, _, _ in self.pieces(n))
 
     def pieces(self, n: int) -> List[Tuple["_Segment", int, int]]:
         """(segment, lo, hi) covering rows [0, n), in order."""
@@ -107,23 +110,12 @@ class _Segment:
 
 
 @dataclass
-class _DraftState:
-    keys: Optional[List[mx.array]]  # None: rows [0, length) are in the segment chain (``dkv``)
-    values: Optional[List[mx.array]]
-    positions: List[int]
-    length: int
-    window: Optional[Tuple[int, int]]
-
-    def own_arrays(self) -> List[mx.array]:
-        return (self.keys + self.values) if self.keys is not None else []
-
-
-@dataclass
 class _Snapshot:
     tokens: Tuple[int, ...]
     seg: Optional[_Segment]
-    recurrent: Dict[int, Tuple[mx.array, mx.array]]  # DeltaNet layer -> (conv, ssm)
-    draft: Optional[_DraftState]
+    layers: Dict[int, State]  # the fixed-size layers' states (DeltaNet)
+    draft_layout: Optional[dict]  # the draft cache's layout(); None: no draft state
+    draft: Optional[State]  # the draft's own state; None: its rows are in the segment chain
     kind: str  # "boundary", "rung" or "end"
     used: int = 0
 
@@ -131,14 +123,15 @@ class _Snapshot:
     def n(self) -> int:
         return len(self.tokens)
 
+    def own_arrays(self) -> List[mx.array]:
+        out = [a for arrays, _ in self.layers.values() for a in arrays]
+        return out + (self.draft[0] if self.draft is not None else [])
+
     def arrays(self) -> List[mx.array]:
-        out = [a for pair in self.recurrent.values() for a in pair]
-        if self.draft is not None:
-            out += self.draft.own_arrays()
+        out = self.own_arrays()
         seg = self.seg
         while seg is not None:
-            out += [a for pair in seg.kv.values() for a in pair]
-            out += [a for pair in (seg.dkv or []) for a in pair]
+            out += seg.own_arrays()
             seg = seg.parent
         return out
 
@@ -148,20 +141,18 @@ def _chain_has_draft_rows(base) -> bool:
     return seg is None or upto == 0 or seg.has_draft_rows(upto)
 
 
-def _draft_state(dcache) -> _DraftState:
-    # The held rows are views of buffers grown in steps: copy them, so a
-    # snapshot keeps (and counts) only its rows.
-    return _DraftState(
-        [_copy(k) for k in dcache.keys],
-        [_copy(v) for v in dcache.values],
-        list(dcache.positions),
-        dcache.length,
-        dcache.window,
-    )
-
-
-def _recurrent(cache) -> Dict[int, Tuple[mx.array, mx.array]]:
-    return {i: (_copy(c.conv), _copy(c.ssm)) for i, c in enumerate(cache.layers) if isinstance(c, DeltaNetState)}
+def _take(tokens, cache, dcache, base, kind: str) -> _Snapshot:
+    """A snapshot of ``cache`` (and ``dcache``) as they are now: the
+    fixed-size states copied; sequence rows are added to a segment at commit.
+    An unwindowed draft's rows go there too when the chain below holds its
+    rows (see ``_commit``)."""
+    fixed = {i: c.snapshot_state() for i, c in enumerate(cache.layers) if not c.sequence}
+    layout, dstate = None, None
+    if dcache is not None:
+        layout = dcache.layout()
+        if not (dcache.sequence and _chain_has_draft_rows(base)):
+            dstate = dcache.snapshot_state()
+    return _Snapshot(tuple(int(t) for t in tokens), None, fixed, layout, dstate, kind)
 
 
 class PrefixRun:
@@ -183,19 +174,15 @@ class PrefixRun:
         n = self.cache.offset
         if n <= self.base[1] or self.cache.block:
             return
-        dstate = None
-        if self.dcache is not None:
-            d = self.dcache
+        d = self.dcache
+        if d is not None:
             if pending_features is not None and pending_features.shape[0] > 0:
-                from .models.draft import DraftCache
-
-                d = DraftCache(list(d.keys), list(d.values), list(d.positions), d.length, d.window)
+                d = d.fork()  # the generation's own cache is left as it is
                 self.draft.add_context(pending_features, d)
             if d.length != n:
                 return  # draft context out of step: no consistent snapshot here
-            dstate = _draft_state(d)
-        snap = _Snapshot(tuple(int(t) for t in tokens[:n]), None, _recurrent(self.cache), dstate, "end")
-        self.pc._commit(self.cache, self.base, [snap], d if self.dcache is not None else None)
+        snap = _take(tokens[:n], self.cache, d, self.base, "end")
+        self.pc._commit(self.cache, self.base, [snap], d)
 
 
 class PrefixCache:
@@ -209,6 +196,9 @@ class PrefixCache:
     memory of one rung's recurrent state, so rungs never cost more memory
     than the history they index (512 for the embedded pair; larger for
     models with many DeltaNet layers per attention layer).
+
+    The cache holds states of one KV format (``--kv-bits``), set by its
+    first use or by the file it was loaded from.
     """
 
     def __init__(self, max_bytes: Optional[int] = None, rung_interval: Optional[int] = None):
@@ -223,11 +213,12 @@ class PrefixCache:
         self._snaps: List[_Snapshot] = []
         self._lock = threading.RLock()  # requests from several threads may share one cache
         self._clock = 0
-        self._min_bytes: Dict[int, int] = {}
+        self._min_bytes: Dict[Tuple[int, str], int] = {}
         self._tails: Dict[Tuple[int, str], Tuple[object, Tuple[int, ...]]] = {}
         self._target = None  # snapshots belong to one model
         self._engine = None
         self._fingerprint = None
+        self._layout: Optional[List[dict]] = None  # the target cache layers' layouts
 
     def bind(self, engine) -> None:
         """Tie the cache to ``engine``'s model (done by ``stream_generate``).
@@ -276,9 +267,10 @@ class PrefixCache:
             self._snaps.remove(min(self._snaps, key=lambda s: s.used))
 
     # --- lookup ----------------------------------------------------------------
-    def lookup(self, prompt: Sequence[int], *, draft_window=None, need_draft: bool = False) -> Optional[_Snapshot]:
+    def lookup(self, prompt: Sequence[int], *, draft_layout: Optional[dict] = None) -> Optional[_Snapshot]:
         """The longest snapshot whose tokens start ``prompt`` and leave at
-        least one token to prefill (with a usable draft state if needed)."""
+        least one token to prefill (with a draft state of ``draft_layout``
+        when one is given)."""
         prompt = tuple(int(t) for t in prompt)
         best = None
         with self._lock:
@@ -286,7 +278,7 @@ class PrefixCache:
                 n = s.n
                 if n >= len(prompt) or (best is not None and n <= best.n):
                     continue
-                if need_draft and (s.draft is None or s.draft.window != draft_window):
+                if draft_layout is not None and s.draft_layout != draft_layout:
                     continue
                 if s.tokens == prompt[:n]:
                     best = s
@@ -307,19 +299,35 @@ class PrefixCache:
         return n - 1
 
     # --- prefill / restore -------------------------------------------------------
-    def _check_budget(self, target) -> None:
+    def _check_format(self, cache) -> None:
+        """Snapshots restore only into a cache of their layout (float or
+        quantized KV of the same bits)."""
+        ours = [c.layout() for c in cache.layers]
+        with self._lock:
+            if self._layout is None or not self._snaps:
+                self._layout = ours
+                return
+            theirs = self._layout
+        if theirs != ours:
+            i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), 0)
+            raise DFlashError(
+                f"this prefix cache holds snapshots of a {describe(theirs[i])} cache; this generation uses "
+                f"{describe(ours[i])} (--kv-bits): use one prefix cache (or prompt cache file) per KV format"
+            )
+
+    def _check_budget(self, target, cache) -> None:
         if self._target is None:
             self._target = target
         elif self._target is not target:
             raise DFlashError("this prefix cache holds snapshots of another model; use one PrefixCache per model")
-        key = id(target)
+        key = (id(target), json.dumps([c.layout() for c in cache.layers]))
         if key not in self._min_bytes:
-            probe = target.make_cache()
+            probe = cache.empty()
             target.forward([0], probe, logits="none")
             mx.eval(probe.state())
             self._min_bytes[key] = sum(a.nbytes for a in probe.state())
             if self.rung_interval is None:
-                row = sum(a.nbytes for c in probe.layers if isinstance(c, KVBuffer) for a in c.state())
+                row = sum(c.nbytes() for c in probe.layers if c.sequence)
                 rec = self._min_bytes[key] - row
                 steps = -(-rec // max(row * RUNG_STEP, 1))
                 self.rung_interval = RUNG_STEP * max(1, steps)
@@ -334,34 +342,16 @@ class PrefixCache:
         n = snap.n
         pieces = snap.seg.pieces(n)
         for i, c in enumerate(cache.layers):
-            if isinstance(c, KVBuffer):
-                ks = [seg.kv[i][0][:, :, : hi - lo] for seg, lo, hi in pieces]
-                vs = [seg.kv[i][1][:, :, : hi - lo] for seg, lo, hi in pieces]
-                cap = (n // c.step + 1) * c.step
-                pad = ks[0].shape[:2] + (cap - n,) + ks[0].shape[3:]
-                c.keys = mx.concatenate(ks + [mx.zeros(pad, ks[0].dtype)], axis=2)
-                pad = vs[0].shape[:2] + (cap - n,) + vs[0].shape[3:]
-                c.values = mx.concatenate(vs + [mx.zeros(pad, vs[0].dtype)], axis=2)
-                c.offset = n
+            if c.sequence:
+                c.restore_state([first_rows(seg.layers[i], hi - lo) for seg, lo, hi in pieces])
             else:
-                c.conv, c.ssm = snap.recurrent[i]
-                c.tape = None
-        cache.offset, cache.block = n, 0
+                c.restore_state([snap.layers[i]])
+        cache.restored(n)
         if dcache is not None:
-            d = snap.draft
-            if d.keys is None:
-                dp = snap.seg.pieces(d.length)
-                dcache.keys = [
-                    mx.concatenate([seg.dkv[i][0][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
-                    for i in range(len(dp[0][0].dkv))
-                ]
-                dcache.values = [
-                    mx.concatenate([seg.dkv[i][1][:, :, : hi - lo] for seg, lo, hi in dp], axis=2)
-                    for i in range(len(dp[0][0].dkv))
-                ]
+            if snap.draft is None:  # its rows are in the segment chain
+                dcache.restore_state([first_rows(seg.draft, hi - lo) for seg, lo, hi in pieces])
             else:
-                dcache.keys, dcache.values = list(d.keys), list(d.values)
-            dcache.positions, dcache.length = list(d.positions), d.length
+                dcache.restore_state([snap.draft])
 
     def prefill(
         self,
@@ -377,18 +367,19 @@ class PrefixCache:
         stats=None,
     ):
         """Restore the longest matching snapshot into the empty ``cache`` (and
-        ``dcache``), prefill the rest of ``prompt``, snapshot the stable
-        boundary and rungs. The draft consumes the prompt's features here.
+        ``dcache``), prefill the rest of ``prompt`` (``target.prefill``, which
+        calls back here at the stable boundary and rungs to take snapshots).
+        The draft consumes the prompt's features here.
         Returns (last-row logits [1, V], a :class:`PrefixRun`)."""
-        self._check_budget(target)
+        self._check_format(cache)
+        self._check_budget(target, cache)
         if draft is not None and not hasattr(draft, "add_context"):
             raise DFlashError("this draft cannot be used with a prefix cache (no add_context)")
         prompt = [int(t) for t in prompt]
         P = len(prompt)
-        window = dcache.window if dcache is not None else None
         start, base = 0, (None, 0)
         with self._lock:
-            snap = self.lookup(prompt, draft_window=window, need_draft=dcache is not None)
+            snap = self.lookup(prompt, draft_layout=dcache.layout() if dcache is not None else None)
             if snap is not None:
                 self._restore(snap, cache, dcache)
                 snap.used = self._tick()
@@ -404,64 +395,51 @@ class PrefixCache:
         with self._lock:
             have = {s.tokens for s in self._snaps}
         points = {p for p in points if tuple(prompt[:p]) not in have}
-        cuts = sorted(points | set(range(start + chunk_size, P, chunk_size)) | {P})
-        # An unwindowed draft's rows go into the KV segment at commit (see
-        # _commit): rungs then need no draft arrays of their own.
-        shared = dcache is not None and dcache.window is None and _chain_has_draft_rows(base)
         taken = []
-        s, logits = start, None
-        for e in cuts:
-            logits, f = target.forward(
-                prompt[s:e], cache, capture=capture if draft is not None else (), logits="last" if e == P else "none"
-            )
-            if draft is not None:
+
+        def at_point(e: int) -> List[mx.array]:
+            taken.append(_take(prompt[:e], cache, dcache, base, "boundary" if e == boundary else "rung"))
+            return taken[-1].own_arrays()
+
+        consume = None
+        if draft is not None and dcache is not None:
+
+            def consume(f: mx.array) -> List[mx.array]:
                 draft.add_context(f, dcache)
-            new = []
-            if e in points:
-                dstate = None
-                if dcache is not None:
-                    dstate = (
-                        _DraftState(None, None, list(dcache.positions), dcache.length, None)
-                        if shared
-                        else _draft_state(dcache)
-                    )
-                taken.append(
-                    _Snapshot(
-                        tuple(prompt[:e]), None, _recurrent(cache), dstate, "boundary" if e == boundary else "rung"
-                    )
-                )
-                new = taken[-1].arrays()
-            # Bound the lazy graph: materialise each chunk's cache (as Target.prefill).
-            extra = (dcache.keys + dcache.values) if dcache is not None else []
-            mx.eval(cache.state(), [a for a in extra if a is not None], new, logits if logits is not None else [])
-            s = e
+                return dcache.state()
+
+        logits, _ = target.prefill(
+            prompt[start:],
+            cache,
+            capture=capture if consume is not None else (),
+            chunk_size=chunk_size,
+            consume=consume,
+            points=sorted(points),
+            at_point=at_point,
+        )
         if taken:
             base = self._commit(cache, base, taken, dcache)
         return logits, PrefixRun(self, cache, draft, dcache, base)
 
     def _commit(self, cache, base, snaps: List[_Snapshot], dcache=None):
         """Store ``snaps`` (all prefixes of the cache's tokens) with one new
-        KV segment for rows the chain lacks; an unwindowed draft's context
-        rows (``dcache``, holding at least those rows) go into it too, so
-        its snapshots share them. Returns the new base."""
+        segment for rows the chain lacks; an unwindowed draft's context rows
+        (``dcache``, holding at least those rows) go into it too when the
+        chain holds the draft's rows below, so its snapshots share them.
+        Returns the new base."""
         seg, upto = base
         end = max(s.n for s in snaps)
-        share = dcache is not None and dcache.window is None and dcache.length >= end and _chain_has_draft_rows(base)
+        share = dcache is not None and dcache.sequence and dcache.rows >= end and _chain_has_draft_rows(base)
+        if any(s.draft_layout is not None and s.draft is None for s in snaps) and not share:
+            raise RuntimeError("a snapshot's draft rows have no segment to go to")
         if end > upto:
-            kv = {}
-            for i, c in enumerate(cache.layers):
-                if isinstance(c, KVBuffer):
-                    kv[i] = (_copy(c.keys[:, :, upto:end]), _copy(c.values[:, :, upto:end]))
-            dkv = None
-            if share:
-                dkv = [(_copy(k[:, :, upto:end]), _copy(v[:, :, upto:end])) for k, v in zip(dcache.keys, dcache.values)]
-            seg = _Segment(upto, end, seg, kv, dkv)
-            mx.eval([a for pair in kv.values() for a in pair], [a for pair in (dkv or []) for a in pair])
+            layers = {i: c.snapshot_state(upto, end) for i, c in enumerate(cache.layers) if c.sequence}
+            dstate = dcache.snapshot_state(upto, end) if share else None
+            seg = _Segment(upto, end, seg, layers, dstate)
+            mx.eval(seg.own_arrays())
         for s in snaps:
             s.seg = seg
-            if share and s.draft is not None and s.draft.window is None:
-                s.draft.keys = s.draft.values = None
-            mx.eval([a for pair in s.recurrent.values() for a in pair], s.draft.own_arrays() if s.draft else [])
+            mx.eval(s.own_arrays())
         with self._lock:
             for s in snaps:
                 s.used = self._tick()
@@ -476,7 +454,8 @@ class PrefixCache:
         """Write every snapshot to a safetensors file, with the fingerprint of
         the model (config, tokenizer and weights; ``engine`` defaults to the
         one the cache was used with) so :meth:`load` refuses it for another
-        model, and a checksum of the data. Written atomically."""
+        model, and a checksum of the data. Each cache state is stored as its
+        arrays plus its JSON meta (the index). Written atomically."""
         path = Path(path)
         engine = engine if engine is not None else self._engine
         if engine is None:
@@ -492,43 +471,38 @@ class PrefixCache:
             for seg in reversed(chain):
                 seg_ids[id(seg)] = len(segs)
                 segs.append(seg)
-        arrays, index = {}, {"segments": [], "snapshots": []}
+        arrays = {}
+
+        def put(prefix: str, state: Optional[State]):
+            if state is None:
+                return None
+            for k, a in enumerate(state[0]):
+                arrays[f"{prefix}.{k}"] = a
+            return [len(state[0]), state[1]]
+
+        index = {"layout": self._layout, "segments": [], "snapshots": []}
         for j, seg in enumerate(segs):
             index["segments"].append(
                 {
                     "start": seg.start,
                     "end": seg.end,
                     "parent": seg_ids[id(seg.parent)] if seg.parent is not None else None,
-                    "layers": sorted(seg.kv),
-                    "draft_layers": len(seg.dkv) if seg.dkv is not None else None,
+                    "layers": [[i, *put(f"seg{j}.{i}", st)] for i, st in sorted(seg.layers.items())],
+                    "draft": put(f"seg{j}.d", seg.draft),
                 }
             )
-            for i, (k, v) in seg.kv.items():
-                arrays[f"seg{j}.k{i}"], arrays[f"seg{j}.v{i}"] = k, v
-            for i, (k, v) in enumerate(seg.dkv or []):
-                arrays[f"seg{j}.dk{i}"], arrays[f"seg{j}.dv{i}"] = k, v
         for j, sn in enumerate(snaps):
-            entry = {
-                "n": sn.n,
-                "kind": sn.kind,
-                "segment": seg_ids[id(sn.seg)],
-                "layers": sorted(sn.recurrent),
-                "draft": None,
-            }
             arrays[f"snap{j}.tokens"] = mx.array(list(sn.tokens), dtype=mx.int32)
-            for i, (conv, ssm) in sn.recurrent.items():
-                arrays[f"snap{j}.conv{i}"], arrays[f"snap{j}.ssm{i}"] = conv, ssm
-            if sn.draft is not None:
-                d = sn.draft
-                entry["draft"] = {
-                    "length": d.length,
-                    "window": list(d.window) if d.window else None,
-                    "layers": len(d.keys) if d.keys is not None else None,
+            index["snapshots"].append(
+                {
+                    "n": sn.n,
+                    "kind": sn.kind,
+                    "segment": seg_ids[id(sn.seg)],
+                    "layers": [[i, *put(f"snap{j}.{i}", st)] for i, st in sorted(sn.layers.items())],
+                    "draft_layout": sn.draft_layout,
+                    "draft": put(f"snap{j}.d", sn.draft),
                 }
-                arrays[f"snap{j}.dpos"] = mx.array(d.positions, dtype=mx.int32)
-                for i, (k, v) in enumerate(zip(d.keys or [], d.values or [])):
-                    arrays[f"snap{j}.dk{i}"], arrays[f"snap{j}.dv{i}"] = k, v
-            index["snapshots"].append(entry)
+            )
         meta = {
             "format": FILE_FORMAT,
             "version": FILE_VERSION,
@@ -578,43 +552,41 @@ class PrefixCache:
                 f"prompt cache file {path} was made for another model "
                 f"({', '.join(d.replace('_', ' ') for d in diff)} differ)"
             )
+
+        def get(prefix: str, entry) -> Optional[State]:
+            if entry is None:
+                return None
+            count, state_meta = entry
+            return [arrays[f"{prefix}.{k}"] for k in range(count)], state_meta
+
         try:
             pc = cls(max_bytes=max_bytes, rung_interval=rung)
+            pc._layout = index["layout"]
             segs = []
             for j, e in enumerate(index["segments"]):
                 parent = segs[e["parent"]] if e["parent"] is not None else None
                 if (e["start"] > 0) != (parent is not None) or (parent is not None and parent.end < e["start"]):
                     raise ValueError(f"segment {j} does not extend its parent")
-                kv = {int(i): (arrays[f"seg{j}.k{i}"], arrays[f"seg{j}.v{i}"]) for i in e["layers"]}
-                dkv = None
-                if e.get("draft_layers") is not None:
-                    dkv = [(arrays[f"seg{j}.dk{i}"], arrays[f"seg{j}.dv{i}"]) for i in range(e["draft_layers"])]
-                rows = [a.shape[2] for pair in list(kv.values()) + (dkv or []) for a in pair]
-                if any(r != e["end"] - e["start"] for r in rows):
-                    raise ValueError(f"segment {j} has the wrong number of rows")
-                segs.append(_Segment(e["start"], e["end"], parent, kv, dkv))
+                layers = {int(i): get(f"seg{j}.{i}", [count, m]) for i, count, m in e["layers"]}
+                draft = get(f"seg{j}.d", e["draft"])
+                for st in list(layers.values()) + ([draft] if draft is not None else []):
+                    if piece_rows(st) != e["end"] - e["start"]:
+                        raise ValueError(f"segment {j} has the wrong number of rows")
+                segs.append(_Segment(e["start"], e["end"], parent, layers, draft))
             for j, e in enumerate(index["snapshots"]):
                 toks = arrays[f"snap{j}.tokens"].tolist()
                 seg = segs[e["segment"]]
                 if len(toks) != e["n"] or seg.end < e["n"]:
                     raise ValueError(f"snapshot {j} is inconsistent")
                 seg.pieces(e["n"])
-                rec = {int(i): (arrays[f"snap{j}.conv{i}"], arrays[f"snap{j}.ssm{i}"]) for i in e["layers"]}
-                d = None
-                if e["draft"] is not None:
-                    de = e["draft"]
-                    shared = de["layers"] is None
-                    d = _DraftState(
-                        None if shared else [arrays[f"snap{j}.dk{i}"] for i in range(de["layers"])],
-                        None if shared else [arrays[f"snap{j}.dv{i}"] for i in range(de["layers"])],
-                        arrays[f"snap{j}.dpos"].tolist(),
-                        de["length"],
-                        tuple(de["window"]) if de["window"] else None,
-                    )
-                    if shared and (de["length"] > seg.end or not seg.has_draft_rows(de["length"])):
-                        raise ValueError(f"snapshot {j}: draft rows missing")
-                pc._snaps.append(_Snapshot(tuple(toks), seg, rec, d, e["kind"], used=pc._tick()))
-            _check_layout(pc._snaps, engine.target)
+                layers = {int(i): get(f"snap{j}.{i}", [count, m]) for i, count, m in e["layers"]}
+                draft = get(f"snap{j}.d", e["draft"])
+                if e["draft_layout"] is not None and draft is None and not seg.has_draft_rows(e["n"]):
+                    raise ValueError(f"snapshot {j}: draft rows missing")
+                pc._snaps.append(
+                    _Snapshot(tuple(toks), seg, layers, e["draft_layout"], draft, e["kind"], used=pc._tick())
+                )
+            _check_layout(pc._snaps, pc._layout, engine.target.make_cache())
         except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
             raise DFlashError(f"cannot read prompt cache file {path}: corrupt ({e})") from None
         pc._evict()
@@ -622,13 +594,23 @@ class PrefixCache:
         return pc
 
 
-def _check_layout(snaps: List[_Snapshot], target) -> None:
-    """Every snapshot has state for exactly the target's layers."""
-    kv_layers = {i for i, lin in enumerate(target.is_linear) if not lin}
-    lin_layers = {i for i, lin in enumerate(target.is_linear) if lin}
+def _check_layout(snaps: List[_Snapshot], layout: Optional[List[dict]], probe) -> None:
+    """Every snapshot has state for exactly the target's layers (``probe``:
+    a cache of the model), each of the file's layout."""
+    if not snaps:
+        return
+    if layout is None or len(layout) != len(probe.layers):
+        raise ValueError("layer layout differs from the model's")
+    seq = {i for i, c in enumerate(probe.layers) if c.sequence}
+    fixed = set(range(len(probe.layers))) - seq
     for s in snaps:
-        if set(s.recurrent) != lin_layers or set(s.seg.kv) != kv_layers:
+        seg_layers = {i for seg, _, _ in s.seg.pieces(s.n) for i in seg.layers}
+        if set(s.layers) != fixed or seg_layers != seq:
             raise ValueError("layer layout differs from the model's")
+        states = list(s.layers.items()) + [(i, st) for seg, _, _ in s.seg.pieces(s.n) for i, st in seg.layers.items()]
+        for i, (_, m) in states:
+            if {k: v for k, v in m.items() if k in layout[i]} != layout[i]:
+                raise ValueError(f"layer {i}'s state is not of the file's layout")
 
 
 def _checksum(arrays: Dict[str, mx.array], meta: Dict[str, str]) -> str:

@@ -7,6 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlx_dflash.cache import Rows
 from mlx_dflash.loading import load_draft
 from mlx_dflash.models.draft import default_target_layer_ids
 from mlx_dflash.models.qwen35 import Target
@@ -112,8 +113,8 @@ def test_unwindowed_context_grows_in_place_not_by_concatenation(setup):
     caps = set()
     for pos in range(11, 51):
         got = draft(feats[pos - 1 : pos], 40, pos, 8, cache)
-        caps.update(b.shape[2] for b in cache._k)
-    assert caps == {cache.step}
+        caps.update(b.shape[2] for r in cache._rows for b in r.bufs)
+    assert caps == {Rows.step}
     assert all(k.shape[2] == len(cache.positions) == 50 for k in cache.keys)
     want = draft_ref(draft, target, feats, 40, 50, 8, None)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

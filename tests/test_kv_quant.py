@@ -117,10 +117,92 @@ def test_bad_kv_bits(target64, dense, capsys):
     assert "error: --kv-bits must be 4 or 8" in capsys.readouterr().err
 
 
-def test_prefix_cache_with_quantized_kv_is_a_clear_error():
+@pytest.fixture(scope="module")
+def pair():
+    """The embedded pair (head dim 128: quantizable)."""
     import mlx_dflash
-    from mlx_dflash.errors import DFlashError
 
-    eng = mlx_dflash.load()
-    with pytest.raises(DFlashError, match="prefix cache does not work with a quantized KV cache"):
-        mlx_dflash.generate(eng, "def f(x):", max_tokens=4, kv_bits=8, prefix_cache=mlx_dflash.PrefixCache())
+    return mlx_dflash.load()
+
+
+def _prompt(eng):
+    return eng.encode("Beautiful is better than ugly. Explicit is better than implicit. " * 5 + "def parse(text):")
+
+
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])  # ~25 s each here
+def test_prefix_cache_with_quantized_kv_restores_exactly(pair, bits):
+    """Through the prefix cache (snapshot restored), a quantized-KV generation
+    gives exactly the tokens of the same generation without it."""
+    import mlx_dflash
+    from mlx_dflash.prefix import PrefixCache
+
+    prompt = _prompt(pair)
+    kw = dict(max_tokens=12, kv_bits=bits, adaptive=False)
+    cold = mlx_dflash.generate(pair, prompt, **kw)
+    pc = PrefixCache(rung_interval=32)
+    first = mlx_dflash.generate(pair, prompt, prefix_cache=pc, **kw)
+    assert first.stats.cached_tokens == 0 and first.tokens == cold.tokens
+    again = mlx_dflash.generate(pair, prompt, prefix_cache=pc, **kw)
+    assert again.stats.cached_tokens == len(prompt) - 1
+    assert again.tokens == cold.tokens and again.stats.accept_hist == first.stats.accept_hist
+    nxt = prompt + cold.tokens + pair.encode(" return")
+    warm = mlx_dflash.generate(pair, nxt, prefix_cache=pc, **kw)
+    assert warm.stats.cached_tokens == len(prompt) + len(cold.tokens) - 1
+    assert warm.tokens == mlx_dflash.generate(pair, nxt, **kw).tokens
+    # The snapshots hold quantized rows: a fraction of float KV's bytes.
+    flt = PrefixCache(rung_interval=32)
+    mlx_dflash.generate(pair, prompt, prefix_cache=flt, max_tokens=12, adaptive=False)
+    assert pc.snapshots()[:2] == flt.snapshots()[:2]
+    kv = lambda c: sum(
+        a.nbytes for s in c._snaps for seg, _, _ in s.seg.pieces(s.n) for st in seg.layers.values() for a in st[0]
+    )  # noqa: E731
+    ratio = ((1 if bits == 8 else 0.5) + 8 / 64) / 4  # as test_kv_memory_per_token (float32 pair)
+    assert kv(pc) < kv(flt) * ratio * 1.5
+
+
+def test_prompt_cache_file_with_quantized_kv(pair, tmp_path):
+    """A file saved with 8-bit KV loads and restores the same tokens; a
+    file of another KV format is refused clearly, both ways."""
+    import mlx_dflash
+    from mlx_dflash.prefix import PrefixCache
+
+    prompt = _prompt(pair)
+    kw = dict(max_tokens=10, adaptive=False)
+    cold8 = mlx_dflash.generate(pair, prompt, kv_bits=8, **kw)
+    pc = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(pair, prompt, kv_bits=8, prefix_cache=pc, **kw)
+    f8 = tmp_path / "q8.safetensors"
+    pc.save(f8)
+    back = PrefixCache.load(f8, pair)
+    assert back.snapshots() == pc.snapshots() and back.nbytes == pc.nbytes
+    again = mlx_dflash.generate(pair, prompt, kv_bits=8, prefix_cache=back, **kw)
+    assert again.stats.cached_tokens == len(prompt) - 1 and again.tokens == cold8.tokens
+    with pytest.raises(DFlashError, match="8-bit KV cache; this generation uses full-precision KV"):
+        mlx_dflash.generate(pair, prompt, prefix_cache=PrefixCache.load(f8, pair), **kw)
+    with pytest.raises(DFlashError, match="8-bit KV cache; this generation uses 4-bit KV"):
+        mlx_dflash.generate(pair, prompt, kv_bits=4, prefix_cache=PrefixCache.load(f8, pair), **kw)
+    flt = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(pair, prompt, prefix_cache=flt, **kw)
+    f32 = tmp_path / "float.safetensors"
+    flt.save(f32)
+    with pytest.raises(DFlashError, match="full-precision KV cache; this generation uses 8-bit KV"):
+        mlx_dflash.generate(pair, prompt, kv_bits=8, prefix_cache=PrefixCache.load(f32, pair), **kw)
+    # The same in memory: one prefix cache holds one KV format.
+    with pytest.raises(DFlashError, match="one prefix cache .* per KV format"):
+        mlx_dflash.generate(pair, prompt, kv_bits=4, prefix_cache=pc, **kw)
+
+
+def test_cli_prompt_cache_file_with_kv_bits(tmp_path, capsys):
+    f = tmp_path / "pc.safetensors"
+    outs = []
+    for _ in range(2):  # the second run restores from the file the first wrote
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "def f(x):", "-n", "6", "--no-adaptive", "--kv-bits", "8", "--prompt-cache-file", str(f)])
+        out = capsys.readouterr()
+        assert e.value.code in (0, None), out.err
+        outs.append(out.out)
+    assert f.is_file() and outs[0] == outs[1] and outs[0].strip()
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "def f(x):", "-n", "6", "--no-adaptive", "--prompt-cache-file", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error:") and "8-bit KV" in err and len(err.strip().splitlines()) == 1

@@ -138,9 +138,9 @@ def test_restored_draft_context_equals_a_cold_one(engines, which):
     pc = PrefixCache(rung_interval=32)
     prompt = ids(21, 70)
     mlx_dflash.generate(eng, prompt, max_tokens=8, prefix_cache=pc)
-    snaps = [s for s in pc._snaps if s.draft is not None]
+    snaps = [s for s in pc._snaps if s.draft_layout is not None]
     assert sorted(s.kind for s in snaps) == ["boundary", "end", "rung", "rung"]
-    assert all((s.draft.keys is None) == (which == "moe") for s in snaps)  # rows in the segments / own
+    assert all((s.draft is None) == (which == "moe") for s in snaps)  # rows in the segments / own
     for snap in snaps:
         dcache = draft.make_cache()
         pc._restore(snap, eng.target.make_cache(), dcache)
@@ -283,8 +283,8 @@ def test_budget_too_small_for_one_snapshot(engines):
     big = PrefixCache(rung_interval=0)
     cold = mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=big).tokens
     s = min(big._snaps, key=lambda s: s.n)
-    rec = sum(a.nbytes for pair in s.recurrent.values() for a in pair)
-    row = sum(a.nbytes for pair in s.seg.kv.values() for a in pair) // (s.seg.end - s.seg.start)
+    rec = sum(a.nbytes for arrays, _ in s.layers.values() for a in arrays)
+    row = sum(a.nbytes for arrays, _ in s.seg.layers.values() for a in arrays) // (s.seg.end - s.seg.start)
     with pytest.raises(DFlashError, match=f"too small for one snapshot .*at least {rec + row} bytes"):
         mlx_dflash.generate(eng, prompt, max_tokens=4, prefix_cache=PrefixCache(max_bytes=rec + row - 1))
     # Exactly that budget is accepted; this prompt's snapshots are larger, so none is kept.
@@ -386,15 +386,15 @@ def test_unwindowed_draft_rows_are_stored_once(engines):
     assert len(pc) == 8  # 6 rungs, the boundary, the end
     segs = {}
     for s in pc._snaps:
-        assert s.draft is not None and s.draft.keys is None
+        assert s.draft_layout is not None and s.draft is None
         seg = s.seg
         while seg is not None:
             segs[id(seg)] = seg
             seg = seg.parent
     rows = sum(seg.end - seg.start for seg in segs.values())
     assert rows == len(prompt) + N - 1
-    draft_bytes = sum(a.nbytes for seg in segs.values() for pair in seg.dkv for a in pair)
-    k, v = next(iter(segs.values())).dkv[0]
+    draft_bytes = sum(a.nbytes for seg in segs.values() for a in seg.draft[0])
+    k, v = next(iter(segs.values())).draft[0][:2]  # layer 0's keys and values
     per_row = len(eng.draft.layers) * (k.nbytes / k.shape[2] + v.nbytes / v.shape[2])
     assert draft_bytes == rows * per_row
 
@@ -467,3 +467,16 @@ def test_cli_refuses_an_edited_prompt_cache_file(dense, tok_dir, tmp_path, capsy
     engine = mlx_dflash.load(target, draft)
     with pytest.raises(DFlashError, match="corrupt"):
         PrefixCache.load(f, engine)
+
+
+def test_an_older_file_version_is_refused(engines, tmp_path):
+    """Version 3 stores opaque cache states; a version-2 file (arrays named by
+    cache field) is refused with a clear error, not misread."""
+    eng = engines["moe"]
+    pc = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(eng, ids(18, 40), max_tokens=4, prefix_cache=pc)
+    f = tmp_path / "pc.safetensors"
+    pc.save(f)
+    _rewrite_metadata(f, lambda meta: meta.update(version="2"))
+    with pytest.raises(DFlashError, match="unsupported prompt cache version '2'.*delete the file"):
+        PrefixCache.load(f, eng)

@@ -237,6 +237,27 @@ def test_second_turn_is_served_from_the_prefix_cache(server, engine):
     assert after["mlx_dflash_prefix_cache_bytes"] > 0
 
 
+def test_kv_bits_server_serves_from_the_prefix_cache(engine, tmp_path):
+    """``serve --kv-bits 8``: the prefix cache holds quantized KV; a second
+    turn restores it and its reply equals generate() with 8-bit KV and no cache
+    (the width pinned so that no cost measurement runs)."""
+    s = ServerProcess("--kv-bits", "8", "--block-size", "16", "--api-key", KEY, log=tmp_path / "log.txt")
+    try:
+        first = [{"role": "user", "content": "def parse_args(argv):\n"}]
+        r1 = s.openai().chat.completions.create(model="mlx-dflash", messages=first, max_tokens=MAX_NEW)
+        convo = first + [
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": "\n\ndef main():\n"},
+        ]
+        ids = list(engine.tokenizer.apply_chat_template(convo, add_generation_prompt=True))
+        want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, kv_bits=8, block_size=16)
+        r2 = s.openai().chat.completions.create(model="mlx-dflash", messages=convo, max_tokens=MAX_NEW)
+        assert r2.choices[0].message.content == want.text
+        assert 0 < r2.usage.prompt_tokens_details.cached_tokens < len(ids)
+    finally:
+        s.close()
+
+
 def test_stop_sequences(server, engine):
     _, want = _expected(engine, PROMPTS[0])
     stop = want.text[6:9]

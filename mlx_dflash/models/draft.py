@@ -12,12 +12,13 @@ dropping rows never changes the positions of the rows kept.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from ..cache import LayerCache, Rows, State
 from ..kernels.fused_exp import attention, fused_exp_for, silu_fused
 from .qwen35 import array_offset_rope
 
@@ -294,21 +295,27 @@ class CandidateSelector(nn.Module):
         return mx.take_along_axis(cand, picks, axis=-1)[:, 0].astype(mx.int32), cand, mx.stack(rows)
 
 
-class DraftCache:
-    """Context K/V per layer ([1, Hkv, L, D]) and the absolute positions held.
+class DraftCache(LayerCache):
+    """Context K/V per layer ([B, Hkv, L, D]) and the absolute positions held.
 
     ``keys`` / ``values`` are the rows held, one array per layer. They live in
-    buffers grown in steps of ``step`` rows: new context rows and each
-    cycle's block rows are written in place after the held ones, so a cycle
-    copies O(new rows), not the whole context (a windowed cache is trimmed
-    to its window by a gather instead).
+    buffers grown in steps (:class:`~mlx_dflash.cache.Rows`): new context rows
+    and each cycle's block rows are written in place after the held ones, so a
+    cycle copies O(new rows), not the whole context (a windowed cache is
+    trimmed to its window by a gather instead).
+
+    As a :class:`~mlx_dflash.cache.LayerCache`: unwindowed, row i is position
+    i and the cache is a sequence cache (its rows can be shared between
+    snapshots); windowed, its state is the window's rows and their positions,
+    taken whole. The block rows are scratch: no rollback applies.
     """
 
-    step = 256
-
     def __init__(self, keys, values, positions=None, length: int = 0, window: Optional[Tuple[int, int]] = None):
-        self._k: List[Optional[mx.array]] = list(keys)  # buffers: rows [0, len(positions)) are held
-        self._v: List[Optional[mx.array]] = list(values)
+        self._rows: List[Rows] = []
+        for k, v in zip(keys, values):
+            r = Rows(2)
+            r.bufs = [k, v]
+            self._rows.append(r)
         self.positions: List[int] = list(positions or [])
         self.length = length  # context positions consumed so far (0..length-1)
         self.window = window  # (sink, recent) or None = keep all
@@ -317,28 +324,23 @@ class DraftCache:
     def rows(self) -> int:
         return len(self.positions)
 
-    def _held(self, bufs) -> List[Optional[mx.array]]:
-        return [None if b is None else b[:, :, : self.rows] for b in bufs]
+    @property
+    def sequence(self) -> bool:
+        return self.window is None
 
-    keys = property(lambda self: self._held(self._k), lambda self, arrays: setattr(self, "_k", list(arrays)))
-    values = property(lambda self: self._held(self._v), lambda self, arrays: setattr(self, "_v", list(arrays)))
+    @property
+    def keys(self) -> List[Optional[mx.array]]:
+        return [r.held(self.rows)[0] if r.bufs[0] is not None else None for r in self._rows]
+
+    @property
+    def values(self) -> List[Optional[mx.array]]:
+        return [r.held(self.rows)[1] if r.bufs[1] is not None else None for r in self._rows]
 
     def write(self, i: int, start: int, k: mx.array, v: mx.array) -> Tuple[mx.array, mx.array]:
-        """Write rows k, v [1, Hkv, S, D] of layer i at ``start`` (growing the
+        """Write rows k, v [B, Hkv, S, D] of layer i at ``start`` (growing the
         buffers in steps); returns the layer's rows [0, start + S)."""
-        end = start + k.shape[2]
-        buf = self._k[i]
-        if buf is None or end > buf.shape[2]:
-            cap = ((end + self.step - 1) // self.step) * self.step
-            nk = mx.zeros(k.shape[:2] + (cap,) + k.shape[3:], k.dtype)
-            nv = mx.zeros(v.shape[:2] + (cap,) + v.shape[3:], v.dtype)
-            if buf is not None and start > 0:
-                nk[:, :, :start] = buf[:, :, :start]
-                nv[:, :, :start] = self._v[i][:, :, :start]
-            self._k[i], self._v[i] = nk, nv
-        self._k[i][:, :, start:end] = k
-        self._v[i][:, :, start:end] = v
-        return self._k[i][:, :, :end], self._v[i][:, :, :end]
+        keys, values = self._rows[i].write(start, [k, v])
+        return keys, values
 
     def skip(self, rows: int) -> int:
         """Of ``rows`` context rows about to arrive, consume (uncomputed) the
@@ -357,12 +359,54 @@ class DraftCache:
         if n <= sink + recent:
             return
         keep = list(range(sink)) + list(range(n - recent, n))
-        idx = mx.array(keep)
-        for bufs in (self._k, self._v):  # gathered to the front of the same buffers
-            for b in bufs:
-                if b is not None:
-                    b[:, :, : len(keep)] = b[:, :, idx]
+        for r in self._rows:  # gathered to the front of the same buffers
+            r.gather(0, keep)
         self.positions = [self.positions[i] for i in keep]
+
+    def fork(self) -> "DraftCache":
+        """A cache holding the same rows that later writes to either leave
+        the other unchanged."""
+        return DraftCache(self.keys, self.values, self.positions, self.length, self.window)
+
+    # --- the LayerCache protocol ---------------------------------------------
+    def layout(self) -> dict:
+        return {"type": "draft", "layers": len(self._rows), "window": list(self.window) if self.window else None}
+
+    def truncate(self, n: int) -> None:
+        if not self.sequence:
+            raise ValueError("a windowed draft context cannot be truncated")
+        self.positions = self.positions[:n]
+        self.length = min(self.length, n)
+
+    def state(self) -> List[mx.array]:
+        return [a for r in self._rows for a in r.held(self.rows)]
+
+    def snapshot_state(self, a: int = 0, b: Optional[int] = None) -> State:
+        """Unwindowed: rows [a, b), two arrays per layer. Windowed: the whole
+        state (rows held, then their positions as an int32 array)."""
+        if self.sequence:
+            b = self.rows if b is None else b
+            if not 0 <= a <= b <= self.rows:
+                raise ValueError(f"rows [{a}, {b}) outside the {self.rows} held")
+            return [x for r in self._rows for x in r.copy(a, b)], {**self.layout(), "rows": b - a}
+        arrays = [x for r in self._rows for x in r.copy(0, self.rows)]
+        return arrays + [mx.array(self.positions, dtype=mx.int32)], {**self.layout(), "length": self.length}
+
+    def restore_state(self, pieces: Sequence[State]) -> None:
+        self._check(pieces)
+        n = len(self._rows)
+        if self.sequence:
+            for i, r in enumerate(self._rows):
+                r.load([arrays[2 * i : 2 * i + 2] for arrays, _ in pieces])
+            rows = sum(meta["rows"] for _, meta in pieces)
+            self.positions, self.length = list(range(rows)), rows
+            return
+        if len(pieces) != 1:
+            raise ValueError("a windowed draft context is restored from one piece")
+        arrays, meta = pieces[0]
+        for i, r in enumerate(self._rows):
+            r.load([arrays[2 * i : 2 * i + 2]])
+        self.positions, self.length = arrays[2 * n].tolist(), int(meta["length"])
 
 
 class DFlashDraft(nn.Module):

@@ -6,7 +6,7 @@ verify needs what mlx-lm's does not provide: hidden-state capture, a DeltaNet
 tape for exact rollback, and a truncatable KV cache.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
@@ -331,24 +331,45 @@ class Target:
         capture: Sequence[int] = (),
         chunk_size: int = 512,
         capture_from: int = 0,
+        consume: Optional[Callable[[mx.array], List[mx.array]]] = None,
+        points: Sequence[int] = (),
+        at_point: Optional[Callable[[int], List[mx.array]]] = None,
     ) -> Tuple[mx.array, Optional[mx.array]]:
-        """Chunked prefill. Returns last-row logits [1, V] and features of rows
-        ``capture_from``.. (the rows a windowed draft will read)."""
+        """Chunked prefill of ``tokens`` at positions cache.offset... Chunks
+        end every ``chunk_size`` tokens and at each position of ``points``,
+        where ``at_point(position)`` is called once the cache holds it (the
+        prefix store takes its snapshots there). ``consume(features)``: takes
+        each chunk's captured features as they come (a draft reading its
+        context) instead of returning them. Both callbacks return arrays to
+        materialise with the cache. Returns last-row logits [1, V] and
+        features of rows ``capture_from``.. (the rows a windowed draft will
+        read; None with ``consume``)."""
+        start = cache.offset
+        end = start + len(tokens)
+        stops = set(range(start + chunk_size, end, chunk_size)) | {end}
+        cuts = sorted(stops | {p for p in points if start < p < end})
+        points = set(points)
         feats = []
         logits = None
-        n = len(tokens)
-        for s in range(0, n, chunk_size):
-            last = s + chunk_size >= n
+        s = start
+        for e in cuts:
             logits, f = self.forward(
-                tokens[s : s + chunk_size],
+                tokens[s - start : e - start],
                 cache,
-                capture=capture if s + chunk_size > capture_from else (),
-                logits="last" if last else "none",
+                capture=capture if s - start + chunk_size > capture_from else (),
+                logits="last" if e == end else "none",
             )
+            extra = []
             if f is not None:
-                feats.append(f[max(capture_from - s, 0) :])
+                if consume is not None:
+                    extra += consume(f)
+                else:
+                    feats.append(f[max(capture_from - (s - start), 0) :])
+            if at_point is not None and e in points:
+                extra += at_point(e)
             # Bound the lazy graph: materialise each chunk's cache.
-            mx.eval(cache.state(), *feats[-1:])
+            mx.eval(cache.state(), *feats[-1:], extra)
+            s = e
         features = mx.concatenate(feats, axis=0) if feats else None
         return logits, features
 
