@@ -154,3 +154,48 @@ def test_a_dynamic_rope_draft_runs_as_plain_ops_and_matches(dense):
         out[flag] = draft(feats, 4, len(PROMPT), 6, draft.make_cache())
     _close(out[True], out[False])
     assert "_compiled_fns" not in draft.__dict__ or not draft.__dict__["_compiled_fns"]
+
+
+def _v2_draft(cfg, target, tmp_path):
+    from test_draft2 import random_v2
+
+    draft = random_v2(
+        cfg, target, 5, tmp_path, block_size=8, layer_types=["sliding_attention", "full_attention"], sliding_window=6
+    )
+    assert draft.config.is_v2
+    return draft
+
+
+def test_dflash2_draft_compiles_and_matches_plain_ops_bit_for_bit(dense, tmp_path):
+    """A DFlash 2 draft's blocks (convolutions around the attention and the
+    MLP) run as compiled steps like v1's, with the same hidden rows, logits
+    and proposals as plain ops, bit for bit."""
+    cfg, model = dense
+    target = Target(model)
+    draft = _v2_draft(cfg, target, tmp_path)
+    _, feats = target.prefill(PROMPT, target.make_cache(), capture=draft.target_layer_ids)
+    n = len(PROMPT)
+    out = {}
+    for flag in (True, False):
+        draft.compiled = flag
+        cache = draft.make_cache()
+        rows = []
+        for f, anchor, pos in ((feats[:-2], 3, n - 2), (feats[-2:-1], 4, n - 1), (feats[-1:], 5, n)):
+            hidden = draft.block_hidden(f, anchor, pos, 8, cache)
+            rows += [hidden, draft.logits(hidden[1:]), draft.propose(None, anchor, pos, 8, cache)[0]]
+        out[flag] = rows
+        if flag:
+            keys = set(draft.__dict__.get("_compiled_fns", {}))
+            assert {(i, 8, kind) for i in range(2) for kind in ("pre", "post")} == {k[:3] for k in keys}
+    for a, b in zip(out[True], out[False]):
+        assert a.dtype == b.dtype and np.array_equal(np.array(a), np.array(b))
+
+
+def test_compiled_dflash2_draft_decodes_plain_greedy(dense, tmp_path):
+    cfg, model = dense
+    target = Target(model)
+    draft = _v2_draft(cfg, target, tmp_path)
+    N = 40
+    ref = reference_greedy(model, PROMPT, N)
+    assert sum(generate_tokens(target, PROMPT, draft=draft, max_tokens=N, block_size=8), []) == ref
+    assert draft.__dict__.get("_compiled_fns")  # the compiled steps ran

@@ -148,12 +148,33 @@ class DraftAttention(nn.Module):
             max_position_embeddings=cfg.max_position_embeddings,
         )
 
-    def kv(self, x: mx.array, offset: int) -> Tuple[mx.array, mx.array]:
-        """K (normed, RoPE from ``offset``) and V for rows x [1, S, H]."""
-        S = x.shape[1]
-        k = self.k_norm(self.k_proj(x).reshape(1, S, self.n_kv, -1)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(1, S, self.n_kv, -1).transpose(0, 2, 1, 3)
-        return self.rope(k, offset=offset), v
+    def _rope(self, x: mx.array, pos) -> mx.array:
+        """RoPE of x [Bt, heads, S, D] at positions pos, pos + 1, .. (``pos`` an
+        int or a scalar array) or at explicit positions ``pos`` [Bt, S]."""
+        if isinstance(pos, mx.array) and pos.ndim > 0:
+            Bt, nh, S, D = x.shape  # tokens as the batch, each with its own offset
+            xt = x.transpose(0, 2, 1, 3).reshape(Bt * S, nh, 1, D)
+            out = self.rope(xt, offset=pos.reshape(-1).astype(mx.int32))
+            return out.reshape(Bt, S, nh, D).transpose(0, 2, 1, 3)
+        return self.rope(x, offset=pos)
+
+    def kv(self, x: mx.array, pos) -> Tuple[mx.array, mx.array]:
+        """K (normed, RoPE at ``pos``) and V [Bt, Hkv, S, D] for rows x [Bt, S, H]."""
+        Bt, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(Bt, S, self.n_kv, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(Bt, S, self.n_kv, -1).transpose(0, 2, 1, 3)
+        return self._rope(k, pos), v
+
+    def project(self, x: mx.array, pos) -> Tuple[mx.array, mx.array, mx.array]:
+        """q, k, v [Bt, heads, S, D] of rows x [Bt, S, H]: normed, RoPE at ``pos``."""
+        Bt, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(Bt, S, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        return (self._rope(q, pos),) + self.kv(x, pos)
+
+    def output(self, out: mx.array) -> mx.array:
+        """The output projection of attention rows out [Bt, heads, S, D]: [Bt, S, H]."""
+        Bt, _, S, _ = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(Bt, S, -1))
 
 
 class MLP(nn.Module):
@@ -177,11 +198,25 @@ class DraftLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
-        """Block rows h [..., B, H]; ``attend`` maps normed rows to attention
-        output; ``fused_exp``: the MLP's SiLU by fused_exp.silu_fused (proposals on a CPU)."""
-        h = h + attend(self.input_layernorm(h))
+    # A layer is two steps around the attend over context and block K/V
+    # (which the caller does: a cache at inference, whole sequences in
+    # training). Block rows h [Bt, ..., B, H]; the attention sees them as
+    # [Bt, S, H].
+
+    def pre(self, h: mx.array, pos) -> tuple:
+        """q, k, v of the block rows (RoPE at ``pos``), then what ``post`` needs."""
+        return self.self_attn.project(_rows(self.input_layernorm(h)), pos)
+
+    def post(self, h: mx.array, out: mx.array, fused_exp: bool = False) -> mx.array:
+        """Residual of the attention rows out [Bt, heads, S, D], then the MLP
+        sublayer; ``fused_exp``: its SiLU by fused_exp.silu_fused (proposals on a CPU)."""
+        h = h + self.self_attn.output(out).reshape(h.shape)
         return h + self.mlp(self.post_attention_layernorm(h), fused_exp)
+
+
+def _rows(x: mx.array) -> mx.array:
+    """[Bt, ..., H] -> [Bt, S, H]."""
+    return x.reshape(x.shape[0], -1, x.shape[-1])
 
 
 class BlockConv(nn.Module):
@@ -228,16 +263,19 @@ class Draft2Layer(DraftLayer):
         self.attention_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
-    def __call__(self, h: mx.array, attend, fused_exp: bool = False) -> mx.array:
-        mlp = lambda x: self.mlp(x, fused_exp)  # noqa: E731
-        for norm, conv, fn in (
-            (self.input_layernorm, self.attention_conv, attend),
-            (self.post_attention_layernorm, self.mlp_conv, mlp),
-        ):
-            x = norm(h)
-            c = conv.coefficients(x)
-            h = h + conv(fn(conv(x, c, 0)), c, 1)
-        return h
+    # Each sublayer f becomes h + conv(f(conv(norm(h), c, 0)), c, 1), with
+    # c = conv.coefficients(norm(h)); the attention's c is carried to post.
+
+    def pre(self, h: mx.array, pos) -> tuple:
+        x = self.input_layernorm(h)
+        c = self.attention_conv.coefficients(x)
+        return self.self_attn.project(_rows(self.attention_conv(x, c, 0)), pos) + (c,)
+
+    def post(self, h: mx.array, out: mx.array, c: mx.array, fused_exp: bool = False) -> mx.array:
+        h = h + self.attention_conv(self.self_attn.output(out).reshape(h.shape), c, 1)
+        x = self.post_attention_layernorm(h)
+        c = self.mlp_conv.coefficients(x)
+        return h + self.mlp_conv(self.mlp(self.mlp_conv(x, c, 0), fused_exp), c, 1)
 
 
 class CandidateSelector(nn.Module):
@@ -413,7 +451,7 @@ class DFlashDraft(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
-        self.compiled = True  # decode-time block forwards as compiled pieces (see _fn); False: plain ops
+        self.compiled = True  # decode-time block forwards as compiled steps (see _step); False: plain ops
         n_feat = len(cfg.target_layer_ids or [0] * cfg.num_hidden_layers)
         self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -532,59 +570,33 @@ class DFlashDraft(nn.Module):
         self._extend_context(features, anchor_pos, cache)
         ids = mx.array([anchor] + [cfg.mask_token_id] * (B - 1))
         h = self.embed(ids)[None]
-        compiled = (
-            self.compiled and not cfg.is_v2 and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers)
-        )
-        pos = mx.array(anchor_pos, dtype=mx.int32) if compiled else None
+        # Each layer's steps run compiled (parameters read as inputs, so a
+        # draft being trained is seen as it is now); the attend over the
+        # context cache, whose length changes every cycle, runs between them.
+        compiled = self.compiled and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers)
+        pos = mx.array(anchor_pos, dtype=mx.int32) if compiled else anchor_pos
+        fused = fused_exp_for(True)  # a proposal block: the fused SiLU on a CPU
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
+            q, kb, vb, *carry = self._step(i, B, "pre", fused, compiled)(h, pos)
+            # The block's rows go after the context's, as scratch (not held).
+            keys, values = cache.write(i, cache.rows, kb, vb)
             mask = self._mask(i, cache, anchor_pos, B)
-            if compiled:
-                # Everything but the attention over the context cache (whose
-                # length changes every cycle) runs as two compiled pieces.
-                q, kb, vb = self._fn(i, B, "pre")(h, pos)
-                # The block's rows go after the context's, as scratch (not held).
-                keys, values = cache.write(i, cache.rows, kb, vb)
-                out = attention(q, keys, values, attn.scale, mask, decode_block=True)
-                h = self._fn(i, B, "post")(h, out)
-                continue
-
-            def attend(x, i=i, attn=attn, mask=mask):
-                q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-                q = attn.rope(q, offset=anchor_pos)
-                kb, vb = attn.kv(x, anchor_pos)
-                keys, values = cache.write(i, cache.rows, kb, vb)
-                out = attention(q, keys, values, attn.scale, mask, decode_block=True)
-                return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
-
-            h = layer(h, attend, fused_exp_for(True))
+            out = attention(q, keys, values, layer.self_attn.scale, mask, decode_block=True)
+            h = self._step(i, B, "post", fused, compiled)(h, out, *carry)
         return self.norm(h[0])
 
-    def _fn(self, i: int, B: int, kind: str):
-        """Layer i's compiled piece before ("pre": normed q, k, v of the block
-        rows, RoPE at an array position) or after ("post": output projection,
-        residual, MLP) the attention, for blocks of B rows; parameters read
-        as inputs, so a draft being trained is seen as it is now."""
-        fns = self.__dict__.setdefault("_compiled_fns", {})
-        fused = fused_exp_for(True)  # a proposal block: the fused SiLU on a CPU
-        key = (i, B, kind, fused)
-        if key not in fns:
-            layer = self.layers[i]
-            attn = layer.self_attn
-            if kind == "pre":
-
-                def run(h, pos):
-                    x = layer.input_layernorm(h)
-                    q = attn.q_norm(attn.q_proj(x).reshape(1, B, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-                    return (attn.rope(q, offset=pos),) + attn.kv(x, pos)
-            else:
-
-                def run(h, out):
-                    h = h + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(1, B, -1))
-                    return h + layer.mlp(layer.post_attention_layernorm(h), fused)
-
-            fns[key] = mx.compile(run, inputs=[layer.state])
-        return fns[key]
+    def _step(self, i: int, B: int, kind: str, fused: bool, compiled: bool):
+        """Layer i's ``pre`` or ``post`` for blocks of B rows, compiled once per
+        (layer, width) when ``compiled``."""
+        if compiled:
+            fns = self.__dict__.setdefault("_compiled_fns", {})
+            key = (i, B, kind, fused)
+            fn = fns.get(key)
+            if fn is None:
+                fn = fns[key] = mx.compile(self._step(i, B, kind, fused, False), inputs=[self.layers[i].state])
+            return fn
+        layer = self.layers[i]
+        return layer.pre if kind == "pre" else lambda h, out, *carry: layer.post(h, out, *carry, fused_exp=fused)
 
     def __call__(
         self,
@@ -661,16 +673,6 @@ def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cach
 # --- training forward -----------------------------------------------------------
 
 
-def _rope_at(rope, x: mx.array, positions: mx.array) -> mx.array:
-    """The layer's RoPE module (scaling included, as at inference) at explicit
-    positions: x [Bt, nh, S, D]; positions [Bt, S]. Tokens go in as the batch,
-    each with its own offset."""
-    Bt, nh, S, D = x.shape
-    xt = x.transpose(0, 2, 1, 3).reshape(Bt * S, nh, 1, D)
-    out = rope(xt, offset=positions.reshape(-1).astype(mx.int32))
-    return out.reshape(Bt, S, nh, D).transpose(0, 2, 1, 3)
-
-
 def training_mask(
     anchors: mx.array, L: int, B: int, sliding_window: Optional[int] = None, block_causal: bool = True
 ) -> mx.array:
@@ -712,37 +714,27 @@ def train_hidden(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anc
     c_pos = mx.broadcast_to(mx.arange(L)[None], (Bt, L))
     masks = {}
     for i, layer in enumerate(draft.layers):
-        at = layer.self_attn
         sl = cfg.sliding_window if cfg.is_sliding(i) else None
         if sl not in masks:
             masks[sl] = training_mask(anchors, L, B, sl, cfg.sliding_block_causal)[:, None]
-
-        def attend(x, at=at, mask=masks[sl]):
-            x = x.reshape(Bt, m * B, -1)
-            nh, nkv = at.n_heads, at.n_kv
-            q = at.q_norm(at.q_proj(x).reshape(Bt, m * B, nh, -1)).transpose(0, 2, 1, 3)
-            q = _rope_at(at.rope, q, q_pos)
-
-            def kv(rows, pos):
-                S = rows.shape[1]
-                k = at.k_norm(at.k_proj(rows).reshape(Bt, S, nkv, -1)).transpose(0, 2, 1, 3)
-                v = at.v_proj(rows).reshape(Bt, S, nkv, -1).transpose(0, 2, 1, 3)
-                return _rope_at(at.rope, k, pos), v
-
-            kc, vc = kv(ctx, c_pos)
-            kb, vb = kv(x, q_pos)
-            keys = mx.concatenate([kc, kb], axis=2)
-            values = mx.concatenate([vc, vb], axis=2)
-            if nh != nkv:
-                keys = mx.repeat(keys, nh // nkv, axis=1)
-                values = mx.repeat(values, nh // nkv, axis=1)
-            scores = (q * at.scale) @ keys.swapaxes(-1, -2)
-            scores = mx.where(mask, scores, -1e9)
-            out = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype) @ values
-            return at.o_proj(out.transpose(0, 2, 1, 3).reshape(Bt, m * B, -1)).reshape(Bt, m, B, -1)
-
-        h = layer(h, attend)
+        q, kb, vb, *carry = layer.pre(h, q_pos)
+        kc, vc = layer.self_attn.kv(ctx, c_pos)
+        keys = mx.concatenate([kc, kb], axis=2)
+        values = mx.concatenate([vc, vb], axis=2)
+        h = layer.post(h, masked_attention(q, keys, values, layer.self_attn.scale, masks[sl]), *carry)
     return draft.norm(h)
+
+
+def masked_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """Softmax attention of q [Bt, H, S, D] over keys, values [Bt, Hkv, L, D]
+    under a boolean mask, in plain differentiable ops (training)."""
+    nh, nkv = q.shape[1], keys.shape[1]
+    if nh != nkv:
+        keys = mx.repeat(keys, nh // nkv, axis=1)
+        values = mx.repeat(values, nh // nkv, axis=1)
+    scores = (q * scale) @ keys.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, -1e9)
+    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype) @ values
 
 
 def train_logits(draft: "DFlashDraft", features: mx.array, tokens: mx.array, anchors: mx.array) -> mx.array:

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..cache import DeltaNetState, KVBuffer, TargetCache
+from ..cache import DeltaNetState, TargetCache
 from ..ddtree import ancestor_matrix
 from ..kernels.conv import causal_conv1d_silu
 from ..kernels.fused_exp import fused_exp_for, row_exact, sigmoid_fused, silu_fused
@@ -32,6 +32,105 @@ def tree_inputs(parents: Sequence[int]):
     """(depth [T], ancestor matrix [T, T]) of a verify tree, for the attention layers."""
     anc = ancestor_matrix(parents)
     return anc.astype(mx.int32).sum(axis=1) - 1, anc
+
+
+# --- the layer kinds' steps ----------------------------------------------------
+# One implementation per layer kind, which Target.layers_forward runs either as
+# plain ops or mx.compile'd: a DeltaNet layer is one step (states in and out,
+# plus its tape when recorded); an attention layer is two, around the attend
+# over the KV cache (whose length changes every call).
+
+
+def mlp_step(layer, h: mx.array, fused: bool) -> mx.array:
+    """h plus the layer's MLP sublayer; ``fused``: a dense SwiGLU's SiLU by
+    fused_exp.silu_fused (MoE blocks always run mlx-lm's)."""
+    x = layer.post_attention_layernorm(h)
+    mlp = layer.mlp
+    if fused and hasattr(mlp, "gate_proj"):
+        return h + mlp.down_proj(silu_fused(mlp.gate_proj(x)) * mlp.up_proj(x))
+    return h + mlp(x)
+
+
+def deltanet_step(layer, h: mx.array, conv: mx.array, ssm: mx.array, *, record: bool, fused: bool, parents=None):
+    """A DeltaNet layer and its MLP over h [B, T, H] from states conv
+    [B, K-1, C] and ssm [B, Hv, Dv, Dk]: (h, conv, ssm), and when ``record``
+    the tape's (k, g, delta, conv_in). ``parents``: a tree block."""
+    la = layer.linear_attn
+    x = layer.input_layernorm(h)
+    B, T, _ = x.shape
+    Hk, Hv = la.num_k_heads, la.num_v_heads
+    Dk, Dv = la.head_k_dim, la.head_v_dim
+    K = la.conv_kernel_size
+    qkv = la.in_proj_qkv(x)
+    z = la.in_proj_z(x).reshape(B, T, Hv, Dv)
+    b = la.in_proj_b(x)
+    a = la.in_proj_a(x)
+    conv_in = mx.concatenate([conv, qkv], axis=1)
+    fx = fused_exp_for(record, x.dtype)
+    conv_out = causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fx)
+    qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
+    q = qc.reshape(B, T, Hk, Dk)
+    k = kc.reshape(B, T, Hk, Dk)
+    v = vc.reshape(B, T, Hv, Dv)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    beta = sigmoid_fused(b) if fx else mx.sigmoid(b)
+    g = compute_g(la.A_log, a, la.dt_bias)
+    stepwise = record and row_exact(x.dtype)
+    if parents is None:
+        y, new_ssm, delta = gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
+    else:
+        y, new_ssm, delta = gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record, stepwise=stepwise)
+    if fx:  # mlx-lm's gated RMSNorm, its SiLU fused
+        f32 = mx.float32
+        out = silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32)
+        out = out.astype(y.dtype)
+    else:
+        out = la.norm(y, z)
+    h = mlp_step(layer, h + la.out_proj(out.reshape(B, T, -1)), fused)
+    new_conv = conv_in[:, -(K - 1) :]
+    return (h, new_conv, new_ssm, k, g, delta, conv_in) if record else (h, new_conv, new_ssm)
+
+
+def attention_pre(layer, h: mx.array, pos):
+    """An attention layer's work before the KV attend: q, k, v [B, H, T, D]
+    and the output gate [B, T, H*D]. RoPE at offset ``pos`` (an int or a
+    scalar array), or per token at positions ``pos`` [T] (a tree)."""
+    attn = layer.self_attn
+    x = layer.input_layernorm(h)
+    B, T, _ = x.shape
+    nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
+    q, gate = mx.split(attn.q_proj(x).reshape(B, T, nh, -1), 2, axis=-1)
+    gate = gate.reshape(B, T, -1)
+    k = attn.k_proj(x).reshape(B, T, nkv, -1)
+    v = attn.v_proj(x).reshape(B, T, nkv, -1).transpose(0, 2, 1, 3)
+    q = attn.q_norm(q).transpose(0, 2, 1, 3)
+    k = attn.k_norm(k).transpose(0, 2, 1, 3)
+    if isinstance(pos, mx.array) and pos.ndim == 1:  # tokens as the batch, each at its position
+        q = attn.rope(q.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
+        k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
+    else:
+        q = attn.rope(q, offset=pos)
+        k = attn.rope(k, offset=pos)
+    return q, k, v, gate
+
+
+def attention_post(layer, h: mx.array, o: mx.array, gate: mx.array, *, fused: bool) -> mx.array:
+    """An attention layer's work after the attend (o [B, H, T, D]): gate,
+    output projection, residual, MLP sublayer."""
+    B, _, T, _ = o.shape
+    out = o.transpose(0, 2, 1, 3).reshape(B, T, -1)
+    out = out * (sigmoid_fused(gate) if fused else mx.sigmoid(gate))
+    return mlp_step(layer, h + layer.self_attn.o_proj(out), fused)
+
+
+def layer_step(layer, kind: str, record: bool, fused: bool, parents=None):
+    """Layer's step ``kind`` ("deltanet", "pre" / "post": an attention
+    layer's before / after the attend) as a function of arrays only."""
+    if kind == "deltanet":
+        return lambda h, conv, ssm: deltanet_step(layer, h, conv, ssm, record=record, fused=fused, parents=parents)
+    if kind == "pre":
+        return lambda h, pos: attention_pre(layer, h, pos)
+    return lambda h, o, gate: attention_post(layer, h, o, gate, fused=fused)
 
 
 class Target:
@@ -92,96 +191,6 @@ class Target:
         return self.lm.lm_head(h)
 
     # --- forward -------------------------------------------------------------
-    def _attention_inputs(self, attn, x: mx.array, offset=None):
-        """q, k, v [B, H, T, D] and the output gate [B, T, H*D]; RoPE at
-        ``offset`` (an int or a scalar array; None: left for a tree)."""
-        B, T, _ = x.shape
-        nh, nkv = attn.num_attention_heads, attn.num_key_value_heads
-        q, gate = mx.split(attn.q_proj(x).reshape(B, T, nh, -1), 2, axis=-1)
-        gate = gate.reshape(B, T, -1)
-        k = attn.k_proj(x).reshape(B, T, nkv, -1)
-        v = attn.v_proj(x).reshape(B, T, nkv, -1).transpose(0, 2, 1, 3)
-        q = attn.q_norm(q).transpose(0, 2, 1, 3)
-        k = attn.k_norm(k).transpose(0, 2, 1, 3)
-        if offset is not None:
-            q = attn.rope(q, offset=offset)
-            k = attn.rope(k, offset=offset)
-        return q, k, v, gate
-
-    def _mlp(self, layer, x: mx.array, fused_exp: bool) -> mx.array:
-        """The layer's MLP; ``fused_exp``: a dense SwiGLU's SiLU by
-        fused_exp.silu_fused (MoE blocks always run mlx-lm's)."""
-        mlp = layer.mlp
-        if fused_exp and hasattr(mlp, "gate_proj"):
-            return mlp.down_proj(silu_fused(mlp.gate_proj(x)) * mlp.up_proj(x))
-        return mlp(x)
-
-    @staticmethod
-    def _gate(out: mx.array, gate: mx.array, fused_exp: bool) -> mx.array:
-        return out * (sigmoid_fused(gate) if fused_exp else mx.sigmoid(gate))
-
-    def _attention(self, attn, x: mx.array, kv: Optional[KVBuffer], tree=None, verify: bool = False) -> mx.array:
-        B, T, _ = x.shape
-        offset = kv.offset if kv is not None else 0
-        q, k, v, gate = self._attention_inputs(attn, x, offset if tree is None else None)
-        if tree is None:
-            mask = "causal" if T > 1 else None  # aligns the T queries with the last T keys
-        else:
-            # Node t sits at position offset + depth[t] and sees the committed
-            # context plus its own ancestors. RoPE per token: tokens as the batch.
-            depth, anc = tree
-            pos = offset + depth
-            q = attn.rope(q.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
-            k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
-            mask = mx.concatenate([mx.ones((T, offset), dtype=mx.bool_), anc], axis=1)
-        if kv is not None:
-            out = kv.attend(q, k, v, attn.scale, mask, verify)
-        else:
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=attn.scale, mask=mask)
-        out = out.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return attn.o_proj(self._gate(out, gate, fused_exp_for(verify, x.dtype)))
-
-    def _deltanet(self, la, x: mx.array, st: DeltaNetState, record: bool, parents=None) -> mx.array:
-        B, T, _ = x.shape
-        Hk, Hv = la.num_k_heads, la.num_v_heads
-        Dk, Dv = la.head_k_dim, la.head_v_dim
-        K = la.conv_kernel_size
-        qkv = la.in_proj_qkv(x)
-        z = la.in_proj_z(x).reshape(B, T, Hv, Dv)
-        b = la.in_proj_b(x)
-        a = la.in_proj_a(x)
-        conv_state = st.conv
-        if conv_state is None:
-            conv_state = mx.zeros((B, K - 1, la.conv_dim), dtype=x.dtype)
-        conv_in = mx.concatenate([conv_state, qkv], axis=1)
-        fused = fused_exp_for(record, x.dtype)
-        conv_out = causal_conv1d_silu(conv_in, la.conv1d.weight, parents, fused_exp=fused)
-        qc, kc, vc = mx.split(conv_out, [la.key_dim, 2 * la.key_dim], axis=-1)
-        q = qc.reshape(B, T, Hk, Dk)
-        k = kc.reshape(B, T, Hk, Dk)
-        v = vc.reshape(B, T, Hv, Dv)
-        q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-        beta = sigmoid_fused(b) if fused else mx.sigmoid(b)
-        g = compute_g(la.A_log, a, la.dt_bias)
-        ssm = st.ssm
-        if ssm is None:
-            ssm = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-        stepwise = record and row_exact(x.dtype)
-        if parents is None:
-            y, new_ssm, tape = gated_delta_chain(q, k, v, g, beta, ssm, record=record, stepwise=stepwise)
-        else:
-            y, new_ssm, tape = gated_delta_tree(q, k, v, g, beta, ssm, parents, record=record, stepwise=stepwise)
-        st.tape = (ssm, k, g, tape, conv_in, K) if record else None
-        st.ssm = new_ssm
-        st.conv = conv_in[:, -(K - 1) :]
-        if fused:  # mlx-lm's gated RMSNorm, its SiLU fused
-            f32 = mx.float32
-            out = silu_fused(z.astype(f32)) * mx.fast.rms_norm(y, la.norm.weight, la.norm.eps).astype(f32)
-            out = out.astype(y.dtype)
-        else:
-            out = la.norm(y, z)
-        return la.out_proj(out.reshape(B, T, -1))
-
     def layers_forward(
         self, h: mx.array, caches, *, capture: Sequence[int] = (), record: bool = False, parents=None, tree=None
     ) -> Tuple[mx.array, Optional[mx.array]]:
@@ -189,91 +198,67 @@ class Target:
         (None: no cache, from position 0). Returns the last hidden state and
         the ``capture`` layers' outputs concatenated [B, T, N*H] (or None).
         Callers advance ``cache.offset``."""
-        feats = {}
-        # Decode-time forwards only (a plain step, a recorded verify): prefill
-        # chunks and suffixes come in every length, each a new trace.
-        T = h.shape[1]
-        if (
+        B, T, _ = h.shape
+        # Decode-time forwards (a plain step, a recorded verify) run each step
+        # compiled; prefill chunks and suffixes come in every length, each a
+        # new trace, so they run as plain ops.
+        compiled = (
             self.compiled
             and self._compilable
             and tree is None
-            and h.shape[0] == 1
+            and B == 1
             and (T == 1 or (record and T <= self.compile_widths))
             and all(c is not None for c in caches)
-        ):
-            return self._compiled_layers(h, caches, capture, record)
-        for i, (layer, c) in enumerate(zip(self.layers, caches)):
-            x = layer.input_layernorm(h)
-            if layer.is_linear:
-                r = self._deltanet(layer.linear_attn, x, c if c is not None else DeltaNetState(), record, parents)
-            else:
-                r = self._attention(layer.self_attn, x, c, tree, verify=record)
-            h = h + r
-            h = h + self._mlp(layer, layer.post_attention_layernorm(h), fused_exp_for(record, h.dtype))
-            if i in capture:
-                feats[i] = h
-        return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
-
-    # --- the same layers, compiled ----------------------------------------------
-    def _compiled_layers(self, h: mx.array, caches, capture: Sequence[int], record: bool):
-        """``layers_forward`` for a chain with caches: each layer's work around
-        the cache (everything but the attention over the KV buffer) is one
-        compiled function per (layer, width, record), its parameters read as
-        inputs so later weight updates are seen. Same ops, same results."""
-        T = h.shape[1]
+        )
+        fused = fused_exp_for(record, h.dtype)
         feats = {}
         for i, (layer, c) in enumerate(zip(self.layers, caches)):
             if layer.is_linear:
+                st = c if c is not None else DeltaNetState()
                 la = layer.linear_attn
-                if c.conv is None:
-                    c.conv = mx.zeros((1, la.conv_kernel_size - 1, la.conv_dim), dtype=h.dtype)
-                if c.ssm is None:
-                    c.ssm = mx.zeros((1, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
-                ssm0 = c.ssm
-                out = self._fn(i, T, "linear", record, h.dtype)(h, c.conv, c.ssm)
-                h, c.conv, c.ssm = out[:3]
-                c.tape = (ssm0, *out[3:], la.conv_kernel_size) if record else None
+                K = la.conv_kernel_size
+                if st.conv is None:
+                    st.conv = mx.zeros((B, K - 1, la.conv_dim), dtype=h.dtype)
+                if st.ssm is None:
+                    st.ssm = mx.zeros((B, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
+                ssm0 = st.ssm
+                out = self._step(i, "deltanet", T, record, fused, compiled, parents)(h, st.conv, st.ssm)
+                h, st.conv, st.ssm = out[:3]
+                st.tape = (ssm0, *out[3:], K) if record else None
             else:
-                q, k, v, gate = self._fn(i, T, "pre", record, h.dtype)(h, mx.array(c.offset, dtype=mx.int32))
-                o = c.attend(q, k, v, layer.self_attn.scale, "causal" if T > 1 else None, record)
-                h = self._fn(i, T, "post", record, h.dtype)(h, o, gate)
+                offset = c.offset if c is not None else 0
+                if tree is None:
+                    pos = mx.array(offset, dtype=mx.int32) if compiled else offset
+                    mask = "causal" if T > 1 else None  # aligns the T queries with the last T keys
+                else:
+                    # Node t sits at position offset + depth[t] and sees the
+                    # committed context plus its own ancestors.
+                    depth, anc = tree
+                    pos = offset + depth
+                    mask = mx.concatenate([mx.ones((T, offset), dtype=mx.bool_), anc], axis=1)
+                q, k, v, gate = self._step(i, "pre", T, record, fused, compiled)(h, pos)
+                scale = layer.self_attn.scale
+                if c is not None:
+                    o = c.attend(q, k, v, scale, mask, record)
+                else:
+                    o = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+                h = self._step(i, "post", T, record, fused, compiled)(h, o, gate)
             if i in capture:
                 feats[i] = h
         return h, (mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None)
 
-    def _fn(self, i: int, T: int, kind: str, record: bool, dtype):
-        """Layer i's compiled piece for T rows: "linear" (a DeltaNet layer),
-        "pre" / "post" (an attention layer's work before / after the KV attend)."""
-        fused = fused_exp_for(record, dtype)
-        key = (i, T, kind, record, fused)
-        fn = self._fns.get(key)
-        if fn is not None:
+    def _step(self, i: int, kind: str, T: int, record: bool, fused: bool, compiled: bool, parents=None):
+        """Layer i's step ``kind`` (:func:`layer_step`) as a function of arrays:
+        plain, or compiled once per (layer, width, record) with the layer's
+        parameters read as inputs, so later weight updates are seen."""
+        if compiled:
+            key = (i, T, kind, record, fused)
+            fn = self._fns.get(key)
+            if fn is None:
+                layer = self.layers[i]
+                fn = self._fns[key] = mx.compile(layer_step(layer, kind, record, fused), inputs=[layer.state])
             return fn
-        layer = self.layers[i]
-        if kind == "linear":
-
-            def run(h, conv, ssm):
-                st = DeltaNetState()
-                st.conv, st.ssm = conv, ssm
-                h = h + self._deltanet(layer.linear_attn, layer.input_layernorm(h), st, record)
-                h = h + self._mlp(layer, layer.post_attention_layernorm(h), fused)
-                if not record:
-                    return h, st.conv, st.ssm
-                _, k, g, delta, conv_in, _ = st.tape
-                return h, st.conv, st.ssm, k, g, delta, conv_in
-        elif kind == "pre":
-
-            def run(h, offset):
-                return self._attention_inputs(layer.self_attn, layer.input_layernorm(h), offset)
-        else:
-
-            def run(h, o, gate):
-                attn = layer.self_attn
-                h = h + attn.o_proj(self._gate(o.transpose(0, 2, 1, 3).reshape(1, T, -1), gate, fused))
-                return h + self._mlp(layer, layer.post_attention_layernorm(h), fused)
-
-        fn = self._fns[key] = mx.compile(run, inputs=[layer.state])
-        return fn
+        return layer_step(self.layers[i], kind, record, fused, parents)
 
     def forward(
         self,
