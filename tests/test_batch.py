@@ -137,3 +137,194 @@ def test_slot_rollback_refuses_bad_counts(targets):
         slots.rollback([0, 4])
     with pytest.raises(ValueError, match="kept counts for 2 slots"):
         slots.rollback([1])
+
+
+# --- batch_generate and the BatchDecoder ------------------------------------------
+
+
+class SlotScripts:
+    """A scripted draft for a batch: the k-th cache it makes (one per request,
+    in the order they join) proposes from the k-th known continuation, a
+    random number of proposals right per cycle."""
+
+    def __init__(self, seqs, vocab, block_size=8, seed=0):
+        self.seqs, self.vocab, self.block_size, self.seed = list(seqs), vocab, block_size, seed
+        self.target_layer_ids = []
+        self.made = 0
+
+    def make_cache(self, window=None):
+        k = self.made
+        self.made += 1
+        return {"seq": self.seqs[k % len(self.seqs)], "rng": np.random.default_rng(self.seed + k)}
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        seq = cache["seq"]
+        assert seq[anchor_pos] == anchor
+        accept = int(cache["rng"].integers(0, B))
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        for j in range(1, B):
+            p = anchor_pos + j
+            tok = seq[p] if p < len(seq) else 0
+            logits[j - 1, tok if j <= accept else (tok + 1) % self.vocab] = 1.0
+        return mx.array(logits)
+
+
+BATCH_PROMPTS = [PROMPTS[1], PROMPTS[2], PROMPTS[0] * 3, PROMPTS[3]]
+MAX_TOKENS = [12, 20, 7, 16]
+
+
+@pytest.fixture(scope="module")
+def engines(dense, moe, tok_dir):
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    out = {}
+    for name, (cfg, model) in (("dense", dense), ("moe", moe)):
+        target = Target(model)
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+        draft = tiny.build_draft(dcfg, seed=5).bind(target)
+        out[name] = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), draft)
+    return out
+
+
+def solo(engine, prompts, configs):
+    import mlx_dflash
+
+    return [mlx_dflash.generate(engine, p, c) for p, c in zip(prompts, configs)]
+
+
+def scripted(engine, prompts, results, seed=0):
+    """The engine with a scripted draft proposing each request's solo output."""
+    from dataclasses import replace
+
+    seqs = [list(p) + r.tokens for p, r in zip(prompts, results)]
+    return replace(engine, draft=SlotScripts(seqs, engine.target.vocab_size, seed=seed))
+
+
+def configs_for(**kw):
+    from mlx_dflash import GenerationConfig
+
+    return [GenerationConfig(max_tokens=m, block_size=4, **kw) for m in MAX_TOKENS]
+
+
+def assert_same_results(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.tokens == w.tokens, i
+        assert g.text == w.text, i
+        assert g.stats.finish_reason == w.stats.finish_reason, i
+        assert g.stats.generated_tokens == len(g.tokens)
+
+
+@pytest.mark.parametrize("max_batch", [4, 2])
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_generate_equals_solo_greedy(engines, which, max_batch):
+    """Each request's tokens are its solo run's, all at once (4 slots) or with
+    later requests joining as earlier ones finish (2 slots)."""
+    import mlx_dflash
+
+    engine = engines[which]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=max_batch), want)
+    # A draft that gets a random part of each block right: slots keep different counts.
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=max_batch)
+    got = mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=max_batch)
+    assert_same_results(got, want)
+    assert any(sum(r.stats.accept_hist[2:]) > 0 for r in got)  # some cycles kept drafts
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_generate_equals_solo_sampled(engines, which):
+    """Sampling with the equality rule and a seed per request."""
+    import mlx_dflash
+
+    engine = engines[which]
+    configs = [
+        c.update(temperature=0.9, top_p=0.95, seed=100 + i, accept_rule="equality") for i, c in enumerate(configs_for())
+    ]
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert len({tuple(r.tokens[:5]) for r in want}) > 1
+    got = mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3)
+    assert_same_results(got, want)
+    eng = scripted(engine, BATCH_PROMPTS, want)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+
+
+def test_batch_generate_shared_options_and_plain(engines):
+    """Keyword options shared by all requests; baseline (plain steps for the batch)."""
+    import mlx_dflash
+
+    engine = engines["dense"]
+    for kw in (dict(max_tokens=9, block_size=6), dict(max_tokens=9, baseline=True)):
+        want = [mlx_dflash.generate(engine, p, **kw) for p in BATCH_PROMPTS]
+        assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=3, **kw), want)
+
+
+def test_request_with_an_early_eos_leaves_alone(engines, tok_dir):
+    """One request stops at an EOS after a few tokens, inside a cycle; the
+    others run on to their own ends, each as solo."""
+    from dataclasses import replace
+
+    import mlx_dflash
+    from mlx_dflash.loading import load_tokenizer
+
+    base = engines["dense"]
+    configs = configs_for()
+    plain = solo(base, BATCH_PROMPTS, configs)
+    toks = plain[1].tokens
+    k = next(i for i in range(3, len(toks)) if toks[i] not in toks[:i])
+    engine = replace(base, tokenizer=load_tokenizer(tok_dir, eos_token_ids=[toks[k]]))
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert want[1].tokens == toks[: k + 1] and want[1].stats.finish_reason == "stop"
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=3)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_slot_caches_equal_a_plain_forward(engines, which):
+    """After every step, each active slot's cache equals a fresh prefill over
+    its committed tokens (all but the last, which is not in the cache yet)."""
+    from support.reference import assert_cache_is_plain_forward
+
+    from mlx_dflash import BatchDecoder
+
+    engine = engines[which]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=1)
+    batch = BatchDecoder(eng.target, eng.draft, max_batch=3, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    out = [[] for _ in BATCH_PROMPTS]
+    seen = {}
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+        for i, d in batch.active:
+            seen[i] = d
+            assert_cache_is_plain_forward(eng.target, d.cache, d.history[:-1])
+    assert out == [r.tokens for r in want]
+    assert sorted(seen) == list(range(len(BATCH_PROMPTS)))
+
+
+def test_bad_batch_input(engines):
+    import mlx_dflash
+    from mlx_dflash import BatchDecoder, DFlashError
+
+    engine = engines["dense"]
+    for bad in (0, -2):
+        with pytest.raises(DFlashError, match="max_batch"):
+            mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
+    with pytest.raises(DFlashError, match="tree-budget"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, tree_budget=4)
+    with pytest.raises(DFlashError, match="same block_size"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
+    with pytest.raises(DFlashError, match="configs for"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs_for()[:2])
+    batch = BatchDecoder(engine.target, engine.draft)
+    with pytest.raises(DFlashError, match="empty prompt"):
+        batch.add([])
+    with pytest.raises(DFlashError, match="context limit"):
+        batch.add(list(range(20)), max_context=20)
