@@ -81,6 +81,22 @@ class BatchDecoder:
         self.queue.append((index, list(prompt), c))
         return index
 
+    def cancel(self, index: int) -> Optional[SlotEvent]:
+        """Drop request ``index`` between steps, queued or active (its finish
+        reason "cancelled"); no other slot's state is touched. None if it
+        is not running (finished, or never added)."""
+        for i, (j, prompt, _) in enumerate(self.queue):
+            if j == index:
+                del self.queue[i]
+                stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="cancelled")
+                return SlotEvent(index, [], "cancelled", stats)
+        for i, (j, d) in enumerate(self.active):
+            if j == index:
+                del self.active[i]
+                d.stats.finish_reason = "cancelled"
+                return SlotEvent(index, [], "cancelled", d.stats)
+        return None
+
     def step(self) -> List[SlotEvent]:
         events = []
         while self.queue and len(self.active) < self.max_batch:

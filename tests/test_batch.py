@@ -328,3 +328,55 @@ def test_bad_batch_input(engines):
         batch.add([])
     with pytest.raises(DFlashError, match="context limit"):
         batch.add(list(range(20)), max_context=20)
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others(engines):
+    """Cancelling one running and one queued request: the others' tokens are
+    still their solo ones, and the freed slot admits the next request."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines["moe"]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=2)
+    batch = BatchDecoder(eng.target, eng.draft, max_batch=2, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    out = [[] for _ in BATCH_PROMPTS]
+    reasons = {}
+    steps = 0
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+            reasons[ev.index] = ev.finish_reason
+        steps += 1
+        if steps == 2:
+            assert [i for i, _ in batch.active] == [0, 1]
+            ev = batch.cancel(1)
+            assert ev.finish_reason == "cancelled" and ev.stats.generated_tokens == len(out[1])
+            assert batch.cancel(3).finish_reason == "cancelled"  # still queued
+            assert batch.cancel(3) is None
+            reasons[1] = reasons[3] = "cancelled"
+    assert out[0] == want[0].tokens and out[2] == want[2].tokens
+    assert 0 < len(out[1]) < len(want[1].tokens) and out[1] == want[1].tokens[: len(out[1])]
+    assert out[3] == []
+    assert reasons == {0: "length", 1: "cancelled", 2: "length", 3: "cancelled"}
+
+
+def test_batch_generate_equals_solo_in_bfloat16(tok_dir):
+    """bf16 verify rows are computed as single steps are (row_exact): the
+    batched path gives each request its solo tokens there too."""
+    import mlx_dflash
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg = tiny.target_config()
+    target = Target(tiny.build_target(cfg, seed=3, dtype=mx.bfloat16))
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    draft = tiny.build_draft(dcfg, seed=5, dtype=mx.bfloat16).bind(target)
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), draft)
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=4)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=3), want)
