@@ -380,3 +380,23 @@ def test_batch_generate_equals_solo_in_bfloat16(tok_dir):
     assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3), want)
     eng = scripted(engine, BATCH_PROMPTS, want, seed=4)
     assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+
+
+def test_batch_with_quantized_kv_and_a_windowed_draft(tok_dir):
+    """Per-request KV formats (8-bit, 4-bit, full) and a sliding-window draft
+    context in one batch: each request as solo."""
+    import mlx_dflash
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg = tiny.target_config(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    target = Target(tiny.build_target(cfg, seed=1))
+    dcfg = tiny.draft_config(
+        cfg, num_hidden_layers=2, block_size=8, layer_types=["sliding_attention"] * 2, sliding_window=6
+    )
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), tiny.build_draft(dcfg, seed=9).bind(target))
+    configs = [c.update(kv_bits=b, draft_window=(0, 6)) for c, b in zip(configs_for(), (8, None, 4, 8))]
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=5)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
