@@ -1,9 +1,12 @@
 """Several requests decoded together, each exactly as it would decode alone.
 
-A :class:`BatchDecoder` holds up to ``max_batch`` slots. A request joins
-between cycles: it prefills alone (B = 1, its own chunks, so its cache is
-its solo run's) and samples its first token. Each cycle then drafts for
-every active slot (one draft call per slot), verifies all slots' chains in
+A :class:`BatchDecoder` holds up to ``max_batch`` slots. A request takes a
+free slot between cycles and prefills alone (B = 1, its own chunks, so its
+cache is its solo run's), one chunk per step while other slots are decoding
+(so they keep streaming: a step runs at most one prefill chunk and one
+cycle), then samples its first token and joins. Each cycle drafts for
+every active slot in one draft forward (``propose_slots``; each slot's
+context on its own), verifies all slots' chains in
 one :meth:`Target.forward_slots` of one width W, and accepts, commits and
 rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
 the moment it hits EOS, ``max_tokens`` or the context end.
@@ -25,8 +28,9 @@ import mlx.core as mx
 from .api import GenerationResult
 from .cache import SlotBatch
 from .config import GenerationConfig
-from .decode import Decoder, GenerationStats, Hooks, check_prompt, open_decoder
+from .decode import Decoder, GenerationStats, Hooks, Proposal, check_prompt, open_decoder
 from .errors import DFlashError
+from .models.draft import propose_slots
 from .policy import Plan
 
 
@@ -57,13 +61,14 @@ class BatchDecoder:
         self.target, self.draft, self.max_batch = target, draft, max_batch
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
+        self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
         self.shape = None  # (block_size, baseline) shared by every request
 
     @property
     def done(self) -> bool:
-        return not self.queue and not self.active
+        return not self.queue and not self.prefilling and not self.active
 
     def add(self, prompt: Sequence[int], config: Optional[GenerationConfig] = None, **options) -> int:
         """Queue a request (token ids); returns its index (0, 1, ... in order added)."""
@@ -90,26 +95,44 @@ class BatchDecoder:
                 del self.queue[i]
                 stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="cancelled")
                 return SlotEvent(index, [], "cancelled", stats)
-        for i, (j, d) in enumerate(self.active):
-            if j == index:
-                del self.active[i]
-                d.stats.finish_reason = "cancelled"
-                return SlotEvent(index, [], "cancelled", d.stats)
+        for slots in (self.prefilling, self.active):
+            for i, (j, d, *_) in enumerate(slots):
+                if j == index:
+                    del slots[i]
+                    d.stats.finish_reason = "cancelled"
+                    return SlotEvent(index, [], "cancelled", d.stats)
         return None
 
     def step(self) -> List[SlotEvent]:
+        """Admit queued requests to free slots, run one prefill chunk (every
+        chunk up to a first token while no slot is decoding), then one cycle
+        of the decoding slots. Returns what each request committed."""
+        while self.queue and len(self.prefilling) + len(self.active) < self.max_batch:
+            self._admit(*self.queue.popleft())
         events = []
-        while self.queue and len(self.active) < self.max_batch:
-            events.append(self._join(*self.queue.popleft()))
+        while self.prefilling:
+            ev = self._prefill_chunk()
+            if ev is not None:
+                events.append(ev)
+            if self.active:
+                break
         if self.active:
             events += self._cycle()
         return events
 
-    def _join(self, index: int, prompt: List[int], c: GenerationConfig) -> SlotEvent:
+    def _admit(self, index: int, prompt: List[int], c: GenerationConfig) -> None:
         draft = None if c.baseline else self.draft
         d = open_decoder(self.target, prompt, c, Hooks(), c.sampler(), draft=draft, eos_token_ids=self.eos_token_ids)
         d.stats.policy = f"batch of up to {self.max_batch}, chain of {d.stats.block_size}" if draft else "batch, plain"
-        d.prefill(c.prefill_chunk)
+        self.prefilling.append((index, d, d.prefill_steps(c.prefill_chunk)))
+
+    def _prefill_chunk(self) -> Optional[SlotEvent]:
+        """The next chunk of the first slot in prefill; when that was its
+        last, its first token (and the slot joins the decoding ones)."""
+        index, d, steps = self.prefilling.popleft()
+        if next(steps, StopIteration) is not StopIteration:
+            self.prefilling.append((index, d, steps))
+            return None
         out = d.emit([d.anchor])
         d.tic = time.perf_counter()
         if not d.finished:
@@ -121,7 +144,11 @@ class BatchDecoder:
         W = min([ds[0].stats.block_size] + [d.room() for d in ds])
         plan = Plan(max(W, 1))
         t0 = time.perf_counter()
-        props = [d.propose(plan) for d in ds]
+        if plan.width > 1:
+            items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, d.spec) for d in ds]
+            props = [Proposal(plan, drafted=t, q=q) for t, q in propose_slots(self.draft, items, plan.width)]
+        else:
+            props = [Proposal(plan) for _ in ds]
         t1 = time.perf_counter()
         slots = SlotBatch([d.cache for d in ds])
         tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])

@@ -184,6 +184,7 @@ class Decoder:
         self.pos = 0
         self.pending: Optional[Proposal] = None  # the next cycle's draft, launched early
         self.committed = self.verified = 0  # tokens kept / verified by the last cycle
+        self.prefix_run = None  # a prefix cache's run for this generation
         self.tic = 0.0
 
     # --- bookkeeping -------------------------------------------------------------
@@ -241,12 +242,20 @@ class Decoder:
         """Prefill the prompt (``history``) alone, in chunks of ``chunk_size``,
         and sample the first token (the anchor). With a ``prefix_cache``, the
         longest cached prefix is restored first; returns its run (or None)."""
+        for _ in self.prefill_steps(chunk_size, prefix_cache, prefix_boundary):
+            pass
+        return self.prefix_run
+
+    def prefill_steps(self, chunk_size: int, prefix_cache=None, prefix_boundary=None) -> Iterator[None]:
+        """:meth:`prefill` one chunk per step (a prefix-cache prefill in one):
+        yields between chunks, so a batch runs its cycles in between. Its
+        chunks, and so its cache, are a solo prefill's."""
         prompt = list(self.history)
         tic = time.perf_counter()
-        prefix_run = None
+        self.prefix_run = None
         if prefix_cache is not None:
             # The draft consumes the prompt's features during this prefill.
-            logits, prefix_run = prefix_cache.prefill(
+            logits, self.prefix_run = prefix_cache.prefill(
                 self.target,
                 prompt,
                 self.cache,
@@ -261,15 +270,19 @@ class Decoder:
             # Features only of the rows the draft's window will read.
             skip = getattr(self.dcache, "skip", None)
             first = skip(len(prompt)) if skip is not None else 0
-            logits, feats = self.target.prefill(
+            for out in self.target.prefill_steps(
                 prompt, self.cache, capture=self.capture, chunk_size=chunk_size, capture_from=first
-            )
+            ):
+                if out is None:  # time spent away is not prefill time
+                    self.stats.prefill_time += time.perf_counter() - tic
+                    yield
+                    tic = time.perf_counter()
+            logits, feats = out
             self.add_features(feats)
         sampler = self.sampler
         self.anchor = int(sampler(logits, [len(prompt)], [self.history] if sampler.needs_context else None)[0].item())
-        self.stats.prefill_time = time.perf_counter() - tic
+        self.stats.prefill_time += time.perf_counter() - tic
         self.pos = len(prompt)
-        return prefix_run
 
     # --- propose -----------------------------------------------------------------
     def launch(self, plan: Plan) -> Proposal:

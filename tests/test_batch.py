@@ -400,3 +400,87 @@ def test_batch_with_quantized_kv_and_a_windowed_draft(tok_dir):
     assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
     eng = scripted(engine, BATCH_PROMPTS, want, seed=5)
     assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_long_prefill_is_interleaved_with_running_cycles(engines, which):
+    """A long prompt joining a running batch prefills one chunk per step (its
+    own chunk boundaries, so its solo output), while the running slots get
+    tokens in every step."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines[which]
+    long = [(7 * i + 3) % 400 for i in range(37)]
+    prompts = [BATCH_PROMPTS[1], long, BATCH_PROMPTS[3]]
+    configs = [c.update(prefill_chunk=4) for c in configs_for()[:3]]
+    want = solo(engine, prompts, configs)
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=[2])
+    batch.add(prompts[0], configs[0])
+    first = batch.step()
+    assert [ev.index for ev in first] == [0, 0]  # its first token, then its first cycle
+    batch.add(prompts[1], configs[1])
+    batch.add(prompts[2], configs[2])
+    out = [[] for _ in prompts]
+    for ev in first:
+        out[ev.index].extend(ev.tokens)
+    shared = 0  # steps run while the long prompt waited and others decoded
+    while not batch.done:
+        waiting = any(j == 1 for j, *_ in batch.queue) or any(j == 1 for j, *_ in batch.prefilling)
+        running = {j for j, _ in batch.active}
+        events = batch.step()
+        for ev in events:
+            out[ev.index].extend(ev.tokens)
+        if waiting and running:
+            shared += 1
+            assert running <= {ev.index for ev in events if ev.tokens}  # they kept streaming
+    assert out == [r.tokens for r in want]
+    # 37 tokens are 10 chunks of 4: one per step while others decode.
+    assert shared >= 10
+
+
+def _draft(cfg, kind, seed=5):
+    if kind == "window":
+        dcfg = tiny.draft_config(
+            cfg, num_hidden_layers=2, block_size=8, layer_types=["sliding_attention"] * 2, sliding_window=6
+        )
+    else:
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    if kind == "v2":  # DFlash 2: block convolutions and a candidate selector
+        dcfg["architectures"] = ["DFlash2DraftModel"]
+        dcfg["dflash_config"].update(selector_rank=8, selector_top_k=6, conv_kernel_size=2, conv_group_size=16)
+    return tiny.build_draft(dcfg, seed=seed)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("kind", ["full", "window", "v2"])
+def test_draft_slots_equal_solo_proposals(dense, kind, sample):
+    """One draft forward for several requests proposes what each would alone
+    (tokens and q bit for bit), and leaves each context cache as alone."""
+    from mlx_dflash.models.draft import propose_slots
+    from mlx_dflash.sampling import Sampler
+
+    cfg, model = dense
+    target = Target(model)
+    draft = _draft(cfg, kind).bind(target)
+    W = 6
+    items, solo_items = [], []
+    for b, p in enumerate(BATCH_PROMPTS):
+        c = target.make_cache()
+        _, feats = target.prefill(p, c, capture=draft.target_layer_ids)
+        sampler = Sampler(temperature=0.8, top_k=20, seed=b)
+        items.append([feats, p[-1], len(p), draft.make_cache(), sampler, sample])
+        solo_items.append([feats, p[-1], len(p), draft.make_cache(), sampler, sample])
+    for rnd in range(2):
+        got = propose_slots(draft, items, W)
+        for it, (toks, q) in zip(solo_items, got):
+            want_toks, want_q = draft.propose(it[0], it[1], it[2], W, it[3], it[4], it[5])
+            assert same(toks, want_toks)
+            assert (q is None) == (want_q is None) and (q is None or same(q, want_q))
+        for it, sit in zip(items, solo_items):
+            assert len(it[3].state()) == len(sit[3].state())
+            assert all(same(x, y) for x, y in zip(it[3].state(), sit[3].state()))
+            # The next round: a few new context rows each (different counts).
+            n = 1 + len(it[3].positions) % 3
+            new = mx.random.normal((n, it[0].shape[-1]), key=mx.random.key(rnd + n))
+            for x in (it, sit):
+                x[0], x[1], x[2] = new, 5 + n, x[2] + n

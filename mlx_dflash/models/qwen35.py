@@ -6,7 +6,7 @@ verify needs what mlx-lm's does not provide: hidden-state capture, a DeltaNet
 tape for exact rollback, and a truncatable KV cache.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
@@ -383,6 +383,33 @@ class Target:
         materialise with the cache. Returns last-row logits [1, V] and
         features of rows ``capture_from``.. (the rows a windowed draft will
         read; None with ``consume``)."""
+        *_, out = self.prefill_steps(
+            tokens,
+            cache,
+            capture=capture,
+            chunk_size=chunk_size,
+            capture_from=capture_from,
+            consume=consume,
+            points=points,
+            at_point=at_point,
+        )
+        return out
+
+    def prefill_steps(
+        self,
+        tokens: List[int],
+        cache: TargetCache,
+        *,
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+        capture_from: int = 0,
+        consume: Optional[Callable[[mx.array], List[mx.array]]] = None,
+        points: Sequence[int] = (),
+        at_point: Optional[Callable[[int], List[mx.array]]] = None,
+    ) -> Iterator[Optional[Tuple[mx.array, Optional[mx.array]]]]:
+        """:meth:`prefill` one chunk per step, so a caller can run other work
+        between chunks: yields None after each chunk but the last, then what
+        :meth:`prefill` returns."""
         start = cache.offset
         end = start + len(tokens)
         stops = set(range(start + chunk_size, end, chunk_size)) | {end}
@@ -409,8 +436,10 @@ class Target:
             # Bound the lazy graph: materialise each chunk's cache.
             mx.eval(cache.state(), *feats[-1:], extra)
             s = e
+            if e != end:
+                yield None
         features = mx.concatenate(feats, axis=0) if feats else None
-        return logits, features
+        yield logits, features
 
     def __call__(self, tokens, cache: Optional[TargetCache] = None) -> mx.array:
         """Plain logits [T, V] (a fresh cache when none is given)."""
