@@ -280,6 +280,12 @@ def test_request_with_an_early_eos_leaves_alone(engines, tok_dir):
     assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
     eng = scripted(engine, BATCH_PROMPTS, want, seed=3)
     assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    # A request whose first token is EOS leaves before its first cycle (its
+    # slot goes to the queued one at once).
+    engine = replace(base, tokenizer=load_tokenizer(tok_dir, eos_token_ids=[plain[2].tokens[0]]))
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert want[2].tokens == plain[2].tokens[:1] and want[2].stats.finish_reason == "stop"
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3), want)
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
