@@ -65,6 +65,7 @@ class BatchDecoder:
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
         self.shape = None  # (block_size, baseline) shared by every request
+        mx.reset_peak_memory()  # each request's stats.peak_memory: the batch's
 
     @property
     def done(self) -> bool:

@@ -252,6 +252,7 @@ class Decoder:
         chunks, and so its cache, are a solo prefill's."""
         prompt = list(self.history)
         tic = time.perf_counter()
+        self.stats.prefill_time = 0.0
         self.prefix_run = None
         if prefix_cache is not None:
             # The draft consumes the prompt's features during this prefill.
@@ -554,7 +555,6 @@ def open_decoder(
     stats.prompt_tokens = len(prompt)
     stats.block_size = block_size
     stats.accept_hist = [0] * (max(block_size, c.tree_budget + 1, c.auto_tree + 1) + 1)
-    mx.reset_peak_memory()
     dcache = draft.make_cache(c.draft_window) if draft is not None else None
     d = Decoder(
         target,
@@ -621,6 +621,7 @@ def _generate_tokens(
         target, prompt, c, hooks, sampler, draft=draft, eos_token_ids=eos_token_ids, stats=stats, cache=cache
     )
     d.stats.policy = policy.describe() if draft is not None else "plain"
+    mx.reset_peak_memory()
     prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary)
     yield d.emit([d.anchor])
     if d.finished:  # the first token was EOS, or max_tokens == 1

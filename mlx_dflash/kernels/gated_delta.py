@@ -320,7 +320,7 @@ def gated_delta_rollback_slots(
     forward's state after the block. Rows t >= n_b get no decay and no
     update (their delta zeroed, so the sum matches the solo rollback's to the
     bit), and a slot that keeps its whole block keeps the forward's own
-    state, as the solo rollback does (the formula would not reproduce its bits)."""
+    state, as the solo rollback does (the formula need not reproduce its bits)."""
     n = mx.array(list(ns), dtype=mx.int32)
     return _rollback_slots_compiled(delta.shape[1], bool(stepwise))(state0, k, g, delta, final, n)
 
