@@ -12,8 +12,10 @@ rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
 the moment it hits EOS, ``max_tokens`` or the context end.
 
 W is the block size (the request options' ``block_size``, else the
-draft's), cut to the room the tightest slot has left; W = 1 (no draft, or a
-slot with one token left) is a plain step for the batch. Greedy and the
+draft's), cut to the context room the tightest slot has left (a slot near
+its ``max_tokens`` verifies the full width; emit stops at its limit); W = 1
+(no draft, or a slot one token from its context end) is a plain step for
+the batch. Greedy and the
 equality rule give each request its solo tokens (every emitted token is the
 target's pick, and each slot's rows are its solo forward's).
 """
@@ -142,7 +144,9 @@ class BatchDecoder:
 
     def _cycle(self) -> List[SlotEvent]:
         ds: List[Decoder] = [d for _, d in self.active]
-        W = min([ds[0].stats.block_size] + [d.room() for d in ds])
+        # A slot's context end bounds every slot's width; its max_tokens does
+        # not: rows past it are verified and not emitted (emit stops there).
+        W = min([ds[0].stats.block_size] + [d.max_context - d.pos for d in ds])
         plan = Plan(max(W, 1))
         t0 = time.perf_counter()
         if plan.width > 1:

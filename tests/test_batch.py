@@ -490,3 +490,58 @@ def test_draft_slots_equal_solo_proposals(dense, kind, sample):
             new = mx.random.normal((n, it[0].shape[-1]), key=mx.random.key(rnd + n))
             for x in (it, sit):
                 x[0], x[1], x[2] = new, 5 + n, x[2] + n
+
+
+def test_speculative_rule_through_the_batch_keeps_the_target_distribution(engines):
+    """The speculative rule (a draft sampling its block, min(1, p/q)) run per
+    slot in a batch: the first two tokens of many seeded requests follow the
+    target's own joint distribution (chi-square at 0.999)."""
+    from dataclasses import replace
+
+    from test_tree_sampling import chi2_fails
+
+    import mlx_dflash
+    from mlx_dflash import GenerationConfig
+    from mlx_dflash.sampling import Sampler
+
+    class Sharpened:
+        """Proposes from the target's own next-token logits, sharpened
+        (q near p but not p: drafts kept and rejected alike)."""
+
+        block_size, target_layer_ids = 8, []
+
+        def make_cache(self, window=None):
+            return None
+
+        def __call__(self, features, anchor, anchor_pos, B, cache):
+            logits = mx.zeros((B - 1, target.vocab_size))
+            if anchor_pos == len(prompt):  # the first cycle (the one tested)
+                logits[0] = 4.0 * target(prompt + [anchor])[-1]
+            return logits
+
+    target = engines["dense"].target
+    engine = replace(engines["dense"], draft=Sharpened())
+    prompt = PROMPTS[1]
+    kw = dict(temperature=1.0, top_k=3)
+    n = 320
+    configs = [GenerationConfig(**kw, seed=s, accept_rule="speculative", max_tokens=3, block_size=4) for s in range(n)]
+    got = mlx_dflash.batch_generate(engine, [prompt] * n, configs=configs, max_batch=8)
+    sampler = Sampler(**kw, seed=0)
+    p1 = np.array(sampler.probs(target(prompt)[-1:])[0], np.float64)
+    firsts = np.nonzero(p1)[0]
+    joint = {}
+    for t1 in firsts:
+        p2 = np.array(sampler.probs(target(prompt + [int(t1)])[-1:])[0], np.float64)
+        for t2 in np.nonzero(p2)[0]:
+            joint[int(t1), int(t2)] = p1[t1] * p2[t2]
+    pairs = sorted(joint)
+    counts = np.zeros(len(pairs))
+    for r in got:
+        assert tuple(r.tokens[:2]) in joint  # never a pair the target excludes
+        counts[pairs.index(tuple(r.tokens[:2]))] += 1
+    fails, stat, crit = chi2_fails(counts, np.array([joint[p] for p in pairs]), n)
+    assert not fails, (stat, crit)
+    # The second token came from a verify of 4 rows, its draft often kept.
+    assert all(r.stats.cycle_commits and r.stats.tree_sizes[0] == 4 for r in got)
+    kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
+    assert n // 10 < kept < n - n // 10
