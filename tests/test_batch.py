@@ -236,13 +236,16 @@ def test_batch_generate_equals_solo_greedy(engines, which, max_batch):
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_batch_generate_equals_solo_sampled(engines, which):
-    """Sampling with the equality rule and a seed per request."""
+    """Sampling with the equality rule and a seed per request (one with a
+    repetition penalty, one with min-p and top-k: options per request)."""
     import mlx_dflash
 
     engine = engines[which]
     configs = [
         c.update(temperature=0.9, top_p=0.95, seed=100 + i, accept_rule="equality") for i, c in enumerate(configs_for())
     ]
+    configs[1] = configs[1].update(repetition_penalty=1.3, repetition_context_size=8)
+    configs[2] = configs[2].update(temperature=0.7, min_p=0.05, top_k=30)
     want = solo(engine, BATCH_PROMPTS, configs)
     assert len({tuple(r.tokens[:5]) for r in want}) > 1
     got = mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3)
@@ -252,13 +255,17 @@ def test_batch_generate_equals_solo_sampled(engines, which):
 
 
 def test_batch_generate_shared_options_and_plain(engines):
-    """Keyword options shared by all requests; baseline (plain steps for the batch)."""
+    """Keyword options shared by all requests; baseline (plain steps for the
+    batch); text prompts (tokenized and detokenized as generate does)."""
     import mlx_dflash
 
     engine = engines["dense"]
     for kw in (dict(max_tokens=9, block_size=6), dict(max_tokens=9, baseline=True)):
         want = [mlx_dflash.generate(engine, p, **kw) for p in BATCH_PROMPTS]
         assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=3, **kw), want)
+    texts = ["def f(x):", "import os\nfor i in range(3):", "Simple is better"]
+    want = [mlx_dflash.generate(engine, t, max_tokens=10, block_size=4) for t in texts]
+    assert_same_results(mlx_dflash.batch_generate(engine, texts, max_batch=2, max_tokens=10, block_size=4), want)
 
 
 def test_request_with_an_early_eos_leaves_alone(engines, tok_dir):
