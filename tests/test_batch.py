@@ -15,17 +15,25 @@ CAPTURE = (1, 3)
 
 
 # MLX's CPU gather_mm (the MoE experts) runs float32 only: no bf16 MoE here.
-MODELS = [("dense", mx.float32), ("dense", mx.bfloat16), ("moe", mx.float32)]
-MODEL_IDS = ["dense-f32", "dense-bf16", "moe-f32"]
+# "q4": 4-bit weights (float32 activations).
+MODELS = [("dense", mx.float32), ("dense", mx.bfloat16), ("moe", mx.float32), ("dense", "q4"), ("moe", "q4")]
+MODEL_IDS = ["dense-f32", "dense-bf16", "moe-f32", "dense-q4", "moe-q4"]
 
 
 @pytest.fixture(scope="module")
 def targets():
-    """Tiny dense and MoE targets (float32, and bfloat16 for the dense one)."""
+    """Tiny dense and MoE targets (float32, bfloat16 for the dense one, 4-bit)."""
+    import mlx.nn as nn
+
     out = {}
     for name, dt in MODELS:
         cfg = tiny.target_config(moe=name == "moe")
-        out[name, dt] = Target(tiny.build_target(cfg, seed=7 if name == "moe" else 3, dtype=dt))
+        model = tiny.build_target(cfg, seed=7 if name == "moe" else 3, dtype=mx.float32 if dt == "q4" else dt)
+        if dt == "q4":  # as mlx-lm does: the layers whose width the group size divides
+            nn.quantize(
+                model, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            )
+        out[name, dt] = Target(model)
     return out
 
 
