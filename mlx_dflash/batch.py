@@ -2,9 +2,11 @@
 
 A :class:`BatchDecoder` holds up to ``max_batch`` slots. A request takes a
 free slot between cycles and prefills alone (B = 1, its own chunks, so its
-cache is its solo run's), one chunk per step while other slots are decoding
-(so they keep streaming: a step runs at most one prefill chunk and one
-cycle), then samples its first token and joins. Each cycle drafts for
+cache is its solo run's), then samples its first token and joins. While
+other slots are decoding, a step runs prefill chunks (round robin) only
+until ``prefill_budget`` tokens are done (at least one chunk), then one
+cycle: running slots keep streaming, a cycle delayed by about one budget's
+prefill at most, and short prompts join several at a time. Each cycle drafts for
 every active slot in one draft forward (``propose_slots``; each slot's
 context on its own), verifies all slots' chains in
 one :meth:`Target.forward_slots` of one width W, and accepts, commits and
@@ -57,10 +59,21 @@ class BatchDecoder:
     one cycle for the active slots, and returns what each request committed.
     """
 
-    def __init__(self, target, draft=None, *, max_batch: int = 8, eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        target,
+        draft=None,
+        *,
+        max_batch: int = 8,
+        eos_token_ids: Sequence[int] = (),
+        prefill_budget: int = 512,
+    ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
+        if prefill_budget < 1:
+            raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
+        self.prefill_budget = prefill_budget
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
@@ -107,18 +120,21 @@ class BatchDecoder:
         return None
 
     def step(self) -> List[SlotEvent]:
-        """Admit queued requests to free slots, run one prefill chunk (every
-        chunk up to a first token while no slot is decoding), then one cycle
-        of the decoding slots. Returns what each request committed."""
+        """Admit queued requests to free slots, run prefill chunks up to
+        ``prefill_budget`` tokens (and on to a first token while no slot is
+        decoding), then one cycle of the decoding slots. Returns what each
+        request committed."""
         while self.queue and len(self.prefilling) + len(self.active) < self.max_batch:
             self._admit(*self.queue.popleft())
         events = []
-        while self.prefilling:
+        spent = 0
+        while self.prefilling and (spent < self.prefill_budget or not self.active):
+            d = self.prefilling[0][1]
+            before = d.cache.offset
             ev = self._prefill_chunk()
+            spent += d.cache.offset - before
             if ev is not None:
                 events.append(ev)
-            if self.active:
-                break
         if self.active:
             events += self._cycle()
         return events

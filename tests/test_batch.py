@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_dflash.cache import SlotBatch
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
 from tools import tiny
 
@@ -435,7 +436,7 @@ def test_long_prefill_is_interleaved_with_running_cycles(engines, which):
     prompts = [BATCH_PROMPTS[1], long, BATCH_PROMPTS[3]]
     configs = [c.update(prefill_chunk=4) for c in configs_for()[:3]]
     want = solo(engine, prompts, configs)
-    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=[2])
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=[2], prefill_budget=4)
     batch.add(prompts[0], configs[0])
     first = batch.step()
     assert [ev.index for ev in first] == [0, 0]  # its first token, then its first cycle
@@ -457,6 +458,28 @@ def test_long_prefill_is_interleaved_with_running_cycles(engines, which):
     assert out == [r.tokens for r in want]
     # 37 tokens are 10 chunks of 4: one per step while others decode.
     assert shared >= 10
+
+
+def test_short_prompts_join_together(engines):
+    """Prompts that fit in one step's prefill budget all join in that step
+    and run their first cycle together."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines["dense"]
+    configs = configs_for()
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    events = batch.step()
+    firsts = [ev.index for ev in events[: len(BATCH_PROMPTS)]]
+    assert sorted(firsts) == list(range(len(BATCH_PROMPTS)))  # every first token
+    assert [ev.index for ev in events[len(BATCH_PROMPTS) :]] == list(range(len(BATCH_PROMPTS)))  # one cycle for all
+    small = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=[2], prefill_budget=1)
+    for p, c in zip(BATCH_PROMPTS, configs):
+        small.add(p, c)
+    assert [ev.index for ev in small.step()] == [0, 0]  # one prompt's prefill, then its cycle
+    with pytest.raises(DFlashError, match="prefill_budget"):
+        BatchDecoder(engine.target, engine.draft, prefill_budget=0)
 
 
 def _draft(cfg, kind, seed=5):
