@@ -136,6 +136,34 @@ def test_rolling_back_one_slot_leaves_the_others_untouched(targets, dtype):
                 assert all(same(x, y) for x, y in zip(c.state(), snap[o]))
 
 
+def test_forward_slots_with_a_rope_that_takes_no_array_offsets(dense):
+    """mlx-lm's dynamic-NTK RoPE compares its offset in Python: each slot's
+    attention inputs are then computed at its own int offset, still exact;
+    a draft with that RoPE proposes slot by slot."""
+    from mlx_dflash.models.draft import propose_slots
+    from mlx_dflash.sampling import Sampler
+
+    cfg = tiny.target_config()
+    cfg["text_config"]["rope_parameters"].update(rope_type="dynamic", factor=2.0)
+    target = Target(tiny.build_target(cfg, seed=3))
+    assert not target._compilable
+    solo = prefilled(target, PROMPTS)
+    slots = SlotBatch(prefilled(target, PROMPTS))
+    tokens = block_tokens(len(PROMPTS), 4, seed=2)
+    logits, _ = target.forward_slots(tokens, slots, record=True)
+    for b, c in enumerate(solo):
+        assert same(logits[b], target.forward(tokens[b], c, record=True)[0])
+    dcfg = tiny.draft_config(dense[0], num_hidden_layers=2, block_size=6)
+    dcfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    feats = [target.prefill(p, target.make_cache(), capture=draft.target_layer_ids)[1] for p in PROMPTS]
+    got = propose_slots(
+        draft, [(f, 4, len(p), draft.make_cache(), Sampler(), False) for f, p in zip(feats, PROMPTS)], 6
+    )
+    for (toks, _), f, p in zip(got, feats, PROMPTS):
+        assert same(toks, draft.propose(f, 4, len(p), 6, draft.make_cache())[0])
+
+
 def test_slot_rollback_refuses_bad_counts(targets):
     target = targets["dense", mx.float32]
     slots = SlotBatch(prefilled(target, PROMPTS[:2]))

@@ -662,6 +662,9 @@ class DFlashDraft(nn.Module):
         """:meth:`propose` for several requests in one forward: ``slots`` =
         [(features, anchor, anchor_pos, cache, sampler, sample)]; returns
         each one's (tokens, q)."""
+        if not all(array_offset_rope(layer.self_attn.rope) for layer in self.layers):
+            # A RoPE that takes no array offsets (mlx-lm's dynamic NTK): one slot at a time.
+            return [self.propose(f, a, p, block_size, c, sampler, sample) for f, a, p, c, sampler, sample in slots]
         hidden = self.block_hidden_slots([s[:4] for s in slots], block_size)[:, 1:]
         logits = self.logits(hidden)
         return [

@@ -323,8 +323,10 @@ class Target:
         offsets = [c.offset for c in caches]
         if S == 1:
             pos = mx.array(offsets[0], dtype=mx.int32) if compiled else offsets[0]
-        else:
+        elif self._compilable:
             pos = mx.array(offsets, dtype=mx.int32)
+        else:
+            pos = None  # a RoPE that takes no array offsets: each slot's at its own int
         mask = "causal" if T > 1 else None
         feats, tapes = {}, {}
         for i, layer in enumerate(self.layers):
@@ -341,7 +343,14 @@ class Target:
                 if record:
                     tapes[i] = (ssm0, *out[3:], K, ssm)
             else:
-                q, k, v, gate = self._step(i, "pre", T, record, fused, compiled)(h, pos)
+                if pos is not None:
+                    q, k, v, gate = self._step(i, "pre", T, record, fused, compiled)(h, pos)
+                else:
+                    pre = [
+                        self._step(i, "pre", T, record, fused, False)(h[b : b + 1], off)
+                        for b, off in enumerate(offsets)
+                    ]
+                    q, k, v, gate = (mx.concatenate(x, axis=0) for x in zip(*pre))
                 scale = layer.self_attn.scale
                 o = [
                     st.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], scale, mask, record) for b, st in enumerate(sts)
