@@ -8,6 +8,7 @@ from .api import (
     load,
     stream_generate,
 )
+from .batch import BatchDecoder, batch_generate
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
@@ -17,6 +18,8 @@ from .session import ChatSession
 from .train import TrainConfig, train_draft
 
 __all__ = [
+    "BatchDecoder",
+    "batch_generate",
     "ChatSession",
     "DFlashError",
     "Engine",

@@ -4,7 +4,8 @@ state) and what verify records for rollback.
 Every per-layer cache, the draft's context cache included
 (:class:`~mlx_dflash.models.draft.DraftCache`), follows one protocol
 (:class:`LayerCache`), which is all the prefix store (``prefix.py``) knows
-of them. Arrays keep a leading batch dimension [B, ...]; B is 1 today.
+of them. Arrays keep a leading batch dimension [B, ...]; B is 1 in a
+cache. Several requests decode together as a :class:`SlotBatch` of caches.
 """
 
 import math
@@ -13,9 +14,9 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .errors import DFlashError
-from .kernels.conv import conv_state_rollback
+from .kernels.conv import conv_state_rollback, conv_state_rollback_slots
 from .kernels.fused_exp import attention, row_exact
-from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_layers
+from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_layers, gated_delta_rollback_slots
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
@@ -444,3 +445,60 @@ class TargetCache:
     def kv_nbytes(self) -> int:
         """Bytes of attention K/V held (the part that grows with the context)."""
         return sum(c.nbytes() for c in self.layers if c.sequence)
+
+
+class SlotBatch:
+    """Requests decoding together, one :class:`TargetCache` (B = 1) per slot.
+
+    ``Target.forward_slots`` runs a block of the same width for every slot;
+    each slot's KV stays in its own buffers (attention runs per slot, as a
+    solo forward does), while the DeltaNet layers run with the slots stacked
+    along the batch and leave their tapes here, slot dimension first, for
+    :meth:`rollback` with a kept count per slot. Each slot's own
+    ``DeltaNetState`` gets its rows of the stacked result (and of the tape,
+    so a slot's own ``TargetCache.rollback`` works too). A slot's arrays are
+    never written in place, so nothing done to one slot reaches another.
+    """
+
+    def __init__(self, caches: Sequence[TargetCache]):
+        self.caches = list(caches)
+        self.tapes = {}  # layer -> (ssm0, k, g, delta, conv_in, K, ssm after the block), slots stacked
+        self.block = 0  # width of the last recorded block, 0 if none pending
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    def recorded(self, block: int, tapes: dict) -> None:
+        self.block, self.tapes = block, tapes
+        for c in self.caches:
+            c.block = block
+
+    def rollback(self, ns: Sequence[int]) -> None:
+        """After a recorded :meth:`Target.forward_slots`, slot b keeps the
+        first ``ns[b]`` tokens of its block (chain)."""
+        ns = [int(n) for n in ns]
+        if self.block == 0:
+            raise RuntimeError("rollback without a recorded block")
+        if len(ns) != len(self.caches):
+            raise ValueError(f"{len(ns)} kept counts for {len(self.caches)} slots")
+        if not all(1 <= n <= self.block for n in ns):
+            raise ValueError(f"kept counts {ns} outside 1..{self.block}")
+        starts = [c.offset - self.block for c in self.caches]
+        for i in range(len(self.caches[0].layers)):
+            tape = self.tapes.get(i)
+            if tape is None:  # attention: each slot truncates its own KV
+                for c, start, n in zip(self.caches, starts, ns):
+                    c.layers[i].rollback(start, n)
+                continue
+            ssm0, k, g, delta, conv_in, K, final = tape
+            ssm = gated_delta_rollback_slots(ssm0, k, g, delta, final, ns, stepwise=row_exact(k.dtype))
+            conv = conv_state_rollback_slots(conv_in, ns, K)
+            for b, c in enumerate(self.caches):
+                st = c.layers[i]
+                st.ssm, st.conv, st.tape = ssm[b : b + 1], conv[b : b + 1], None
+        for c, start, n in zip(self.caches, starts, ns):
+            c.offset, c.block = start + n, 0
+        self.block, self.tapes = 0, {}
+
+    def state(self) -> List[mx.array]:
+        return [a for c in self.caches for a in c.state()]

@@ -184,6 +184,7 @@ class Decoder:
         self.pos = 0
         self.pending: Optional[Proposal] = None  # the next cycle's draft, launched early
         self.committed = self.verified = 0  # tokens kept / verified by the last cycle
+        self.prefix_run = None  # a prefix cache's run for this generation
         self.tic = 0.0
 
     # --- bookkeeping -------------------------------------------------------------
@@ -236,6 +237,54 @@ class Decoder:
         if self.profile:
             mx.eval(*arrays)
 
+    # --- prefill -----------------------------------------------------------------
+    def prefill(self, chunk_size: int, prefix_cache=None, prefix_boundary=None):
+        """Prefill the prompt (``history``) alone, in chunks of ``chunk_size``,
+        and sample the first token (the anchor). With a ``prefix_cache``, the
+        longest cached prefix is restored first; returns its run (or None)."""
+        for _ in self.prefill_steps(chunk_size, prefix_cache, prefix_boundary):
+            pass
+        return self.prefix_run
+
+    def prefill_steps(self, chunk_size: int, prefix_cache=None, prefix_boundary=None) -> Iterator[None]:
+        """:meth:`prefill` one chunk per step (a prefix-cache prefill in one):
+        yields between chunks, so a batch runs its cycles in between. Its
+        chunks, and so its cache, are a solo prefill's."""
+        prompt = list(self.history)
+        tic = time.perf_counter()
+        self.stats.prefill_time = 0.0
+        self.prefix_run = None
+        if prefix_cache is not None:
+            # The draft consumes the prompt's features during this prefill.
+            logits, self.prefix_run = prefix_cache.prefill(
+                self.target,
+                prompt,
+                self.cache,
+                draft=self.draft,
+                dcache=self.dcache,
+                capture=self.capture,
+                chunk_size=chunk_size,
+                boundary=prefix_boundary,
+                stats=self.stats,
+            )
+        else:
+            # Features only of the rows the draft's window will read.
+            skip = getattr(self.dcache, "skip", None)
+            first = skip(len(prompt)) if skip is not None else 0
+            for out in self.target.prefill_steps(
+                prompt, self.cache, capture=self.capture, chunk_size=chunk_size, capture_from=first
+            ):
+                if out is None:  # time spent away is not prefill time
+                    self.stats.prefill_time += time.perf_counter() - tic
+                    yield
+                    tic = time.perf_counter()
+            logits, feats = out
+            self.add_features(feats)
+        sampler = self.sampler
+        self.anchor = int(sampler(logits, [len(prompt)], [self.history] if sampler.needs_context else None)[0].item())
+        self.stats.prefill_time += time.perf_counter() - tic
+        self.pos = len(prompt)
+
     # --- propose -----------------------------------------------------------------
     def launch(self, plan: Plan) -> Proposal:
         """The draft's proposal for ``plan``, left lazy (chain: token ids; tree:
@@ -271,19 +320,29 @@ class Decoder:
             mx.async_eval([x for x in (p.drafted, p.q, p.logits) if x is not None])
 
     # --- verify ------------------------------------------------------------------
+    def block_input(self, prop: Proposal) -> mx.array:
+        """A chain proposal's tokens to verify: the anchor, then the drafts."""
+        anchor = mx.array([self.anchor], dtype=mx.int32)
+        return anchor if prop.drafted is None else mx.concatenate([anchor, prop.drafted])
+
     def verify(self, prop: Proposal) -> Verified:
         """One target forward over the proposal; the target's pick per row."""
         tree = prop.tree
         if tree is not None:
-            block_in, parents, depths = tree.tokens, tree.parents, tree.depths
+            block_in, parents = tree.tokens, tree.parents
         else:
-            parents = None
-            anchor = mx.array([self.anchor], dtype=mx.int32)
-            block_in = anchor if prop.drafted is None else mx.concatenate([anchor, prop.drafted])
-            depths = range(prop.width)
+            block_in, parents = self.block_input(prop), None
         vlogits, vfeats = self.target.forward(
             block_in, self.cache, capture=self.capture, record=prop.width > 1, parents=parents
         )
+        return self.judge(prop, vlogits, vfeats)
+
+    def judge(self, prop: Proposal, vlogits: mx.array, vfeats: Optional[mx.array]) -> Verified:
+        """The target's pick per verified row, from the verify forward's
+        logits [W, V] (and the features it captured)."""
+        tree = prop.tree
+        parents = tree.parents if tree is not None else None
+        depths = tree.depths if tree is not None else range(prop.width)
         positions = [self.pos + 1 + d for d in depths]
         drafted = None
         contexts = None
@@ -321,12 +380,13 @@ class Decoder:
         return list(range(self.acceptance(v.block[1:], v.picks) + 1))
 
     # --- commit / rollback ---------------------------------------------------------
-    def commit(self, prop: Proposal, v: Verified, path: List[int]) -> List[int]:
+    def commit(self, prop: Proposal, v: Verified, path: List[int], rolled_back: bool = False) -> List[int]:
         """Keep the accepted rows in the caches (rollback of the rest, left
-        lazy for the next forward), hand their features to the draft, and
-        emit the accepted drafts plus the bonus token."""
+        lazy for the next forward; ``rolled_back``: the caller did it), hand
+        their features to the draft, and emit the accepted drafts plus the
+        bonus token."""
         n_keep = len(path)
-        if prop.width > 1:
+        if prop.width > 1 and not rolled_back:
             self.cache.rollback(n_keep, path=path if prop.tree is not None else None)
             self.sync(self.cache.state())
         if v.features is not None:
@@ -453,6 +513,69 @@ def generate_tokens(
     )
 
 
+def speculative(c: GenerationConfig, sampler: Sampler) -> bool:
+    """Whether ``c`` verifies with the speculative rule (T > 0, chain)."""
+    return c.accept_rule == "speculative" and not sampler.greedy and c.tree_budget == 0
+
+
+def check_prompt(target, prompt: Sequence[int], c: GenerationConfig) -> int:
+    """Refuse a prompt that is empty or fills the context; returns the context limit."""
+    max_context = c.max_context or target.max_context
+    if not len(prompt):
+        raise DFlashError("empty prompt: give at least one token")
+    if len(prompt) >= max_context:
+        raise DFlashError(f"prompt has {len(prompt)} tokens; the context limit is {max_context}")
+    return max_context
+
+
+def open_decoder(
+    target,
+    prompt,
+    c: GenerationConfig,
+    hooks: "Hooks",
+    sampler: Sampler,
+    *,
+    draft,
+    eos_token_ids=(),
+    stats=None,
+    cache=None,
+) -> Decoder:
+    """A :class:`Decoder` for ``prompt`` under the (validated) options ``c``,
+    its caches made, ready for :meth:`Decoder.prefill`; ``draft`` is None for
+    plain decoding."""
+    stats = stats if stats is not None else GenerationStats()
+    prompt = list(prompt)
+    max_context = check_prompt(target, prompt, c)
+    # The sequence (prompt + output) never holds more than max_context tokens:
+    # the context limit is a length limit like max_tokens, the same in every mode.
+    max_tokens = min(c.max_tokens, max_context - len(prompt))
+    block_size = (c.block_size or draft.block_size) if draft is not None else 1
+    if cache is None:
+        cache = target.make_cache(kv_bits=c.kv_bits) if c.kv_bits else target.make_cache()
+    stats.prompt_tokens = len(prompt)
+    stats.block_size = block_size
+    stats.accept_hist = [0] * (max(block_size, c.tree_budget + 1, c.auto_tree + 1) + 1)
+    dcache = draft.make_cache(c.draft_window) if draft is not None else None
+    d = Decoder(
+        target,
+        cache,
+        draft,
+        dcache,
+        sampler,
+        stats,
+        set(eos_token_ids),
+        max_tokens,
+        max_context,
+        c.profile,
+        hooks.acceptance,
+        c.tree_topk,
+        speculative(c, sampler),
+        hooks.spec_rule,
+    )
+    d.history = prompt
+    return d
+
+
 def _generate_tokens(
     target,
     prompt,
@@ -473,21 +596,12 @@ def _generate_tokens(
     if c.baseline:
         draft = None
     c.validate(draft)
-    policy = hooks.policy
-    max_tokens, block_size = c.max_tokens, c.block_size
-    tree_budget, auto_tree, kv_bits = c.tree_budget, c.auto_tree, c.kv_bits
-    stats = stats if stats is not None else GenerationStats()
     prompt = list(prompt)
-    max_context = c.max_context or target.max_context
-    if not prompt:
-        raise DFlashError("empty prompt: give at least one token")
-    if len(prompt) >= max_context:
-        raise DFlashError(f"prompt has {len(prompt)} tokens; the context limit is {max_context}")
-    # The sequence (prompt + output) never holds more than max_context tokens:
-    # the context limit is a length limit like max_tokens, the same in every mode.
-    max_tokens = min(max_tokens, max_context - len(prompt))
+    check_prompt(target, prompt, c)
+    policy = hooks.policy
+    block_size, tree_budget, auto_tree = c.block_size, c.tree_budget, c.auto_tree
     sampler = hooks.sampler or c.sampler()
-    spec = c.accept_rule == "speculative" and not sampler.greedy and tree_budget == 0
+    spec = speculative(c, sampler)
     if draft is not None:
         limit = draft.block_size
         if policy is None:
@@ -497,64 +611,18 @@ def _generate_tokens(
             pinned = block_size is not None or tree_budget > 0 or not c.adaptive or spec
             # Measured (once per machine and model) before this generation's
             # cache exists: a pipeline-split target has one live cache at a time.
-            bits = getattr(cache, "kv_bits", None) if cache is not None else kv_bits
+            bits = getattr(cache, "kv_bits", None) if cache is not None else c.kv_bits
             trees = (auto_tree + 1,) if auto_tree else ()
             costs = None if pinned else load_costs(target, draft, kv_bits=bits, tree_sizes=trees)[0]
             policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget, auto_tree=auto_tree)
-        block_size = block_size or limit
     else:
-        block_size = 1
         policy = Policy(1)
-    if cache is None:
-        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
-    stats.prompt_tokens = len(prompt)
-    stats.block_size = block_size
-    stats.policy = policy.describe() if draft is not None else "plain"
-    stats.accept_hist = [0] * (max(block_size, tree_budget + 1, auto_tree + 1) + 1)
-    mx.reset_peak_memory()
-
-    dcache = draft.make_cache(c.draft_window) if draft is not None else None
-    d = Decoder(
-        target,
-        cache,
-        draft,
-        dcache,
-        sampler,
-        stats,
-        set(eos_token_ids),
-        max_tokens,
-        max_context,
-        c.profile,
-        hooks.acceptance,
-        c.tree_topk,
-        spec,
-        hooks.spec_rule,
+    d = open_decoder(
+        target, prompt, c, hooks, sampler, draft=draft, eos_token_ids=eos_token_ids, stats=stats, cache=cache
     )
-    d.history = list(prompt)
-    tic = time.perf_counter()
-    prefix_run = None
-    if prefix_cache is not None:
-        # The draft consumes the prompt's features during this prefill.
-        logits, prefix_run = prefix_cache.prefill(
-            target,
-            prompt,
-            cache,
-            draft=draft,
-            dcache=dcache,
-            capture=d.capture,
-            chunk_size=c.prefill_chunk,
-            boundary=prefix_boundary,
-            stats=stats,
-        )
-    else:
-        # Features only of the rows the draft's window will read.
-        skip = getattr(dcache, "skip", None)
-        first = skip(len(prompt)) if skip is not None else 0
-        logits, feats = target.prefill(prompt, cache, capture=d.capture, chunk_size=c.prefill_chunk, capture_from=first)
-        d.add_features(feats)
-    d.anchor = int(sampler(logits, [len(prompt)], [d.history] if sampler.needs_context else None)[0].item())
-    stats.prefill_time = time.perf_counter() - tic
-    d.pos = len(prompt)
+    d.stats.policy = policy.describe() if draft is not None else "plain"
+    mx.reset_peak_memory()
+    prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary)
     yield d.emit([d.anchor])
     if d.finished:  # the first token was EOS, or max_tokens == 1
         return

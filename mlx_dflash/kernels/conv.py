@@ -82,6 +82,12 @@ def conv_state_rollback(conv_in: mx.array, n: int, kernel_size: int) -> mx.array
     return conv_in[:, n : n + kernel_size - 1]
 
 
+def conv_state_rollback_slots(conv_in: mx.array, ns: Sequence[int], kernel_size: int) -> mx.array:
+    """:func:`conv_state_rollback` with slot b (batch row b) keeping ``ns[b]`` tokens."""
+    idx = mx.array([[n + j for j in range(kernel_size - 1)] for n in ns], dtype=mx.int32)
+    return mx.take_along_axis(conv_in, idx[:, :, None], axis=1)
+
+
 def conv_launch(conv_in, weight, idx) -> Launch:
     B, R, C = conv_in.shape
     T, K = idx.shape

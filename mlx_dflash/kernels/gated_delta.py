@@ -312,6 +312,46 @@ def _rollback_twin(state0, k, g, delta, n: int, mask=None) -> mx.array:
     return S
 
 
+def gated_delta_rollback_slots(
+    state0: mx.array, k: mx.array, g: mx.array, delta: mx.array, final: mx.array, ns: Sequence[int], *, stepwise: bool
+) -> mx.array:
+    """:func:`gated_delta_rollback` of a chain tape whose batch rows are
+    slots, slot b keeping its first ``ns[b]`` tokens; ``final`` is the
+    forward's state after the block. Rows t >= n_b get no decay and no
+    update (their delta zeroed, so the sum matches the solo rollback's to the
+    bit), and a slot that keeps its whole block keeps the forward's own
+    state, as the solo rollback does (the formula need not reproduce its bits)."""
+    n = mx.array(list(ns), dtype=mx.int32)
+    return _rollback_slots_compiled(delta.shape[1], bool(stepwise))(state0, k, g, delta, final, n)
+
+
+@cache
+def _rollback_slots_compiled(T: int, stepwise: bool):
+    # Compiled as the solo rollbacks are (_rollback_compiled, _replay_compiled):
+    # the same fused ops, the same bits.
+    def run(state0, k, g, delta, final, n):
+        keep = mx.arange(T)[None, :] < n[:, None]  # [S, T]
+        if stepwise:
+            S = _replay_slots(state0, k, g, delta, keep)
+        else:
+            delta = mx.where(keep[:, :, None, None], delta, 0.0)
+            S = _rollback_twin(state0, k, g, delta, T, keep)
+        return mx.where((n == T)[:, None, None, None], final, S)
+
+    return mx.compile(run)
+
+
+def _replay_slots(state0, k, g, delta, keep):
+    """:func:`_replay` with a per-slot stop: rows past a slot's count leave its state alone."""
+    k = _repeat_heads(k, delta.shape[2])
+    S = state0
+    for t in range(delta.shape[1]):
+        step = S * g[:, t][..., None, None]
+        step = step + k[:, t][..., None, :] * delta[:, t][..., None]
+        S = mx.where(keep[:, t][:, None, None, None], step, S)
+    return S
+
+
 MAX_TREE_DEPTH = 64  # deeper trees (never drafted: depth <= block size) take the twin
 
 

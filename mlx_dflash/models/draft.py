@@ -629,7 +629,51 @@ class DFlashDraft(nn.Module):
         the token drawn before it), with noise keyed by (seed, position).
         """
         hidden = self.block_hidden(features, anchor, anchor_pos, block_size, cache)[1:]
+        return self._proposal(hidden, self.logits(hidden), anchor, anchor_pos, block_size, sampler, sample)
+
+    def block_hidden_slots(self, slots: Sequence[tuple], block_size: int) -> mx.array:
+        """:meth:`block_hidden` of several requests' blocks in one forward:
+        ``slots`` = [(features, anchor, anchor_pos, cache)], one per request;
+        returns [S, block_size, H], row b what :meth:`block_hidden` gives slot
+        b alone. Row-wise work runs on all slots' rows at once; each slot's
+        context is extended and attended over on its own."""
+        cfg = self.config
+        B, S = block_size, len(slots)
+        for features, _, anchor_pos, cache in slots:
+            self._extend_context(features, anchor_pos, cache)
+        h = self.embed(mx.array([[anchor] + [cfg.mask_token_id] * (B - 1) for _, anchor, _, _ in slots]))
+        compiled = self.compiled and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers)
+        if S == 1:
+            pos = mx.array(slots[0][2], dtype=mx.int32) if compiled else slots[0][2]
+        else:  # each row at its own position
+            pos = mx.array([[p + j for j in range(B)] for _, _, p, _ in slots], dtype=mx.int32)
+        fused = fused_exp_for(True)
+        for i, layer in enumerate(self.layers):
+            q, kb, vb, *carry = self._step(i, B, "pre", fused, compiled)(h, pos)
+            outs = []
+            for b, (_, _, anchor_pos, cache) in enumerate(slots):
+                keys, values = cache.write(i, cache.rows, kb[b : b + 1], vb[b : b + 1])
+                mask = self._mask(i, cache, anchor_pos, B)
+                outs.append(attention(q[b : b + 1], keys, values, layer.self_attn.scale, mask, decode_block=True))
+            h = self._step(i, B, "post", fused, compiled)(h, mx.concatenate(outs, axis=0), *carry)
+        return self.norm(h)
+
+    def propose_slots(self, slots: Sequence[tuple], block_size: int) -> List[tuple]:
+        """:meth:`propose` for several requests in one forward: ``slots`` =
+        [(features, anchor, anchor_pos, cache, sampler, sample)]; returns
+        each one's (tokens, q)."""
+        if not all(array_offset_rope(layer.self_attn.rope) for layer in self.layers):
+            # A RoPE that takes no array offsets (mlx-lm's dynamic NTK): one slot at a time.
+            return [self.propose(f, a, p, block_size, c, sampler, sample) for f, a, p, c, sampler, sample in slots]
+        hidden = self.block_hidden_slots([s[:4] for s in slots], block_size)[:, 1:]
         logits = self.logits(hidden)
+        return [
+            self._proposal(hidden[b], logits[b], anchor, anchor_pos, block_size, sampler, sample)
+            for b, (_, anchor, anchor_pos, _, sampler, sample) in enumerate(slots)
+        ]
+
+    def _proposal(self, hidden, logits, anchor: int, anchor_pos: int, block_size: int, sampler, sample: bool):
+        """(tokens, q) of a block from its rows' hidden states and logits."""
         if not self.config.is_v2:
             return logits_proposal(logits, anchor_pos, sampler, sample)
         sel = self.candidate_selector
@@ -668,6 +712,15 @@ def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cach
     if hasattr(draft, "propose"):
         return draft.propose(features, anchor, anchor_pos, block_size, cache, sampler, sample)
     return logits_proposal(draft(features, anchor, anchor_pos, block_size, cache), anchor_pos, sampler, sample)
+
+
+def propose_slots(draft, slots: Sequence[tuple], block_size: int) -> List[tuple]:
+    """Several requests' proposals, ``slots`` = [(features, anchor,
+    anchor_pos, cache, sampler, sample)]: one batched forward where the draft
+    has one (:meth:`DFlashDraft.propose_slots`), else one call per request."""
+    if hasattr(draft, "propose_slots"):
+        return draft.propose_slots(slots, block_size)
+    return [propose(draft, f, a, p, block_size, c, sampler, sample) for f, a, p, c, sampler, sample in slots]
 
 
 # --- training forward -----------------------------------------------------------

@@ -6,12 +6,12 @@ verify needs what mlx-lm's does not provide: hidden-state capture, a DeltaNet
 tape for exact rollback, and a truncatable KV cache.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..cache import DeltaNetState, TargetCache
+from ..cache import DeltaNetState, SlotBatch, TargetCache
 from ..ddtree import ancestor_matrix
 from ..kernels.conv import causal_conv1d_silu
 from ..kernels.fused_exp import fused_exp_for, row_exact, sigmoid_fused, silu_fused
@@ -94,7 +94,8 @@ def deltanet_step(layer, h: mx.array, conv: mx.array, ssm: mx.array, *, record: 
 def attention_pre(layer, h: mx.array, pos):
     """An attention layer's work before the KV attend: q, k, v [B, H, T, D]
     and the output gate [B, T, H*D]. RoPE at offset ``pos`` (an int or a
-    scalar array), or per token at positions ``pos`` [T] (a tree)."""
+    scalar array), per batch row at offsets ``pos`` [B] (slots), or, with
+    B == 1, per token at positions ``pos`` [T] (a tree)."""
     attn = layer.self_attn
     x = layer.input_layernorm(h)
     B, T, _ = x.shape
@@ -105,7 +106,7 @@ def attention_pre(layer, h: mx.array, pos):
     v = attn.v_proj(x).reshape(B, T, nkv, -1).transpose(0, 2, 1, 3)
     q = attn.q_norm(q).transpose(0, 2, 1, 3)
     k = attn.k_norm(k).transpose(0, 2, 1, 3)
-    if isinstance(pos, mx.array) and pos.ndim == 1:  # tokens as the batch, each at its position
+    if isinstance(pos, mx.array) and pos.ndim == 1 and B == 1:  # a tree: tokens as the batch, each at its position
         q = attn.rope(q.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
         k = attn.rope(k.transpose(2, 1, 0, 3), offset=pos).transpose(2, 1, 0, 3)
     else:
@@ -301,6 +302,68 @@ class Target:
             h = h[:, -1:]
         return self.lm_head(self.norm(h))[0], features
 
+    def forward_slots(
+        self, tokens: mx.array, batch: SlotBatch, *, capture: Sequence[int] = (), record: bool = False
+    ) -> Tuple[mx.array, Optional[mx.array]]:
+        """:meth:`forward` of a block of the same width W for every slot of
+        ``batch``, each at its own offset: tokens [S, W]. Returns logits
+        [S, W, V] and features [S, W, N*H] (or None); slot b's rows are its
+        solo forward's. Row-wise work runs on all slots' rows at once;
+        attention runs per slot over its own KV (the solo call); DeltaNet
+        layers run with the slots stacked (the same W for all, so the same
+        recurrence per slot). ``record``: roll back with ``batch.rollback``."""
+        tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+        S, T = tokens.shape
+        caches = batch.caches
+        if len(caches) != S:
+            raise ValueError(f"{S} rows of tokens for {len(caches)} slots")
+        compiled = self.compiled and self._compilable and (T == 1 or (record and T <= self.compile_widths))
+        h = self.embed_tokens(tokens)
+        fused = fused_exp_for(record, h.dtype)
+        offsets = [c.offset for c in caches]
+        if S == 1:
+            pos = mx.array(offsets[0], dtype=mx.int32) if compiled else offsets[0]
+        elif self._compilable:
+            pos = mx.array(offsets, dtype=mx.int32)
+        else:
+            pos = None  # a RoPE that takes no array offsets: each slot's at its own int
+        mask = "causal" if T > 1 else None
+        feats, tapes = {}, {}
+        for i, layer in enumerate(self.layers):
+            sts = [c.layers[i] for c in caches]
+            if layer.is_linear:
+                ssm0 = mx.concatenate([st.ssm for st in sts], axis=0)
+                conv = mx.concatenate([st.conv for st in sts], axis=0)
+                out = self._step(i, "deltanet", T, record, fused, compiled)(h, conv, ssm0)
+                h, conv, ssm = out[:3]
+                K = layer.linear_attn.conv_kernel_size
+                for b, st in enumerate(sts):
+                    st.conv, st.ssm = conv[b : b + 1], ssm[b : b + 1]
+                    st.tape = (ssm0[b : b + 1], *(x[b : b + 1] for x in out[3:]), K) if record else None
+                if record:
+                    tapes[i] = (ssm0, *out[3:], K, ssm)
+            else:
+                if pos is not None:
+                    q, k, v, gate = self._step(i, "pre", T, record, fused, compiled)(h, pos)
+                else:
+                    pre = [
+                        self._step(i, "pre", T, record, fused, False)(h[b : b + 1], off)
+                        for b, off in enumerate(offsets)
+                    ]
+                    q, k, v, gate = (mx.concatenate(x, axis=0) for x in zip(*pre))
+                scale = layer.self_attn.scale
+                o = [
+                    st.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], scale, mask, record) for b, st in enumerate(sts)
+                ]
+                h = self._step(i, "post", T, record, fused, compiled)(h, mx.concatenate(o, axis=0), gate)
+            if i in capture:
+                feats[i] = h
+        for c in caches:
+            c.offset += T
+        batch.recorded(T if record else 0, tapes)
+        features = mx.concatenate([feats[i] for i in capture], axis=-1) if capture else None
+        return self.lm_head(self.norm(h)), features
+
     def batch_forward(self, tokens: mx.array, capture: Sequence[int] = ()):
         """No-cache forward of a batch [Bt, T] from position 0 (training, feature
         extraction). Returns logits [Bt, T, V] and features [Bt, T, n*H] or None.
@@ -329,6 +392,33 @@ class Target:
         materialise with the cache. Returns last-row logits [1, V] and
         features of rows ``capture_from``.. (the rows a windowed draft will
         read; None with ``consume``)."""
+        *_, out = self.prefill_steps(
+            tokens,
+            cache,
+            capture=capture,
+            chunk_size=chunk_size,
+            capture_from=capture_from,
+            consume=consume,
+            points=points,
+            at_point=at_point,
+        )
+        return out
+
+    def prefill_steps(
+        self,
+        tokens: List[int],
+        cache: TargetCache,
+        *,
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+        capture_from: int = 0,
+        consume: Optional[Callable[[mx.array], List[mx.array]]] = None,
+        points: Sequence[int] = (),
+        at_point: Optional[Callable[[int], List[mx.array]]] = None,
+    ) -> Iterator[Optional[Tuple[mx.array, Optional[mx.array]]]]:
+        """:meth:`prefill` one chunk per step, so a caller can run other work
+        between chunks: yields None after each chunk but the last, then what
+        :meth:`prefill` returns."""
         start = cache.offset
         end = start + len(tokens)
         stops = set(range(start + chunk_size, end, chunk_size)) | {end}
@@ -355,8 +445,10 @@ class Target:
             # Bound the lazy graph: materialise each chunk's cache.
             mx.eval(cache.state(), *feats[-1:], extra)
             s = e
+            if e != end:
+                yield None
         features = mx.concatenate(feats, axis=0) if feats else None
-        return logits, features
+        yield logits, features
 
     def __call__(self, tokens, cache: Optional[TargetCache] = None) -> mx.array:
         """Plain logits [T, V] (a fresh cache when none is given)."""

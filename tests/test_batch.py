@@ -1,0 +1,613 @@
+"""Several requests in one forward (slots): each slot's logits, features,
+caches and rollback equal its solo run's, bit for bit, and no slot's
+operation touches another's arrays; batch_generate equals solo generate."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_dflash.cache import SlotBatch
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.models.qwen35 import Target
+from tools import tiny
+
+PROMPTS = [[1, 10, 20, 30, 40], [7, 7, 7, 100, 250, 31, 64, 99, 12, 5, 300], [2, 450], [9, 8, 7, 6, 5, 4, 3]]
+CAPTURE = (1, 3)
+
+
+# MLX's CPU gather_mm (the MoE experts) runs float32 only: no bf16 MoE here.
+# "q4": 4-bit weights (float32 activations).
+MODELS = [("dense", mx.float32), ("dense", mx.bfloat16), ("moe", mx.float32), ("dense", "q4"), ("moe", "q4")]
+MODEL_IDS = ["dense-f32", "dense-bf16", "moe-f32", "dense-q4", "moe-q4"]
+
+
+@pytest.fixture(scope="module")
+def targets():
+    """Tiny dense and MoE targets (float32, bfloat16 for the dense one, 4-bit)."""
+    import mlx.nn as nn
+
+    out = {}
+    for name, dt in MODELS:
+        cfg = tiny.target_config(moe=name == "moe")
+        model = tiny.build_target(cfg, seed=7 if name == "moe" else 3, dtype=mx.float32 if dt == "q4" else dt)
+        if dt == "q4":  # as mlx-lm does: the layers whose width the group size divides
+            nn.quantize(
+                model, 32, 4, class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            )
+        out[name, dt] = Target(model)
+    return out
+
+
+def prefilled(target, prompts):
+    caches = []
+    for p in prompts:
+        c = target.make_cache()
+        target.prefill(p, c, chunk_size=4)
+        caches.append(c)
+    return caches
+
+
+def same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b).item())
+
+
+def assert_same_state(got, want):
+    g, w = got.state(), want.state()
+    assert len(g) == len(w)
+    assert got.offset == want.offset
+    for x, y in zip(g, w):
+        assert same(x, y)
+
+
+def block_tokens(S, W, seed):
+    return mx.array(np.random.default_rng(seed).integers(0, 400, size=(S, W)), dtype=mx.int32)
+
+
+@pytest.mark.parametrize("W, record", [(1, False), (5, False), (5, True), (16, True)])
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_forward_slots_equals_solo_forward(targets, model, W, record):
+    """Plain steps (W = 1), a plain block, and verify blocks (recorded)."""
+    target = targets[model]
+    solo = prefilled(target, PROMPTS)
+    slots = SlotBatch(prefilled(target, PROMPTS))
+    tokens = block_tokens(len(PROMPTS), W, seed=W)
+    logits, feats = target.forward_slots(tokens, slots, capture=CAPTURE, record=record)
+    for b, c in enumerate(solo):
+        lg, f = target.forward(tokens[b], c, capture=CAPTURE, record=record)
+        assert same(logits[b], lg), b
+        assert same(feats[b], f), b
+        assert_same_state(slots.caches[b], c)
+        assert slots.caches[b].block == c.block
+        for got, want in zip(slots.caches[b].layers, c.layers):
+            if getattr(want, "tape", None) is not None:
+                assert all(same(x, y) for x, y in zip(got.tape[:5], want.tape[:5]))
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_slot_rollback_equals_solo_rollback(targets, model):
+    """Per-slot kept counts (some keep the whole block, some one token) give
+    each slot the state its solo rollback gives, bit for bit."""
+    target = targets[model]
+    W = 6
+    for ns in ([1, 3, 6, 2], [6, 6, 1, 6], [4, 4, 4, 4]):
+        solo = prefilled(target, PROMPTS)
+        slots = SlotBatch(prefilled(target, PROMPTS))
+        tokens = block_tokens(len(PROMPTS), W, seed=sum(ns))
+        target.forward_slots(tokens, slots, capture=CAPTURE, record=True)
+        slots.rollback(ns)
+        for b, (c, n) in enumerate(zip(solo, ns)):
+            target.forward(tokens[b], c, capture=CAPTURE, record=True)
+            c.rollback(n)
+            assert_same_state(slots.caches[b], c)
+            assert slots.caches[b].block == 0
+        # The next block runs on from the rolled-back states exactly as solo.
+        nxt = block_tokens(len(PROMPTS), 3, seed=1)
+        logits, _ = target.forward_slots(nxt, slots, record=True)
+        for b, c in enumerate(solo):
+            assert same(logits[b], target.forward(nxt[b], c, record=True)[0])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_rolling_back_one_slot_leaves_the_others_untouched(targets, dtype):
+    target = targets["dense", dtype]
+    W = 5
+    for b in range(len(PROMPTS)):
+        slots = SlotBatch(prefilled(target, PROMPTS))
+        target.forward_slots(block_tokens(len(PROMPTS), W, seed=b), slots, record=True)
+        before = [[mx.array(a) for a in c.state()] for c in slots.caches]
+        offsets = [c.offset for c in slots.caches]
+        ns = [W] * len(PROMPTS)
+        ns[b] = 2
+        slots.rollback(ns)
+        for o, c in enumerate(slots.caches):
+            if o == b:
+                assert c.offset == offsets[o] - W + 2
+                continue
+            assert c.offset == offsets[o]
+            after = c.state()
+            assert len(after) == len(before[o]) and all(same(x, y) for x, y in zip(after, before[o]))
+        # A slot's own truncation (its KV) touches only that slot.
+        snap = [[mx.array(a) for a in c.state()] for c in slots.caches]
+        for layer in slots.caches[b].layers:
+            if layer.sequence:
+                layer.truncate(1)
+        for o, c in enumerate(slots.caches):
+            if o != b:
+                assert all(same(x, y) for x, y in zip(c.state(), snap[o]))
+
+
+def test_forward_slots_with_a_rope_that_takes_no_array_offsets(dense):
+    """mlx-lm's dynamic-NTK RoPE compares its offset in Python: each slot's
+    attention inputs are then computed at its own int offset, still exact;
+    a draft with that RoPE proposes slot by slot."""
+    from mlx_dflash.models.draft import propose_slots
+    from mlx_dflash.sampling import Sampler
+
+    cfg = tiny.target_config()
+    cfg["text_config"]["rope_parameters"].update(rope_type="dynamic", factor=2.0)
+    target = Target(tiny.build_target(cfg, seed=3))
+    assert not target._compilable
+    solo = prefilled(target, PROMPTS)
+    slots = SlotBatch(prefilled(target, PROMPTS))
+    tokens = block_tokens(len(PROMPTS), 4, seed=2)
+    logits, _ = target.forward_slots(tokens, slots, record=True)
+    for b, c in enumerate(solo):
+        assert same(logits[b], target.forward(tokens[b], c, record=True)[0])
+    dcfg = tiny.draft_config(dense[0], num_hidden_layers=2, block_size=6)
+    dcfg["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    feats = [target.prefill(p, target.make_cache(), capture=draft.target_layer_ids)[1] for p in PROMPTS]
+    got = propose_slots(
+        draft, [(f, 4, len(p), draft.make_cache(), Sampler(), False) for f, p in zip(feats, PROMPTS)], 6
+    )
+    for (toks, _), f, p in zip(got, feats, PROMPTS):
+        assert same(toks, draft.propose(f, 4, len(p), 6, draft.make_cache())[0])
+
+
+def test_slot_rollback_refuses_bad_counts(targets):
+    target = targets["dense", mx.float32]
+    slots = SlotBatch(prefilled(target, PROMPTS[:2]))
+    with pytest.raises(RuntimeError, match="without a recorded block"):
+        slots.rollback([1, 1])
+    target.forward_slots(block_tokens(2, 4, seed=0), slots, record=True)
+    with pytest.raises(ValueError, match="outside"):
+        slots.rollback([0, 4])
+    with pytest.raises(ValueError, match="kept counts for 2 slots"):
+        slots.rollback([1])
+
+
+# --- batch_generate and the BatchDecoder ------------------------------------------
+
+
+class SlotScripts:
+    """A scripted draft for a batch: the k-th cache it makes (one per request,
+    in the order they join) proposes from the k-th known continuation, a
+    random number of proposals right per cycle."""
+
+    def __init__(self, seqs, vocab, block_size=8, seed=0):
+        self.seqs, self.vocab, self.block_size, self.seed = list(seqs), vocab, block_size, seed
+        self.target_layer_ids = []
+        self.made = 0
+
+    def make_cache(self, window=None):
+        k = self.made
+        self.made += 1
+        return {"seq": self.seqs[k % len(self.seqs)], "rng": np.random.default_rng(self.seed + k)}
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        seq = cache["seq"]
+        assert seq[anchor_pos] == anchor
+        accept = int(cache["rng"].integers(0, B))
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        for j in range(1, B):
+            p = anchor_pos + j
+            tok = seq[p] if p < len(seq) else 0
+            logits[j - 1, tok if j <= accept else (tok + 1) % self.vocab] = 1.0
+        return mx.array(logits)
+
+
+BATCH_PROMPTS = [PROMPTS[1], PROMPTS[2], PROMPTS[0] * 3, PROMPTS[3]]
+MAX_TOKENS = [12, 20, 7, 16]
+
+
+@pytest.fixture(scope="module")
+def engines(dense, moe, tok_dir):
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    out = {}
+    for name, (cfg, model) in (("dense", dense), ("moe", moe)):
+        target = Target(model)
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+        draft = tiny.build_draft(dcfg, seed=5).bind(target)
+        out[name] = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), draft)
+    return out
+
+
+def solo(engine, prompts, configs):
+    import mlx_dflash
+
+    return [mlx_dflash.generate(engine, p, c) for p, c in zip(prompts, configs)]
+
+
+def scripted(engine, prompts, results, seed=0):
+    """The engine with a scripted draft proposing each request's solo output."""
+    from dataclasses import replace
+
+    seqs = [list(p) + r.tokens for p, r in zip(prompts, results)]
+    return replace(engine, draft=SlotScripts(seqs, engine.target.vocab_size, seed=seed))
+
+
+def configs_for(**kw):
+    from mlx_dflash import GenerationConfig
+
+    return [GenerationConfig(max_tokens=m, block_size=4, **kw) for m in MAX_TOKENS]
+
+
+def assert_same_results(got, want):
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.tokens == w.tokens, i
+        assert g.text == w.text, i
+        assert g.stats.finish_reason == w.stats.finish_reason, i
+        assert g.stats.generated_tokens == len(g.tokens)
+
+
+@pytest.mark.parametrize("max_batch", [4, 2])
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_generate_equals_solo_greedy(engines, which, max_batch):
+    """Each request's tokens are its solo run's, all at once (4 slots) or with
+    later requests joining as earlier ones finish (2 slots)."""
+    import mlx_dflash
+
+    engine = engines[which]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=max_batch), want)
+    # A draft that gets a random part of each block right: slots keep different counts.
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=max_batch)
+    got = mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=max_batch)
+    assert_same_results(got, want)
+    assert any(sum(r.stats.accept_hist[2:]) > 0 for r in got)  # some cycles kept drafts
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_generate_equals_solo_sampled(engines, which):
+    """Sampling with the equality rule and a seed per request (one with a
+    repetition penalty, one with min-p and top-k: options per request)."""
+    import mlx_dflash
+
+    engine = engines[which]
+    configs = [
+        c.update(temperature=0.9, top_p=0.95, seed=100 + i, accept_rule="equality") for i, c in enumerate(configs_for())
+    ]
+    configs[1] = configs[1].update(repetition_penalty=1.3, repetition_context_size=8)
+    configs[2] = configs[2].update(temperature=0.7, min_p=0.05, top_k=30)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert len({tuple(r.tokens[:5]) for r in want}) > 1
+    got = mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3)
+    assert_same_results(got, want)
+    eng = scripted(engine, BATCH_PROMPTS, want)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+
+
+def test_batch_generate_shared_options_and_plain(engines):
+    """Keyword options shared by all requests; baseline (plain steps for the
+    batch); text prompts (tokenized and detokenized as generate does)."""
+    import mlx_dflash
+
+    engine = engines["dense"]
+    for kw in (dict(max_tokens=9, block_size=6), dict(max_tokens=9, baseline=True)):
+        want = [mlx_dflash.generate(engine, p, **kw) for p in BATCH_PROMPTS]
+        assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=3, **kw), want)
+    texts = ["def f(x):", "import os\nfor i in range(3):", "Simple is better"]
+    want = [mlx_dflash.generate(engine, t, max_tokens=10, block_size=4) for t in texts]
+    assert_same_results(mlx_dflash.batch_generate(engine, texts, max_batch=2, max_tokens=10, block_size=4), want)
+
+
+def test_request_with_an_early_eos_leaves_alone(engines, tok_dir):
+    """One request stops at an EOS after a few tokens, inside a cycle; the
+    others run on to their own ends, each as solo."""
+    from dataclasses import replace
+
+    import mlx_dflash
+    from mlx_dflash.loading import load_tokenizer
+
+    base = engines["dense"]
+    configs = configs_for()
+    plain = solo(base, BATCH_PROMPTS, configs)
+    toks = plain[1].tokens
+    k = next(i for i in range(3, len(toks)) if toks[i] not in toks[:i])
+    engine = replace(base, tokenizer=load_tokenizer(tok_dir, eos_token_ids=[toks[k]]))
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert want[1].tokens == toks[: k + 1] and want[1].stats.finish_reason == "stop"
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=3)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    # A request whose first token is EOS leaves before its first cycle (its
+    # slot goes to the queued one at once).
+    engine = replace(base, tokenizer=load_tokenizer(tok_dir, eos_token_ids=[plain[2].tokens[0]]))
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert want[2].tokens == plain[2].tokens[:1] and want[2].stats.finish_reason == "stop"
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_slot_caches_equal_a_plain_forward(engines, which):
+    """After every step, each active slot's cache equals a fresh prefill over
+    its committed tokens (all but the last, which is not in the cache yet)."""
+    from support.reference import assert_cache_is_plain_forward
+
+    from mlx_dflash import BatchDecoder
+
+    engine = engines[which]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=1)
+    batch = BatchDecoder(eng.target, eng.draft, max_batch=3, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    out = [[] for _ in BATCH_PROMPTS]
+    seen = {}
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+        for i, d in batch.active:
+            seen[i] = d
+            assert_cache_is_plain_forward(eng.target, d.cache, d.history[:-1])
+    assert out == [r.tokens for r in want]
+    assert sorted(seen) == list(range(len(BATCH_PROMPTS)))
+
+
+def test_bad_batch_input(engines):
+    import mlx_dflash
+    from mlx_dflash import BatchDecoder, DFlashError
+
+    engine = engines["dense"]
+    for bad in (0, -2):
+        with pytest.raises(DFlashError, match="max_batch"):
+            mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
+    with pytest.raises(DFlashError, match="tree-budget"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, tree_budget=4)
+    with pytest.raises(DFlashError, match="same block_size"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
+    with pytest.raises(DFlashError, match="configs for"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs_for()[:2])
+    batch = BatchDecoder(engine.target, engine.draft)
+    with pytest.raises(DFlashError, match="empty prompt"):
+        batch.add([])
+    with pytest.raises(DFlashError, match="context limit"):
+        batch.add(list(range(20)), max_context=20)
+
+
+def test_cancel_frees_the_slot_and_leaves_the_others(engines):
+    """Cancelling one running and one queued request: the others' tokens are
+    still their solo ones, and the freed slot admits the next request."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines["moe"]
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=2)
+    batch = BatchDecoder(eng.target, eng.draft, max_batch=2, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    out = [[] for _ in BATCH_PROMPTS]
+    reasons = {}
+    steps = 0
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+            reasons[ev.index] = ev.finish_reason
+        steps += 1
+        if steps == 2:
+            assert [i for i, _ in batch.active] == [0, 1]
+            ev = batch.cancel(1)
+            assert ev.finish_reason == "cancelled" and ev.stats.generated_tokens == len(out[1])
+            assert batch.cancel(3).finish_reason == "cancelled"  # still queued
+            assert batch.cancel(3) is None
+            reasons[1] = reasons[3] = "cancelled"
+    assert out[0] == want[0].tokens and out[2] == want[2].tokens
+    assert 0 < len(out[1]) < len(want[1].tokens) and out[1] == want[1].tokens[: len(out[1])]
+    assert out[3] == []
+    assert reasons == {0: "length", 1: "cancelled", 2: "length", 3: "cancelled"}
+
+
+def test_batch_generate_equals_solo_in_bfloat16(tok_dir):
+    """bf16 verify rows are computed as single steps are (row_exact): the
+    batched path gives each request its solo tokens there too."""
+    import mlx_dflash
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg = tiny.target_config()
+    target = Target(tiny.build_target(cfg, seed=3, dtype=mx.bfloat16))
+    dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    draft = tiny.build_draft(dcfg, seed=5, dtype=mx.bfloat16).bind(target)
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), draft)
+    configs = configs_for()
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=4)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=3), want)
+
+
+def test_batch_with_quantized_kv_and_a_windowed_draft(tok_dir):
+    """Per-request KV formats (8-bit, 4-bit, full) and a sliding-window draft
+    context in one batch: each request as solo."""
+    import mlx_dflash
+    from mlx_dflash import Engine
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg = tiny.target_config(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1)
+    target = Target(tiny.build_target(cfg, seed=1))
+    dcfg = tiny.draft_config(
+        cfg, num_hidden_layers=2, block_size=8, layer_types=["sliding_attention"] * 2, sliding_window=6
+    )
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), tiny.build_draft(dcfg, seed=9).bind(target))
+    configs = [c.update(kv_bits=b, draft_window=(0, 6)) for c, b in zip(configs_for(), (8, None, 4, 8))]
+    want = solo(engine, BATCH_PROMPTS, configs)
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=5)
+    assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_long_prefill_is_interleaved_with_running_cycles(engines, which):
+    """A long prompt joining a running batch prefills one chunk per step (its
+    own chunk boundaries, so its solo output), while the running slots get
+    tokens in every step."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines[which]
+    long = [(7 * i + 3) % 400 for i in range(37)]
+    prompts = [BATCH_PROMPTS[1], long, BATCH_PROMPTS[3]]
+    configs = [c.update(prefill_chunk=4) for c in configs_for()[:3]]
+    want = solo(engine, prompts, configs)
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=[2], prefill_budget=4)
+    batch.add(prompts[0], configs[0])
+    first = batch.step()
+    assert [ev.index for ev in first] == [0, 0]  # its first token, then its first cycle
+    batch.add(prompts[1], configs[1])
+    batch.add(prompts[2], configs[2])
+    out = [[] for _ in prompts]
+    for ev in first:
+        out[ev.index].extend(ev.tokens)
+    shared = 0  # steps run while the long prompt waited and others decoded
+    while not batch.done:
+        waiting = any(j == 1 for j, *_ in batch.queue) or any(j == 1 for j, *_ in batch.prefilling)
+        running = {j for j, _ in batch.active}
+        events = batch.step()
+        for ev in events:
+            out[ev.index].extend(ev.tokens)
+        if waiting and running:
+            shared += 1
+            assert running <= {ev.index for ev in events if ev.tokens}  # they kept streaming
+    assert out == [r.tokens for r in want]
+    # 37 tokens are 10 chunks of 4: one per step while others decode.
+    assert shared >= 10
+
+
+def test_short_prompts_join_together(engines):
+    """Prompts that fit in one step's prefill budget all join in that step
+    and run their first cycle together."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines["dense"]
+    configs = configs_for()
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=[2])
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    events = batch.step()
+    firsts = [ev.index for ev in events[: len(BATCH_PROMPTS)]]
+    assert sorted(firsts) == list(range(len(BATCH_PROMPTS)))  # every first token
+    assert [ev.index for ev in events[len(BATCH_PROMPTS) :]] == list(range(len(BATCH_PROMPTS)))  # one cycle for all
+    small = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=[2], prefill_budget=1)
+    for p, c in zip(BATCH_PROMPTS, configs):
+        small.add(p, c)
+    assert [ev.index for ev in small.step()] == [0, 0]  # one prompt's prefill, then its cycle
+    with pytest.raises(DFlashError, match="prefill_budget"):
+        BatchDecoder(engine.target, engine.draft, prefill_budget=0)
+
+
+def _draft(cfg, kind, seed=5):
+    if kind == "window":
+        dcfg = tiny.draft_config(
+            cfg, num_hidden_layers=2, block_size=8, layer_types=["sliding_attention"] * 2, sliding_window=6
+        )
+    else:
+        dcfg = tiny.draft_config(cfg, num_hidden_layers=2, block_size=8)
+    if kind == "v2":  # DFlash 2: block convolutions and a candidate selector
+        dcfg["architectures"] = ["DFlash2DraftModel"]
+        dcfg["dflash_config"].update(selector_rank=8, selector_top_k=6, conv_kernel_size=2, conv_group_size=16)
+    return tiny.build_draft(dcfg, seed=seed)
+
+
+@pytest.mark.parametrize("sample", [False, True])
+@pytest.mark.parametrize("kind", ["full", "window", "v2"])
+def test_draft_slots_equal_solo_proposals(dense, kind, sample):
+    """One draft forward for several requests proposes what each would alone
+    (tokens and q bit for bit), and leaves each context cache as alone."""
+    from mlx_dflash.models.draft import propose_slots
+    from mlx_dflash.sampling import Sampler
+
+    cfg, model = dense
+    target = Target(model)
+    draft = _draft(cfg, kind).bind(target)
+    W = 6
+    items, solo_items = [], []
+    for b, p in enumerate(BATCH_PROMPTS):
+        c = target.make_cache()
+        _, feats = target.prefill(p, c, capture=draft.target_layer_ids)
+        sampler = Sampler(temperature=0.8, top_k=20, seed=b)
+        items.append([feats, p[-1], len(p), draft.make_cache(), sampler, sample])
+        solo_items.append([feats, p[-1], len(p), draft.make_cache(), sampler, sample])
+    for rnd in range(2):
+        got = propose_slots(draft, items, W)
+        for it, (toks, q) in zip(solo_items, got):
+            want_toks, want_q = draft.propose(it[0], it[1], it[2], W, it[3], it[4], it[5])
+            assert same(toks, want_toks)
+            assert (q is None) == (want_q is None) and (q is None or same(q, want_q))
+        for it, sit in zip(items, solo_items):
+            assert len(it[3].state()) == len(sit[3].state())
+            assert all(same(x, y) for x, y in zip(it[3].state(), sit[3].state()))
+            # The next round: a few new context rows each (different counts).
+            n = 1 + len(it[3].positions) % 3
+            new = mx.random.normal((n, it[0].shape[-1]), key=mx.random.key(rnd + n))
+            for x in (it, sit):
+                x[0], x[1], x[2] = new, 5 + n, x[2] + n
+
+
+def test_speculative_rule_through_the_batch_keeps_the_target_distribution(engines):
+    """The speculative rule (a draft sampling its block, min(1, p/q)) run per
+    slot in a batch: the first two tokens of many seeded requests follow the
+    target's own joint distribution (chi-square at 0.999)."""
+    from dataclasses import replace
+
+    from test_tree_sampling import chi2_fails
+
+    import mlx_dflash
+    from mlx_dflash import GenerationConfig
+    from mlx_dflash.sampling import Sampler
+
+    class Sharpened:
+        """Proposes from the target's own next-token logits, sharpened
+        (q near p but not p: drafts kept and rejected alike)."""
+
+        block_size, target_layer_ids = 8, []
+
+        def make_cache(self, window=None):
+            return None
+
+        def __call__(self, features, anchor, anchor_pos, B, cache):
+            logits = mx.zeros((B - 1, target.vocab_size))
+            if anchor_pos == len(prompt):  # the first cycle (the one tested)
+                logits[0] = 4.0 * target(prompt + [anchor])[-1]
+            return logits
+
+    target = engines["dense"].target
+    engine = replace(engines["dense"], draft=Sharpened())
+    prompt = PROMPTS[1]
+    kw = dict(temperature=1.0, top_k=3)
+    n = 320
+    configs = [GenerationConfig(**kw, seed=s, accept_rule="speculative", max_tokens=3, block_size=4) for s in range(n)]
+    got = mlx_dflash.batch_generate(engine, [prompt] * n, configs=configs, max_batch=8)
+    sampler = Sampler(**kw, seed=0)
+    p1 = np.array(sampler.probs(target(prompt)[-1:])[0], np.float64)
+    firsts = np.nonzero(p1)[0]
+    joint = {}
+    for t1 in firsts:
+        p2 = np.array(sampler.probs(target(prompt + [int(t1)])[-1:])[0], np.float64)
+        for t2 in np.nonzero(p2)[0]:
+            joint[int(t1), int(t2)] = p1[t1] * p2[t2]
+    pairs = sorted(joint)
+    counts = np.zeros(len(pairs))
+    for r in got:
+        assert tuple(r.tokens[:2]) in joint  # never a pair the target excludes
+        counts[pairs.index(tuple(r.tokens[:2]))] += 1
+    fails, stat, crit = chi2_fails(counts, np.array([joint[p] for p in pairs]), n)
+    assert not fails, (stat, crit)
+    # The second token came from a verify of 4 rows, its draft often kept.
+    assert all(r.stats.cycle_commits and r.stats.tree_sizes[0] == 4 for r in got)
+    kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
+    assert n // 10 < kept < n - n // 10
