@@ -28,21 +28,7 @@ def build(path: Path, hidden: int, layers: int, qtype: str) -> dict:
 
     from tools import tiny
 
-    heads = hidden // 128
-    cfg = tiny.target_config(
-        vocab_size=32000,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(heads // 4, 1),
-        head_dim=128,
-        intermediate_size=hidden * 3,
-        linear_num_key_heads=max(heads // 2, 1),
-        linear_num_value_heads=heads,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        full_attention_interval=4,
-    )
+    cfg = tiny.scaled_target_config(hidden, layers, 32000)
     model = tiny.build_target(cfg, seed=0)
     q = getattr(Q, qtype)
     hf = tiny.save_hf(model, cfg, path.parent / "hf")

@@ -128,6 +128,26 @@ def target_config(
     }
 
 
+def scaled_target_config(hidden: int, layers: int, vocab_size: int) -> dict:
+    """A target at a real model's width: 128-wide heads (hidden // 128 query
+    heads, a quarter as many KV heads), every 4th layer attention (bench/)."""
+    heads = hidden // 128
+    return target_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(heads // 4, 1),
+        head_dim=128,
+        intermediate_size=hidden * 3,
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_num_value_heads=heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        full_attention_interval=4,
+    )
+
+
 def _perturb_norms(model: nn.Module, seed: int) -> None:
     """Random norm weights near 1, so the norm conventions are exercised."""
     key = mx.random.key(seed)
