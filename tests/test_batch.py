@@ -611,3 +611,34 @@ def test_speculative_rule_through_the_batch_keeps_the_target_distribution(engine
     assert all(r.stats.cycle_commits and r.stats.tree_sizes[0] == 4 for r in got)
     kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
     assert n // 10 < kept < n - n // 10
+
+
+@pytest.mark.slow  # 400 seeded requests through the batch (~30-60 s)
+def test_speculative_rule_through_the_batch_with_a_real_draft(tok_dir):
+    """The speculative rule in a batch with a real (random-weight) DFlash draft
+    sampling its block through propose_slots: the first two tokens follow the
+    target's own joint distribution, with drafts both kept and rejected (the
+    single-request twin, tests/test_draft2.py, shows the same check failing
+    for a wrong residual or q)."""
+    from test_draft2 import exact_pairs
+    from test_tree_sampling import chi2_fails
+
+    import mlx_dflash
+    from mlx_dflash import Engine, GenerationConfig
+    from mlx_dflash.loading import load_tokenizer
+    from mlx_dflash.sampling import Sampler
+
+    target = Target(tiny.build_target(tiny.target_config(vocab_size=12), seed=21))
+    dcfg = tiny.draft_config(tiny.target_config(vocab_size=12), num_hidden_layers=1, block_size=4)
+    draft = tiny.build_draft(dcfg, seed=3).bind(target)
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[99]), draft)  # 99: never generated
+    prompt, kw, n = [1, 5, 7], dict(temperature=0.5, top_k=8), 400
+    joint = exact_pairs(target, prompt, Sampler(**kw, seed=0)).reshape(-1)
+    configs = [GenerationConfig(**kw, seed=s, accept_rule="speculative", max_tokens=3, block_size=4) for s in range(n)]
+    got = mlx_dflash.batch_generate(engine, [prompt] * n, configs=configs, max_batch=8)
+    counts = np.zeros(joint.size)
+    for r in got:
+        counts[r.tokens[0] * 12 + r.tokens[1]] += 1
+    kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
+    assert n // 10 < kept < n - n // 10, kept  # both branches of the rule ran
+    assert not chi2_fails(counts, joint, n)[0], chi2_fails(counts, joint, n)
