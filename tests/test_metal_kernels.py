@@ -220,6 +220,97 @@ def test_conv_kernel_matches_twin(parents, dtype):
     assert got.dtype == dtype and close(got, want, dtype)
 
 
+# --- batched decoding: slots stacked along B, each slot its own count ---------------
+
+SLOT_SHAPES = [  # B, T, Hk, Hv, Dk, Dv; kept counts per slot: none, ragged, the whole block
+    ((4, 7, 2, 4, 40, 6), [0, 3, 7, 1]),
+    ((3, 16, 1, 3, 128, 8), [16, 5, 0]),
+]
+
+
+def bits_equal(a, b):
+    return np.array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,ns", SLOT_SHAPES, ids=["B4", "B3-Dk128"])
+def test_rollback_slots_kernel_matches_twin(shape, ns, dtype):
+    """One launch rolls every slot back to its own count: the twins' states
+    (closed form and stepwise) in every thread order; a slot keeping
+    nothing is its pre-block state and one keeping its whole block the
+    forward's own, to the bit."""
+    q, k, v, g, beta, s0 = inputs(*shape, dtype, seed=12)
+    T = shape[1]
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns)
+    (got,) = H.run(launch)
+    for stepwise in (False, True):
+        want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=stepwise, force_twin=True)
+        assert close(got, want, dtype), stepwise
+    for b, n in enumerate(ns):
+        solo = gated_delta.gated_delta_rollback(s0[b : b + 1], k[b : b + 1], g[b : b + 1], tape[b : b + 1], n)
+        assert close(got[b : b + 1], solo, dtype), b
+        if n in (0, T):
+            assert bits_equal(got[b], s0[b] if n == 0 else final[b]), b
+    for order in H.ORDERS[1:]:
+        assert bits_equal(H.run(launch, order=order)[0], got), order
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["simd", "packed"])
+def test_rollback_slots_replays_each_slots_forward_bit_for_bit(packed):
+    """The slots' chain forward (B = 4) gives each slot the rows and state
+    its solo forward gives, to the bit; rolled back to ragged counts, each
+    slot's state is its solo forward's after those tokens, to the bit."""
+    B, T, ns = 4, 9, [5, 0, 9, 1]
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=13)
+    y, final, tape = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
+    (R,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns))
+    for b, n in enumerate(ns):
+        one = lambda x, n=T: x[b : b + 1, :n]  # noqa: E731
+        y_b, S_b, _ = H.run(gated_delta.chain_launch(one(q), one(k), one(v), one(g), one(beta), s0[b : b + 1]))
+        assert bits_equal(y_b, y[b : b + 1]) and bits_equal(S_b, final[b : b + 1]), b
+        if n:
+            S_b = H.run(
+                gated_delta.chain_launch(one(q, n), one(k, n), one(v, n), one(g, n), one(beta, n), s0[b : b + 1])
+            )[1]
+        else:
+            S_b = s0[b : b + 1]
+        assert bits_equal(R[b : b + 1], S_b), (b, n)
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        ("const int n = counts[b];", "const int n = counts[0];"),  # every slot takes slot 0's count
+        ("state[at] = state_final[at];", "state[at] = state_final[at % (Hv * Dv * Dk)];"),  # slot 0's final
+        ("g[(b * T + t) * Hv + hv]", "g[t * Hv + hv]"),  # slot 0's decay for every slot
+    ],
+)
+def test_harness_rejects_a_rollback_slots_kernel_with_broken_slot_indexing(mutation):
+    shape, ns = SLOT_SHAPES[0]
+    q, k, v, g, beta, s0 = inputs(*shape, mx.float32, seed=14)
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns)
+    want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, force_twin=True)
+    src = metal.metal_source("gated_delta_rollback_slots")
+    old, new = mutation
+    assert old in src
+    assert close(H.run(launch)[0], want)
+    assert not close(H.run(launch, source=src.replace(old, new))[0], want)
+
+
+def test_rollback_slots_dispatches_to_the_kernel_when_metal_is_selected(monkeypatch):
+    shape, ns = SLOT_SHAPES[0]
+    q, k, v, g, beta, s0 = inputs(*shape, mx.float32, seed=15)
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, force_twin=True)
+    ran = []
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", lambda launch: ran.append(launch.name) or H.run(launch))
+    got = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False)
+    assert ran == ["gated_delta_rollback_slots"] and close(got, want)
+
+
 def small_launches():
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
@@ -510,7 +601,7 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
 
 
 def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
-    """Chain (with a padding mask), tree, rollback and conv: gradients with the
+    """Chain (with a padding mask), tree, rollback (solo and per slot) and conv: gradients with the
     Metal path selected equal the twins' own."""
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     mask = mx.array([[True, True, False, True, True]])
@@ -518,6 +609,8 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
     w = mx.random.normal((70, 4, 1), key=mx.random.key(2))
     parents = [-1, 0, 0, 1, 2]
     _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    sq, sk, sv, sg, sb, ss0 = inputs(3, 5, 2, 4, 64, 8, mx.float32, seed=10)
+    _, sfinal, stape = gated_delta.gated_delta_chain(sq, sk, sv, sg, sb, ss0, record=True, force_twin=True)
 
     def total(outs):
         return sum(((o.astype(mx.float32) * (i + 1)) ** 2).sum() for i, o in enumerate(outs) if o is not None)
@@ -532,6 +625,10 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
             [q, k, v, g, beta, s0],
         ),
         "rollback": (lambda a, tw: total([gated_delta.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
+        "rollback slots": (
+            lambda a, tw: total([gated_delta.gated_delta_rollback_slots(*a, [2, 5, 0], stepwise=False, force_twin=tw)]),
+            [ss0, sk, sg, stape, sfinal],
+        ),
         "conv": (lambda a, tw: total([conv.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
     }
     want = {n: mx.grad(lambda *a, f=f: f(a, True), argnums=tuple(range(len(x))))(*x) for n, (f, x) in cases.items()}

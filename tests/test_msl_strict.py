@@ -48,6 +48,8 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
         out[f"chain record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record)
         out[f"chain simd record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record, packed=False)
     out["rollback"] = gated_delta.rollback_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), range(max(T // 2, 1)))
+    ragged = [(T * b) // max(B - 1, 1) for b in range(B)]  # 0 .. T: none, partial, the whole block
+    out["rollback slots"] = gated_delta.rollback_slots_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), s0, ragged)
     C = 2 * Hk * Dk + Hv * Dv
     out["conv"] = conv.conv_launch(
         mx.zeros((B, 3 + T, C), dtype=dtype),
@@ -78,6 +80,12 @@ QWEN = [
     (1, 16, hv, 128, 128, T, dt, (22, 256) if T == 16 else ())
     for hv, T, dt in itertools.product((32, 48, 64), (1, 16, 512), DTYPES)
 ]
+# Batched decoding: the slots stacked along B, at a verify width (16) and a
+# plain step (1); at B = 2 and 4 MLX binds the per-slot counts as `constant`.
+QWEN_SLOTS = [
+    (b, 16, hv, 128, 128, T, dt, (22,) if T == 16 else ())
+    for b, hv, T, dt in itertools.product((2, 4, 8), (32, 48, 64), (1, 16), DTYPES)
+]
 TESTS = [  # the shapes of test_metal_kernels.py, and one small enough that
     (1, 1, 1, 32, 4, 1, mx.float32, (1, 9)),  # MLX binds state, v, g and mask as `constant`
     (1, 2, 4, 64, 8, 16, mx.bfloat16, (13,)),
@@ -90,6 +98,12 @@ TESTS = [  # the shapes of test_metal_kernels.py, and one small enough that
 def test_every_kernel_passes_at_qwen35_sizes():
     n, unique, failures = _sweep(QWEN)
     assert n >= 3 * 3 * 3 * 6 and unique >= 20
+    assert not failures, failures
+
+
+def test_every_kernel_passes_at_qwen35_sizes_with_slots():
+    n, unique, failures = _sweep(QWEN_SLOTS)
+    assert n >= 3 * 3 * 2 * 3 * 6
     assert not failures, failures
 
 

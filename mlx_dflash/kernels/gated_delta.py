@@ -313,15 +313,29 @@ def _rollback_twin(state0, k, g, delta, n: int, mask=None) -> mx.array:
 
 
 def gated_delta_rollback_slots(
-    state0: mx.array, k: mx.array, g: mx.array, delta: mx.array, final: mx.array, ns: Sequence[int], *, stepwise: bool
+    state0: mx.array,
+    k: mx.array,
+    g: mx.array,
+    delta: mx.array,
+    final: mx.array,
+    ns: Sequence[int],
+    *,
+    stepwise: bool,
+    force_twin: bool = False,
 ) -> mx.array:
     """:func:`gated_delta_rollback` of a chain tape whose batch rows are
     slots, slot b keeping its first ``ns[b]`` tokens; ``final`` is the
     forward's state after the block. Rows t >= n_b get no decay and no
     update (their delta zeroed, so the sum matches the solo rollback's to the
     bit), and a slot that keeps its whole block keeps the forward's own
-    state, as the solo rollback does (the formula need not reproduce its bits)."""
+    state, as the solo rollback does (the formula need not reproduce its bits).
+    The Metal kernel (gated_delta_rollback_slots.metal) does all slots in
+    one launch, replaying each slot's rows as the solo kernel does."""
     n = mx.array(list(ns), dtype=mx.int32)
+    if metal.use_metal(force_twin):
+        return metal.run_with_twin_vjp(
+            _rollback_slots_kernel, _rollback_slots_twin_outputs, (bool(stepwise),), (state0, k, g, delta, final), (n,)
+        )[0]
     return _rollback_slots_compiled(delta.shape[1], bool(stepwise))(state0, k, g, delta, final, n)
 
 
@@ -496,6 +510,37 @@ def rollback_launch(state0, k, g, delta, rows) -> Launch:
     )
 
 
+def rollback_slots_launch(state0, k, g, delta, final, counts, paths=None) -> Launch:
+    """Slot b (batch row b) keeps ``counts[b]`` rows: its chain prefix, or
+    with ``paths`` the first ``counts[b]`` rows of ``paths[b]`` (a tree
+    path, root first); a count >= T takes ``final``, the forward's state."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = delta.shape[2:]
+    if paths is None:
+        rows = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None], (B, T))
+    else:
+        width = max(1, max(len(p) for p in paths))
+        rows = mx.array([list(p) + [0] * (width - len(p)) for p in paths], dtype=mx.int32)
+    return Launch(
+        "gated_delta_rollback_slots",
+        [
+            ("state0", state0),
+            ("k", k),
+            ("g", g),
+            ("delta", delta),
+            ("state_final", final),
+            ("rows", rows),
+            ("counts", mx.array(counts, dtype=mx.int32)),
+            ("R", rows.shape[1]),
+            ("T", T),
+        ],
+        [("state", state0.shape, state0.dtype)],
+        [("InT", k.dtype), ("StT", state0.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        (Dk, Dv, B * Hv),
+        (32, 4, 1),
+    )
+
+
 # The Metal calls and their twins, as functions of (static, *arrays) for
 # metal.run_with_twin_vjp: ``static`` holds the call's Python arguments.
 
@@ -526,3 +571,11 @@ def _rollback_kernel(static, state0, k, g, delta):
 
 def _rollback_twin_outputs(static, state0, k, g, delta):
     return [gated_delta_rollback(state0, k, g, delta, static[0], force_twin=True)]
+
+
+def _rollback_slots_kernel(static, state0, k, g, delta, final, n):
+    return rollback_slots_launch(state0, k, g, delta, final, n)
+
+
+def _rollback_slots_twin_outputs(static, state0, k, g, delta, final, n):
+    return [_rollback_slots_compiled(delta.shape[1], static[0])(state0, k, g, delta, final, n)]
