@@ -311,6 +311,115 @@ def test_rollback_slots_dispatches_to_the_kernel_when_metal_is_selected(monkeypa
     assert ran == ["gated_delta_rollback_slots"] and close(got, want)
 
 
+SLOT_TREES = [TREES[3], random_tree(10, seed=3), list(range(-1, 9))]  # ten nodes each, three shapes of tree
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_kernel_with_a_tree_per_slot_matches_twin(dtype):
+    """Each batch row (slot) verifies its own tree in one launch: the twin's
+    outputs in every thread order, and each slot's rows, state and tape
+    are its solo launch's, to the bit."""
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, dtype, seed=16)
+    launch = gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES)
+    got = H.run(launch)
+    want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    assert all(close(a, b, dtype) for a, b in zip(got, want))
+    for b, parents in enumerate(SLOT_TREES):
+        one = [x[b : b + 1] for x in (q, k, v, g, beta, s0)]
+        solo = H.run(gated_delta.tree_launch(*one, parents))
+        assert all(bits_equal(a[b : b + 1], s) for a, s in zip(got, solo)), b
+        twin = gated_delta.gated_delta_tree(*one, parents, record=True, force_twin=True)
+        assert all(bits_equal(a[b : b + 1], s) for a, s in zip(want, twin)), b
+    for order in H.ORDERS[1:]:
+        assert all(bits_equal(a, b) for a, b in zip(H.run(launch, order=order), got)), order
+
+
+def test_per_slot_trees_are_validated():
+    q, k, v, g, beta, s0 = inputs(2, 3, 1, 1, 32, 2, mx.float32)
+    for bad in ([[-1, 0, 1], [-1, 0, 5]], [[-1, 0, 1], [-1, 0]], [[-1, 0, 1]] * 3):
+        with pytest.raises(ValueError, match="parent"):
+            gated_delta.tree_launch(q, k, v, g, beta, s0, bad)
+        with pytest.raises(ValueError, match="parent"):
+            gated_delta.gated_delta_tree(q, k, v, g, beta, s0, bad, force_twin=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_kernel_with_a_tree_per_slot_matches_twin(dtype):
+    K, C, T = 4, 70, len(SLOT_TREES[0])
+    conv_in = mx.random.normal((3, K - 1 + T, C), key=mx.random.key(6)).astype(dtype)
+    weight = (mx.random.normal((C, K, 1), key=mx.random.key(7)) * 0.5).astype(dtype)
+    idx = np.stack([conv.conv_windows(p, K) for p in SLOT_TREES])
+    (got,) = H.run(conv.conv_launch(conv_in, weight, idx))
+    want = conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)
+    assert close(got, want, dtype)
+    for b, parents in enumerate(SLOT_TREES):
+        solo = conv.causal_conv1d_silu(conv_in[b : b + 1], weight, parents, force_twin=True)
+        assert bits_equal(want[b : b + 1], solo), b
+        (solo_kernel,) = H.run(conv.conv_launch(conv_in[b : b + 1], weight, idx[b]))
+        assert bits_equal(got[b : b + 1], solo_kernel), b
+
+
+def test_rollback_slots_along_each_slots_tree_path_bit_for_bit():
+    """After a tree per slot, each slot rolled back along its own accepted
+    path (ragged lengths) in one launch: each state is the solo rollback's
+    along that path, to the bit."""
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 8, mx.bfloat16, seed=17)
+    _, final, tape = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES))
+    paths = [ddtree.path_rows(p, node) for p, node in zip(SLOT_TREES, (9, 4, 6))]
+    ns = [len(p) for p in paths]
+    (got,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths))
+    for b, path in enumerate(paths):
+        one = [x[b : b + 1] for x in (s0, k, g, tape)]
+        (solo,) = H.run(gated_delta.rollback_launch(*one, path))
+        assert bits_equal(got[b : b + 1], solo), b
+    mutated = metal.metal_source("gated_delta_rollback_slots").replace("rows[b * R + r]", "rows[r]")
+    (bad,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths), source=mutated)
+    assert not bits_equal(bad, got)
+
+
+@pytest.mark.parametrize(
+    "name,mutation",
+    [
+        ("gated_delta_tree", ("order[b * T + r]", "order[r]")),  # slot 0's visiting order for every slot
+        ("gated_delta_tree", ("depth[b * T + t]", "depth[t]")),  # slot 0's depths for every slot
+        ("conv1d_silu", ("idx[(b * T + t) * K + j]", "idx[t * K + j]")),  # slot 0's windows for every slot
+    ],
+)
+def test_harness_rejects_per_slot_tree_kernels_reading_slot_zeros_tree(name, mutation):
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    if name == "conv1d_silu":
+        conv_in = mx.random.normal((B, 3 + T, 70), key=mx.random.key(8))
+        weight = mx.random.normal((70, 4, 1), key=mx.random.key(9))
+        launch = conv.conv_launch(conv_in, weight, np.stack([conv.conv_windows(p, 4) for p in SLOT_TREES]))
+        want = [conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)]
+    else:
+        q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, mx.float32, seed=18)
+        launch = gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    old, new = mutation
+    src = metal.metal_source(name)
+    assert old in src
+    assert both(H.run(launch), want)
+    assert not both(H.run(launch, source=src.replace(old, new)), want)
+
+
+def test_per_slot_trees_dispatch_to_one_launch_when_metal_is_selected(monkeypatch):
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, mx.float32, seed=19)
+    conv_in = mx.random.normal((B, 3 + T, 70), key=mx.random.key(8))
+    weight = mx.random.normal((70, 4, 1), key=mx.random.key(9))
+    want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    want_conv = conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)
+    ran = []
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", lambda launch: ran.append(launch.name) or H.run(launch))
+    assert both(gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True), want)
+    assert close(conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES), want_conv)
+    assert ran == ["gated_delta_tree", "conv1d_silu"]
+
+
 def small_launches():
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
@@ -601,7 +710,8 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
 
 
 def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
-    """Chain (with a padding mask), tree, rollback (solo and per slot) and conv: gradients with the
+    """Chain (with a padding mask), tree (one, and one per slot), rollback (solo
+    and per slot) and conv: gradients with the
     Metal path selected equal the twins' own."""
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     mask = mx.array([[True, True, False, True, True]])
@@ -625,6 +735,10 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
             [q, k, v, g, beta, s0],
         ),
         "rollback": (lambda a, tw: total([gated_delta.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
+        "tree per slot": (
+            lambda a, tw: total(gated_delta.gated_delta_tree(*a, SLOT_TREES, record=True, force_twin=tw)),
+            list(inputs(3, 10, 2, 4, 32, 4, mx.float32, seed=11)),
+        ),
         "rollback slots": (
             lambda a, tw: total([gated_delta.gated_delta_rollback_slots(*a, [2, 5, 0], stepwise=False, force_twin=tw)]),
             [ss0, sk, sg, stape, sfinal],

@@ -9,6 +9,7 @@ compiled with clang under MSL's rules; mutations show each rule bites.
 import itertools
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 pytest.importorskip("clang.cindex", reason="the strict MSL check needs the libclang wheel (test extra)")
@@ -59,6 +60,14 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
     for n in budgets:
         tq, tk, tv, tg, tb, ts = _inputs(B, n, Hk, Hv, Dk, Dv, dtype)
         out[f"tree {n}"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, _tree(n))
+        if B > 1:  # a tree per slot: the chain of n nodes for one, DDTree shapes for the rest
+            trees = [list(range(-1, n - 1))] + [_tree(n)] * (B - 1)
+            out[f"tree {n} per slot"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, trees)
+            out[f"conv tree {n} per slot"] = conv.conv_launch(
+                mx.zeros((B, 3 + n, C), dtype=dtype),
+                mx.zeros((C, 4, 1), dtype=dtype),
+                np.stack([conv.conv_windows(p, 4) for p in trees]),
+            )
     return out
 
 
@@ -92,6 +101,7 @@ TESTS = [  # the shapes of test_metal_kernels.py, and one small enough that
     (2, 1, 3, 40, 5, 7, mx.float16, ()),
     (1, 1, 2, 128, 8, 5, mx.float32, ()),
     (1, 1, 1, 4, 1, 2, mx.bfloat16, (3,)),
+    (2, 1, 1, 4, 1, 2, mx.bfloat16, (3,)),  # slots: counts, order and depth bound as `constant`
 ]
 
 

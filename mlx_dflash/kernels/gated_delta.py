@@ -21,6 +21,7 @@ from functools import cache
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..ddtree import ancestor_matrix, tree_order
 from . import metal
@@ -369,6 +370,17 @@ def _replay_slots(state0, k, g, delta, keep):
 MAX_TREE_DEPTH = 64  # deeper trees (never drafted: depth <= block size) take the twin
 
 
+def slot_trees(parents, batch: int) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """Trees per batch row (slots of batched decoding): ``parents`` given as
+    one parents list per row, returned as tuples; None when ``parents`` is
+    one tree for every row."""
+    if len(parents) == 0 or np.ndim(parents[0]) == 0:
+        return None
+    if len(parents) != batch:
+        raise ValueError(f"{len(parents)} parents lists for a batch of {batch}")
+    return tuple(tuple(int(p) for p in row) for row in parents)
+
+
 def gated_delta_tree(
     q: mx.array,
     k: mx.array,
@@ -388,17 +400,35 @@ def gated_delta_tree(
     parent -1, from ``state``). Shapes as :func:`gated_delta_chain`. Returns y,
     the state after the last token's path, and the tape ``delta``; restore any
     node with :func:`gated_delta_rollback` on its path's rows
-    (:func:`ddtree.path_rows`).
+    (:func:`ddtree.path_rows`). ``parents`` may instead hold one list per
+    batch row (slots, each its own tree of T nodes; :func:`slot_trees`): the
+    Metal kernel runs all in one launch, the twin each row as a solo call.
     """
-    if q.shape[1] != len(parents):
-        raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
-    _, depth = tree_order(parents)
-    if metal.use_metal(force_twin) and max(depth) < MAX_TREE_DEPTH:
-        static = (tuple(int(p) for p in parents), bool(record))
+    trees = slot_trees(parents, q.shape[0])
+    depth = 0
+    for p in trees or (parents,):
+        if q.shape[1] != len(p):
+            raise ValueError(f"{q.shape[1]} tokens but {len(p)} parents")
+        depth = max(depth, max(tree_order(p)[1]))
+    if metal.use_metal(force_twin) and depth < MAX_TREE_DEPTH:
+        static = (trees or tuple(int(p) for p in parents), bool(record))
         y, S, *tape = metal.run_with_twin_vjp(
             _tree_kernel, _tree_twin_outputs, static, (q, k, v, g, beta, state), n_out=3 if record else 2
         )
         return y, S, tape[0] if record else None
+    if trees is not None:
+        rows = [
+            gated_delta_tree(
+                *(x[b : b + 1] for x in (q, k, v, g, beta, state)),
+                trees[b],
+                record=record,
+                force_twin=True,
+                stepwise=stepwise,
+            )
+            for b in range(len(trees))
+        ]
+        ys, states, tapes = zip(*rows)
+        return mx.concatenate(ys), mx.concatenate(states), mx.concatenate(tapes) if record else None
     if stepwise:
         return _steps(q, k, v, g, beta, state, [int(p) for p in parents], record)
     dtype = q.dtype
@@ -452,10 +482,15 @@ def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True, pac
 
 
 def tree_launch(q, k, v, g, beta, state, parents, *, record: bool = True) -> Launch:
+    """``parents``: one tree for every batch row, or one per row (:func:`slot_trees`)."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    order, depth = tree_order(parents)
-    max_depth = 1 << max(depth).bit_length()  # > deepest depth; one kernel per power of two
+    trees = slot_trees(parents, B) or (parents,) * B
+    for p in trees:
+        if len(p) != T:
+            raise ValueError(f"{T} tokens but {len(p)} parents")
+    order, depth = zip(*(tree_order(p) for p in trees))
+    max_depth = 1 << max(max(d) for d in depth).bit_length()  # > deepest depth; one kernel per power of two
     return Launch(
         "gated_delta_tree",
         [
