@@ -812,6 +812,28 @@ def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
 
 
 @pytest.mark.skipif(
+    not mx.metal.is_available(), reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources"
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_metal_slots(dtype):
+    """Slots on the GPU: a tree per slot against the twin, and the chain
+    rolled back to ragged counts, each slot's state its solo forward's to the bit."""
+    with mx.stream(mx.gpu):
+        B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+        q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 128, 16, dtype, seed=20)
+        got = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+        assert all(close(a, b, dtype) for a, b in zip(got, want))
+        ns = [0, 4, T]
+        _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True)
+        R = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False)
+        for b, n in enumerate(ns):
+            one = [x[b : b + 1, :n] for x in (q, k, v, g, beta)]
+            S_b = gated_delta.gated_delta_chain(*one, s0[b : b + 1])[1] if n else s0[b : b + 1]
+            assert mx.array_equal(R[b : b + 1], S_b).item(), (b, n)
+
+
+@pytest.mark.skipif(
     not mx.metal.is_available(),
     reason="needs a Metal GPU (Apple silicon); the Linux test above runs the kernels in the harness",
 )
