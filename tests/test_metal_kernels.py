@@ -360,23 +360,42 @@ def test_conv_kernel_with_a_tree_per_slot_matches_twin(dtype):
         assert bits_equal(got[b : b + 1], solo_kernel), b
 
 
-def test_rollback_slots_along_each_slots_tree_path_bit_for_bit():
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_rollback_slots_along_each_slots_tree_path_bit_for_bit(dtype, monkeypatch):
     """After a tree per slot, each slot rolled back along its own accepted
-    path (ragged lengths) in one launch: each state is the solo rollback's
-    along that path, to the bit."""
+    path (ragged lengths) in one call: the kernel's state is the solo
+    kernel's along that path, the twin's (closed form in fp32, stepwise in
+    bf16, as a verify runs) the solo twin's, each to the bit."""
     B, T = len(SLOT_TREES), len(SLOT_TREES[0])
-    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 8, mx.bfloat16, seed=17)
+    stepwise = dtype != mx.float32
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 8, dtype, seed=17)
     _, final, tape = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES))
     paths = [ddtree.path_rows(p, node) for p, node in zip(SLOT_TREES, (9, 4, 6))]
     ns = [len(p) for p in paths]
-    (got,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths))
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths)
+    (got,) = H.run(launch)
+    twin = gated_delta.gated_delta_rollback_slots(
+        s0, k, g, tape, final, ns, stepwise=stepwise, paths=paths, force_twin=True
+    )
     for b, path in enumerate(paths):
         one = [x[b : b + 1] for x in (s0, k, g, tape)]
         (solo,) = H.run(gated_delta.rollback_launch(*one, path))
         assert bits_equal(got[b : b + 1], solo), b
+        P = mx.array(path)  # what DeltaNetState.rollback does along a path
+        solo_twin = gated_delta.gated_delta_rollback(
+            one[0], one[1][:, P], one[2][:, P], one[3][:, P], len(path), stepwise=stepwise
+        )
+        assert bits_equal(twin[b : b + 1], solo_twin), b
+    assert close(got, twin, dtype)
     mutated = metal.metal_source("gated_delta_rollback_slots").replace("rows[b * R + r]", "rows[r]")
-    (bad,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths), source=mutated)
-    assert not bits_equal(bad, got)
+    assert not bits_equal(H.run(launch, source=mutated)[0], got)
+    with pytest.raises(ValueError, match="path"):
+        gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, [2, 2, 2], stepwise=False, paths=paths)
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", H.run)
+    assert bits_equal(
+        gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, paths=paths), got
+    )
 
 
 @pytest.mark.parametrize(
@@ -720,6 +739,7 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
     parents = [-1, 0, 0, 1, 2]
     _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
     sq, sk, sv, sg, sb, ss0 = inputs(3, 5, 2, 4, 64, 8, mx.float32, seed=10)
+    SLOT_PATHS = [[0, 2], [0, 1, 3], [0, 1, 2, 3, 4]]
     _, sfinal, stape = gated_delta.gated_delta_chain(sq, sk, sv, sg, sb, ss0, record=True, force_twin=True)
 
     def total(outs):
@@ -738,6 +758,16 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
         "tree per slot": (
             lambda a, tw: total(gated_delta.gated_delta_tree(*a, SLOT_TREES, record=True, force_twin=tw)),
             list(inputs(3, 10, 2, 4, 32, 4, mx.float32, seed=11)),
+        ),
+        "rollback slots along paths": (
+            lambda a, tw: total(
+                [
+                    gated_delta.gated_delta_rollback_slots(
+                        *a, sfinal, [2, 3, 5], stepwise=False, paths=SLOT_PATHS, force_twin=tw
+                    )
+                ]
+            ),
+            [ss0, sk, sg, stape],  # along paths the twin replays; final is not read
         ),
         "rollback slots": (
             lambda a, tw: total([gated_delta.gated_delta_rollback_slots(*a, [2, 5, 0], stepwise=False, force_twin=tw)]),

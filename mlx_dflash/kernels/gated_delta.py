@@ -322,6 +322,7 @@ def gated_delta_rollback_slots(
     ns: Sequence[int],
     *,
     stepwise: bool,
+    paths: Optional[Sequence[Sequence[int]]] = None,
     force_twin: bool = False,
 ) -> mx.array:
     """:func:`gated_delta_rollback` of a chain tape whose batch rows are
@@ -330,18 +331,44 @@ def gated_delta_rollback_slots(
     update (their delta zeroed, so the sum matches the solo rollback's to the
     bit), and a slot that keeps its whole block keeps the forward's own
     state, as the solo rollback does (the formula need not reproduce its bits).
+    ``paths`` (a tree per slot): slot b keeps the block rows ``paths[b]``
+    (root first, ``ns[b]`` of them), each slot as the solo rollback along a
+    path (gathered rows, never ``final``).
     The Metal kernel (gated_delta_rollback_slots.metal) does all slots in
-    one launch, replaying each slot's rows as the solo kernel does."""
+    one launch, replaying each slot's rows as the solo kernel does (there a
+    slot keeping all T rows takes ``final``: the same bits)."""
     n = mx.array(list(ns), dtype=mx.int32)
+    rows = None if paths is None else path_rows_array(paths, ns, delta.shape[1])
     if metal.use_metal(force_twin):
+        extra = (n,) if rows is None else (n, rows)
         return metal.run_with_twin_vjp(
-            _rollback_slots_kernel, _rollback_slots_twin_outputs, (bool(stepwise),), (state0, k, g, delta, final), (n,)
+            _rollback_slots_kernel, _rollback_slots_twin_outputs, (bool(stepwise),), (state0, k, g, delta, final), extra
         )[0]
-    return _rollback_slots_compiled(delta.shape[1], bool(stepwise))(state0, k, g, delta, final, n)
+    return _rollback_slots_twin(bool(stepwise), state0, k, g, delta, final, n, rows)
+
+
+def _rollback_slots_twin(stepwise: bool, state0, k, g, delta, final, n, rows=None):
+    if rows is None:
+        return _rollback_slots_compiled(delta.shape[1], stepwise, True)(state0, k, g, delta, final, n)
+    k = mx.take_along_axis(k, rows[:, :, None, None], axis=1)
+    g = mx.take_along_axis(g, rows[:, :, None], axis=1)
+    delta = mx.take_along_axis(delta, rows[:, :, None, None], axis=1)
+    return _rollback_slots_compiled(rows.shape[1], stepwise, False)(state0, k, g, delta, final, n)
+
+
+def path_rows_array(paths: Sequence[Sequence[int]], ns: Sequence[int], T: int) -> mx.array:
+    """Each slot's path rows, padded with row 0 (never read) to [B, R]."""
+    if len(paths) != len(ns):
+        raise ValueError(f"{len(paths)} paths for {len(ns)} slots")
+    for p, n in zip(paths, ns):
+        if len(p) != n or not all(0 <= int(t) < T for t in p):
+            raise ValueError(f"path {list(p)} is not {n} rows of a {T}-row block")
+    width = max(1, max(len(p) for p in paths))
+    return mx.array([[int(t) for t in p] + [0] * (width - len(p)) for p in paths], dtype=mx.int32)
 
 
 @cache
-def _rollback_slots_compiled(T: int, stepwise: bool):
+def _rollback_slots_compiled(T: int, stepwise: bool, use_final: bool):
     # Compiled as the solo rollbacks are (_rollback_compiled, _replay_compiled):
     # the same fused ops, the same bits.
     def run(state0, k, g, delta, final, n):
@@ -351,7 +378,7 @@ def _rollback_slots_compiled(T: int, stepwise: bool):
         else:
             delta = mx.where(keep[:, :, None, None], delta, 0.0)
             S = _rollback_twin(state0, k, g, delta, T, keep)
-        return mx.where((n == T)[:, None, None, None], final, S)
+        return mx.where((n == T)[:, None, None, None], final, S) if use_final else S
 
     return mx.compile(run)
 
@@ -547,15 +574,17 @@ def rollback_launch(state0, k, g, delta, rows) -> Launch:
 
 def rollback_slots_launch(state0, k, g, delta, final, counts, paths=None) -> Launch:
     """Slot b (batch row b) keeps ``counts[b]`` rows: its chain prefix, or
-    with ``paths`` the first ``counts[b]`` rows of ``paths[b]`` (a tree
-    path, root first); a count >= T takes ``final``, the forward's state."""
+    with ``paths`` the rows ``paths[b]`` (a tree path, root first; or
+    :func:`path_rows_array`'s [B, R]); a count >= T takes ``final``, the
+    forward's state."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = delta.shape[2:]
     if paths is None:
         rows = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None], (B, T))
+    elif isinstance(paths, mx.array):
+        rows = paths
     else:
-        width = max(1, max(len(p) for p in paths))
-        rows = mx.array([list(p) + [0] * (width - len(p)) for p in paths], dtype=mx.int32)
+        rows = path_rows_array(paths, [len(p) for p in paths], T)
     return Launch(
         "gated_delta_rollback_slots",
         [
@@ -608,9 +637,9 @@ def _rollback_twin_outputs(static, state0, k, g, delta):
     return [gated_delta_rollback(state0, k, g, delta, static[0], force_twin=True)]
 
 
-def _rollback_slots_kernel(static, state0, k, g, delta, final, n):
-    return rollback_slots_launch(state0, k, g, delta, final, n)
+def _rollback_slots_kernel(static, state0, k, g, delta, final, n, rows=None):
+    return rollback_slots_launch(state0, k, g, delta, final, n, rows)
 
 
-def _rollback_slots_twin_outputs(static, state0, k, g, delta, final, n):
-    return [_rollback_slots_compiled(delta.shape[1], static[0])(state0, k, g, delta, final, n)]
+def _rollback_slots_twin_outputs(static, state0, k, g, delta, final, n, rows=None):
+    return [_rollback_slots_twin(static[0], state0, k, g, delta, final, n, rows)]
