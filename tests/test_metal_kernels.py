@@ -344,6 +344,8 @@ def test_per_slot_trees_are_validated():
             gated_delta.tree_launch(q, k, v, g, beta, s0, bad)
         with pytest.raises(ValueError, match="parent"):
             gated_delta.gated_delta_tree(q, k, v, g, beta, s0, bad, force_twin=True)
+    with pytest.raises(ValueError, match="parent"):
+        conv.causal_conv1d_silu(mx.zeros((2, 6, 8)), mx.zeros((8, 4, 1)), [[-1, 0, 1], [-1, 0]], force_twin=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -60,6 +60,9 @@ def causal_conv1d_silu(
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
     trees = None if parents is None else slot_trees(parents, conv_in.shape[0])
+    for p in trees or ():
+        if len(p) != T:
+            raise ValueError(f"{T} tokens but {len(p)} parents")
     if metal.use_metal(force_twin):
         static = None if parents is None else trees or tuple(int(p) for p in parents)
         return metal.run_with_twin_vjp(_conv_kernel, _conv_twin_outputs, (static,), (conv_in, weight))[0]
