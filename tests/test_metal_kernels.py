@@ -220,6 +220,229 @@ def test_conv_kernel_matches_twin(parents, dtype):
     assert got.dtype == dtype and close(got, want, dtype)
 
 
+# --- batched decoding: slots stacked along B, each slot its own count ---------------
+
+# (B, T, Hk, Hv, Dk, Dv) and the kept counts: none, ragged, the whole block. One
+# template (B and T are not compiled in), so one harness build per dtype.
+SLOT_SHAPES = [
+    ((4, 7, 2, 4, 40, 6), [0, 3, 7, 1]),
+    ((3, 16, 2, 4, 40, 6), [16, 5, 0]),
+]
+
+
+def bits_equal(a, b):
+    return np.array_equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,ns", SLOT_SHAPES, ids=["B4-T7", "B3-T16"])
+def test_rollback_slots_kernel_matches_twin(shape, ns, dtype):
+    """One launch rolls every slot back to its own count: the twins' states
+    (closed form and stepwise) in every thread order; a slot keeping
+    nothing is its pre-block state and one keeping its whole block the
+    forward's own, to the bit."""
+    q, k, v, g, beta, s0 = inputs(*shape, dtype, seed=12)
+    T = shape[1]
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns)
+    (got,) = H.run(launch)
+    for stepwise in (False, True):
+        want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=stepwise, force_twin=True)
+        assert close(got, want, dtype), stepwise
+    for b, n in enumerate(ns):
+        solo = gated_delta.gated_delta_rollback(s0[b : b + 1], k[b : b + 1], g[b : b + 1], tape[b : b + 1], n)
+        assert close(got[b : b + 1], solo, dtype), b
+        if n in (0, T):
+            assert bits_equal(got[b], s0[b] if n == 0 else final[b]), b
+    for order in H.ORDERS[1:]:
+        assert bits_equal(H.run(launch, order=order)[0], got), order
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["simd", "packed"])
+def test_rollback_slots_replays_each_slots_forward_bit_for_bit(packed):
+    """The slots' chain forward (B = 4) gives each slot the rows and state
+    its solo forward gives, to the bit; rolled back to ragged counts, each
+    slot's state is its solo forward's after those tokens, to the bit."""
+    B, T, ns = 4, 9, [5, 0, 9, 1]
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 128 if packed else 40, 8, mx.bfloat16, seed=13)
+    y, final, tape = H.run(gated_delta.chain_launch(q, k, v, g, beta, s0, packed=packed))
+    (R,) = H.run(gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns))
+    for b, n in enumerate(ns):
+        one = lambda x, n=T: x[b : b + 1, :n]  # noqa: E731
+        y_b, S_b, _ = H.run(gated_delta.chain_launch(one(q), one(k), one(v), one(g), one(beta), s0[b : b + 1]))
+        assert bits_equal(y_b, y[b : b + 1]) and bits_equal(S_b, final[b : b + 1]), b
+        if n:
+            S_b = H.run(
+                gated_delta.chain_launch(one(q, n), one(k, n), one(v, n), one(g, n), one(beta, n), s0[b : b + 1])
+            )[1]
+        else:
+            S_b = s0[b : b + 1]
+        assert bits_equal(R[b : b + 1], S_b), (b, n)
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        ("const int n = counts[b];", "const int n = counts[0];"),  # every slot takes slot 0's count
+        ("state[at] = state_final[at];", "state[at] = state_final[at % (Hv * Dv * Dk)];"),  # slot 0's final
+        ("g[(b * T + t) * Hv + hv]", "g[t * Hv + hv]"),  # slot 0's decay for every slot
+    ],
+)
+def test_harness_rejects_a_rollback_slots_kernel_with_broken_slot_indexing(mutation):
+    shape, ns = SLOT_SHAPES[0]
+    q, k, v, g, beta, s0 = inputs(*shape, mx.float32, seed=14)
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns)
+    want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, force_twin=True)
+    src = metal.metal_source("gated_delta_rollback_slots")
+    old, new = mutation
+    assert old in src
+    assert close(H.run(launch)[0], want)
+    assert not close(H.run(launch, source=src.replace(old, new))[0], want)
+
+
+def test_rollback_slots_dispatches_to_the_kernel_when_metal_is_selected(monkeypatch):
+    shape, ns = SLOT_SHAPES[0]
+    q, k, v, g, beta, s0 = inputs(*shape, mx.float32, seed=15)
+    _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    want = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, force_twin=True)
+    ran = []
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", lambda launch: ran.append(launch.name) or H.run(launch))
+    got = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False)
+    assert ran == ["gated_delta_rollback_slots"] and close(got, want)
+
+
+SLOT_TREES = [TREES[3], random_tree(10, seed=3), list(range(-1, 9))]  # ten nodes each, three shapes of tree
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_kernel_with_a_tree_per_slot_matches_twin(dtype):
+    """Each batch row (slot) verifies its own tree in one launch: the twin's
+    outputs in every thread order, and each slot's rows, state and tape
+    are its solo launch's, to the bit."""
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, dtype, seed=16)
+    launch = gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES)
+    got = H.run(launch)
+    want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    assert all(close(a, b, dtype) for a, b in zip(got, want))
+    for b, parents in enumerate(SLOT_TREES):
+        one = [x[b : b + 1] for x in (q, k, v, g, beta, s0)]
+        solo = H.run(gated_delta.tree_launch(*one, parents))
+        assert all(bits_equal(a[b : b + 1], s) for a, s in zip(got, solo)), b
+        twin = gated_delta.gated_delta_tree(*one, parents, record=True, force_twin=True)
+        assert all(bits_equal(a[b : b + 1], s) for a, s in zip(want, twin)), b
+    for order in H.ORDERS[1:]:
+        assert all(bits_equal(a, b) for a, b in zip(H.run(launch, order=order), got)), order
+
+
+def test_per_slot_trees_are_validated():
+    q, k, v, g, beta, s0 = inputs(2, 3, 1, 1, 32, 2, mx.float32)
+    for bad in ([[-1, 0, 1], [-1, 0, 5]], [[-1, 0, 1], [-1, 0]], [[-1, 0, 1]] * 3):
+        with pytest.raises(ValueError, match="parent"):
+            gated_delta.tree_launch(q, k, v, g, beta, s0, bad)
+        with pytest.raises(ValueError, match="parent"):
+            gated_delta.gated_delta_tree(q, k, v, g, beta, s0, bad, force_twin=True)
+    with pytest.raises(ValueError, match="parent"):
+        conv.causal_conv1d_silu(mx.zeros((2, 6, 8)), mx.zeros((8, 4, 1)), [[-1, 0, 1], [-1, 0]], force_twin=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_conv_kernel_with_a_tree_per_slot_matches_twin(dtype):
+    K, C, T = 4, 70, len(SLOT_TREES[0])
+    conv_in = mx.random.normal((3, K - 1 + T, C), key=mx.random.key(6)).astype(dtype)
+    weight = (mx.random.normal((C, K, 1), key=mx.random.key(7)) * 0.5).astype(dtype)
+    idx = np.stack([conv.conv_windows(p, K) for p in SLOT_TREES])
+    (got,) = H.run(conv.conv_launch(conv_in, weight, idx))
+    want = conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)
+    assert close(got, want, dtype)
+    for b, parents in enumerate(SLOT_TREES):
+        solo = conv.causal_conv1d_silu(conv_in[b : b + 1], weight, parents, force_twin=True)
+        assert bits_equal(want[b : b + 1], solo), b
+        (solo_kernel,) = H.run(conv.conv_launch(conv_in[b : b + 1], weight, idx[b]))
+        assert bits_equal(got[b : b + 1], solo_kernel), b
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+def test_rollback_slots_along_each_slots_tree_path_bit_for_bit(dtype, monkeypatch):
+    """After a tree per slot, each slot rolled back along its own accepted
+    path (ragged lengths) in one call: the kernel's state is the solo
+    kernel's along that path, the twin's (closed form in fp32, stepwise in
+    bf16, as a verify runs) the solo twin's, each to the bit."""
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    stepwise = dtype != mx.float32
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 8, dtype, seed=17)
+    _, final, tape = H.run(gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES))
+    paths = [ddtree.path_rows(p, node) for p, node in zip(SLOT_TREES, (9, 4, 6))]
+    ns = [len(p) for p in paths]
+    launch = gated_delta.rollback_slots_launch(s0, k, g, tape, final, ns, paths)
+    (got,) = H.run(launch)
+    twin = gated_delta.gated_delta_rollback_slots(
+        s0, k, g, tape, final, ns, stepwise=stepwise, paths=paths, force_twin=True
+    )
+    for b, path in enumerate(paths):
+        one = [x[b : b + 1] for x in (s0, k, g, tape)]
+        (solo,) = H.run(gated_delta.rollback_launch(*one, path))
+        assert bits_equal(got[b : b + 1], solo), b
+        P = mx.array(path)  # what DeltaNetState.rollback does along a path
+        solo_twin = gated_delta.gated_delta_rollback(
+            one[0], one[1][:, P], one[2][:, P], one[3][:, P], len(path), stepwise=stepwise
+        )
+        assert bits_equal(twin[b : b + 1], solo_twin), b
+    assert close(got, twin, dtype)
+    mutated = metal.metal_source("gated_delta_rollback_slots").replace("rows[b * R + r]", "rows[r]")
+    assert not bits_equal(H.run(launch, source=mutated)[0], got)
+    with pytest.raises(ValueError, match="path"):
+        gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, [2, 2, 2], stepwise=False, paths=paths)
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", H.run)
+    assert bits_equal(
+        gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False, paths=paths), got
+    )
+
+
+@pytest.mark.parametrize(
+    "name,mutation",
+    [
+        ("gated_delta_tree", ("order[b * T + r]", "order[r]")),  # slot 0's visiting order for every slot
+        ("gated_delta_tree", ("depth[b * T + t]", "depth[t]")),  # slot 0's depths for every slot
+        ("conv1d_silu", ("idx[(b * T + t) * K + j]", "idx[t * K + j]")),  # slot 0's windows for every slot
+    ],
+)
+def test_harness_rejects_per_slot_tree_kernels_reading_slot_zeros_tree(name, mutation):
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    if name == "conv1d_silu":
+        conv_in = mx.random.normal((B, 3 + T, 70), key=mx.random.key(8))
+        weight = mx.random.normal((70, 4, 1), key=mx.random.key(9))
+        launch = conv.conv_launch(conv_in, weight, np.stack([conv.conv_windows(p, 4) for p in SLOT_TREES]))
+        want = [conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)]
+    else:
+        q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, mx.float32, seed=18)
+        launch = gated_delta.tree_launch(q, k, v, g, beta, s0, SLOT_TREES)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    old, new = mutation
+    src = metal.metal_source(name)
+    assert old in src
+    assert both(H.run(launch), want)
+    assert not both(H.run(launch, source=src.replace(old, new)), want)
+
+
+def test_per_slot_trees_dispatch_to_one_launch_when_metal_is_selected(monkeypatch):
+    B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+    q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 40, 6, mx.float32, seed=19)
+    conv_in = mx.random.normal((B, 3 + T, 70), key=mx.random.key(8))
+    weight = mx.random.normal((70, 4, 1), key=mx.random.key(9))
+    want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+    want_conv = conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES, force_twin=True)
+    ran = []
+    monkeypatch.setattr(metal, "use_metal", lambda force_twin=False: not force_twin)
+    monkeypatch.setattr(metal, "run_metal", lambda launch: ran.append(launch.name) or H.run(launch))
+    assert both(gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True), want)
+    assert close(conv.causal_conv1d_silu(conv_in, weight, SLOT_TREES), want_conv)
+    assert ran == ["gated_delta_tree", "conv1d_silu"]
+
+
 def small_launches():
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     conv_in = mx.random.normal((1, 8, 70), key=mx.random.key(1))
@@ -510,7 +733,8 @@ def test_value_and_grad_through_the_target_with_the_metal_path(dense, monkeypatc
 
 
 def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
-    """Chain (with a padding mask), tree, rollback and conv: gradients with the
+    """Chain (with a padding mask), tree (one, and one per slot), rollback (solo
+    and per slot) and conv: gradients with the
     Metal path selected equal the twins' own."""
     q, k, v, g, beta, s0 = inputs(1, 5, 2, 4, 64, 8, mx.float32, seed=9)
     mask = mx.array([[True, True, False, True, True]])
@@ -518,6 +742,9 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
     w = mx.random.normal((70, 4, 1), key=mx.random.key(2))
     parents = [-1, 0, 0, 1, 2]
     _, _, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True, force_twin=True)
+    sq, sk, sv, sg, sb, ss0 = inputs(3, 5, 2, 4, 40, 6, mx.float32, seed=10)  # the slot tests' builds
+    SLOT_PATHS = [[0, 2], [0, 1, 3], [0, 1, 2, 3, 4]]
+    _, sfinal, stape = gated_delta.gated_delta_chain(sq, sk, sv, sg, sb, ss0, record=True, force_twin=True)
 
     def total(outs):
         return sum(((o.astype(mx.float32) * (i + 1)) ** 2).sum() for i, o in enumerate(outs) if o is not None)
@@ -532,6 +759,24 @@ def test_every_metal_call_differentiates_through_its_twin(monkeypatch):
             [q, k, v, g, beta, s0],
         ),
         "rollback": (lambda a, tw: total([gated_delta.gated_delta_rollback(*a, 3, force_twin=tw)]), [s0, k, g, tape]),
+        "tree per slot": (
+            lambda a, tw: total(gated_delta.gated_delta_tree(*a, SLOT_TREES, record=True, force_twin=tw)),
+            list(inputs(3, 10, 2, 4, 40, 6, mx.float32, seed=11)),
+        ),
+        "rollback slots along paths": (
+            lambda a, tw: total(
+                [
+                    gated_delta.gated_delta_rollback_slots(
+                        *a, sfinal, [2, 3, 5], stepwise=False, paths=SLOT_PATHS, force_twin=tw
+                    )
+                ]
+            ),
+            [ss0, sk, sg, stape],  # along paths the twin replays; final is not read
+        ),
+        "rollback slots": (
+            lambda a, tw: total([gated_delta.gated_delta_rollback_slots(*a, [2, 5, 0], stepwise=False, force_twin=tw)]),
+            [ss0, sk, sg, stape, sfinal],
+        ),
         "conv": (lambda a, tw: total([conv.causal_conv1d_silu(*a, force_twin=tw)]), [conv_in, w]),
     }
     want = {n: mx.grad(lambda *a, f=f: f(a, True), argnums=tuple(range(len(x))))(*x) for n, (f, x) in cases.items()}
@@ -598,6 +843,28 @@ def test_real_metal_packed_record_and_bit_exact_rollback(dtype):
         got = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True)
         want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, parents, record=True, force_twin=True)
         assert all(close(a, b, dtype) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(
+    not mx.metal.is_available(), reason="needs a Metal GPU (Apple silicon); the CPU harness above runs the same sources"
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_real_metal_slots(dtype):
+    """Slots on the GPU: a tree per slot against the twin, and the chain
+    rolled back to ragged counts, each slot's state its solo forward's to the bit."""
+    with mx.stream(mx.gpu):
+        B, T = len(SLOT_TREES), len(SLOT_TREES[0])
+        q, k, v, g, beta, s0 = inputs(B, T, 2, 4, 128, 16, dtype, seed=20)
+        got = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True)
+        want = gated_delta.gated_delta_tree(q, k, v, g, beta, s0, SLOT_TREES, record=True, force_twin=True)
+        assert all(close(a, b, dtype) for a, b in zip(got, want))
+        ns = [0, 4, T]
+        _, final, tape = gated_delta.gated_delta_chain(q, k, v, g, beta, s0, record=True)
+        R = gated_delta.gated_delta_rollback_slots(s0, k, g, tape, final, ns, stepwise=False)
+        for b, n in enumerate(ns):
+            one = [x[b : b + 1, :n] for x in (q, k, v, g, beta)]
+            S_b = gated_delta.gated_delta_chain(*one, s0[b : b + 1])[1] if n else s0[b : b + 1]
+            assert mx.array_equal(R[b : b + 1], S_b).item(), (b, n)
 
 
 @pytest.mark.skipif(

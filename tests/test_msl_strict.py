@@ -9,6 +9,7 @@ compiled with clang under MSL's rules; mutations show each rule bites.
 import itertools
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 pytest.importorskip("clang.cindex", reason="the strict MSL check needs the libclang wheel (test extra)")
@@ -48,6 +49,8 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
         out[f"chain record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record)
         out[f"chain simd record={record}"] = gated_delta.chain_launch(q, k, v, g, beta, s0, record=record, packed=False)
     out["rollback"] = gated_delta.rollback_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), range(max(T // 2, 1)))
+    ragged = [(T * b) // max(B - 1, 1) for b in range(B)]  # 0 .. T: none, partial, the whole block
+    out["rollback slots"] = gated_delta.rollback_slots_launch(s0, k, g, mx.zeros((B, T, Hv, Dv)), s0, ragged)
     C = 2 * Hk * Dk + Hv * Dv
     out["conv"] = conv.conv_launch(
         mx.zeros((B, 3 + T, C), dtype=dtype),
@@ -57,6 +60,14 @@ def launches(B, Hk, Hv, Dk, Dv, T, dtype, budgets):
     for n in budgets:
         tq, tk, tv, tg, tb, ts = _inputs(B, n, Hk, Hv, Dk, Dv, dtype)
         out[f"tree {n}"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, _tree(n))
+        if B > 1:  # a tree per slot: the chain of n nodes for one, DDTree shapes for the rest
+            trees = [list(range(-1, n - 1))] + [_tree(n)] * (B - 1)
+            out[f"tree {n} per slot"] = gated_delta.tree_launch(tq, tk, tv, tg, tb, ts, trees)
+            out[f"conv tree {n} per slot"] = conv.conv_launch(
+                mx.zeros((B, 3 + n, C), dtype=dtype),
+                mx.zeros((C, 4, 1), dtype=dtype),
+                np.stack([conv.conv_windows(p, 4) for p in trees]),
+            )
     return out
 
 
@@ -78,18 +89,31 @@ QWEN = [
     (1, 16, hv, 128, 128, T, dt, (22, 256) if T == 16 else ())
     for hv, T, dt in itertools.product((32, 48, 64), (1, 16, 512), DTYPES)
 ]
+# Batched decoding: the slots stacked along B, at a verify width (16) and a
+# plain step (1); at B = 2 and 4 MLX binds the per-slot counts as `constant`.
+QWEN_SLOTS = [
+    (b, 16, hv, 128, 128, T, dt, (22,) if T == 16 else ())
+    for b, hv, T, dt in itertools.product((2, 4, 8), (32, 48, 64), (1, 16), DTYPES)
+]
 TESTS = [  # the shapes of test_metal_kernels.py, and one small enough that
     (1, 1, 1, 32, 4, 1, mx.float32, (1, 9)),  # MLX binds state, v, g and mask as `constant`
     (1, 2, 4, 64, 8, 16, mx.bfloat16, (13,)),
     (2, 1, 3, 40, 5, 7, mx.float16, ()),
     (1, 1, 2, 128, 8, 5, mx.float32, ()),
     (1, 1, 1, 4, 1, 2, mx.bfloat16, (3,)),
+    (2, 1, 1, 4, 1, 2, mx.bfloat16, (3,)),  # slots: counts, order and depth bound as `constant`
 ]
 
 
 def test_every_kernel_passes_at_qwen35_sizes():
     n, unique, failures = _sweep(QWEN)
     assert n >= 3 * 3 * 3 * 6 and unique >= 20
+    assert not failures, failures
+
+
+def test_every_kernel_passes_at_qwen35_sizes_with_slots():
+    n, unique, failures = _sweep(QWEN_SLOTS)
+    assert n >= 3 * 3 * 2 * 3 * 6
     assert not failures, failures
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import metal
 from .fused_exp import silu_fused
+from .gated_delta import slot_trees
 from .metal import Launch
 
 
@@ -50,20 +51,28 @@ def causal_conv1d_silu(
 
     ``conv_in`` [B, K-1+T, C] is the conv state (the last K-1 pre-conv rows)
     followed by the block's T rows; ``weight`` [C, K, 1] (MLX layout).
-    ``parents`` (tree mode): each token's window follows its parent chain.
+    ``parents`` (tree mode): each token's window follows its parent chain;
+    one list per batch row gives each row (slot) its own tree (:func:`slot_trees`).
     Returns [B, T, C]. K shifted multiply-adds: about twice as fast on a CPU
     as MLX's grouped conv1d for depthwise kernels. ``fused_exp``: the SiLU
     by :func:`silu_fused` (a verify block on a CPU).
     """
     K = weight.shape[1]
     T = conv_in.shape[1] - K + 1
+    trees = None if parents is None else slot_trees(parents, conv_in.shape[0])
+    for p in trees or ():
+        if len(p) != T:
+            raise ValueError(f"{T} tokens but {len(p)} parents")
     if metal.use_metal(force_twin):
-        static = None if parents is None else tuple(int(p) for p in parents)
+        static = None if parents is None else trees or tuple(int(p) for p in parents)
         return metal.run_with_twin_vjp(_conv_kernel, _conv_twin_outputs, (static,), (conv_in, weight))[0]
     dtype = conv_in.dtype
     x = conv_in.astype(mx.float32)  # accumulate in fp32, like the kernel
     w = weight[:, :, 0].astype(dtype).astype(mx.float32)
-    if parents is not None:
+    if trees is not None:  # a gather per row: the same values, so each row's solo bits
+        idx = mx.array(_windows(trees, K))
+        rows = [mx.take_along_axis(x, idx[:, :, j, None], axis=1) for j in range(K)]
+    elif parents is not None:
         idx = conv_windows(parents, K)
         rows = [x[:, mx.array(idx[:, j])] for j in range(K)]
     else:
@@ -88,15 +97,21 @@ def conv_state_rollback_slots(conv_in: mx.array, ns: Sequence[int], kernel_size:
     return mx.take_along_axis(conv_in, idx[:, :, None], axis=1)
 
 
+def _windows(trees, kernel_size: int) -> np.ndarray:
+    """:func:`conv_windows` of each row's tree, [B, T, K]."""
+    return np.stack([conv_windows(p, kernel_size) for p in trees])
+
+
 def conv_launch(conv_in, weight, idx) -> Launch:
+    """``idx``: the windows [T, K] of every batch row, or [B, T, K] per row."""
     B, R, C = conv_in.shape
-    T, K = idx.shape
+    T, K = idx.shape[-2:]
     return Launch(
         "conv1d_silu",
         [
             ("conv_in", conv_in),
             ("weight", weight[:, :, 0].astype(conv_in.dtype)),
-            ("idx", mx.array(idx, dtype=mx.int32)),
+            ("idx", mx.array(np.broadcast_to(idx, (B, T, K)), dtype=mx.int32)),
             ("R", R),
             ("T", T),
         ],
@@ -109,9 +124,10 @@ def conv_launch(conv_in, weight, idx) -> Launch:
 
 def _conv_kernel(static, conv_in, weight):
     (parents,) = static
-    T = conv_in.shape[1] - weight.shape[1] + 1
-    idx = conv_windows(parents if parents is not None else list(range(-1, T - 1)), weight.shape[1])
-    return conv_launch(conv_in, weight, idx)
+    T, K = conv_in.shape[1] - weight.shape[1] + 1, weight.shape[1]
+    if parents is not None and slot_trees(parents, conv_in.shape[0]):
+        return conv_launch(conv_in, weight, _windows(parents, K))
+    return conv_launch(conv_in, weight, conv_windows(parents if parents is not None else list(range(-1, T - 1)), K))
 
 
 def _conv_twin_outputs(static, conv_in, weight):

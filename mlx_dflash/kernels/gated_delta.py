@@ -21,6 +21,7 @@ from functools import cache
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from ..ddtree import ancestor_matrix, tree_order
 from . import metal
@@ -313,20 +314,61 @@ def _rollback_twin(state0, k, g, delta, n: int, mask=None) -> mx.array:
 
 
 def gated_delta_rollback_slots(
-    state0: mx.array, k: mx.array, g: mx.array, delta: mx.array, final: mx.array, ns: Sequence[int], *, stepwise: bool
+    state0: mx.array,
+    k: mx.array,
+    g: mx.array,
+    delta: mx.array,
+    final: mx.array,
+    ns: Sequence[int],
+    *,
+    stepwise: bool,
+    paths: Optional[Sequence[Sequence[int]]] = None,
+    force_twin: bool = False,
 ) -> mx.array:
     """:func:`gated_delta_rollback` of a chain tape whose batch rows are
     slots, slot b keeping its first ``ns[b]`` tokens; ``final`` is the
     forward's state after the block. Rows t >= n_b get no decay and no
     update (their delta zeroed, so the sum matches the solo rollback's to the
     bit), and a slot that keeps its whole block keeps the forward's own
-    state, as the solo rollback does (the formula need not reproduce its bits)."""
+    state, as the solo rollback does (the formula need not reproduce its bits).
+    ``paths`` (a tree per slot): slot b keeps the block rows ``paths[b]``
+    (root first, ``ns[b]`` of them), each slot as the solo rollback along a
+    path (gathered rows, never ``final``).
+    The Metal kernel (gated_delta_rollback_slots.metal) does all slots in
+    one launch, replaying each slot's rows as the solo kernel does (there a
+    slot keeping all T rows takes ``final``: the same bits)."""
     n = mx.array(list(ns), dtype=mx.int32)
-    return _rollback_slots_compiled(delta.shape[1], bool(stepwise))(state0, k, g, delta, final, n)
+    rows = None if paths is None else path_rows_array(paths, ns, delta.shape[1])
+    if metal.use_metal(force_twin):
+        extra = (n,) if rows is None else (n, rows)
+        return metal.run_with_twin_vjp(
+            _rollback_slots_kernel, _rollback_slots_twin_outputs, (bool(stepwise),), (state0, k, g, delta, final), extra
+        )[0]
+    return _rollback_slots_twin(bool(stepwise), state0, k, g, delta, final, n, rows)
+
+
+def _rollback_slots_twin(stepwise: bool, state0, k, g, delta, final, n, rows=None):
+    if rows is None:
+        return _rollback_slots_compiled(delta.shape[1], stepwise, True)(state0, k, g, delta, final, n)
+    k = mx.take_along_axis(k, rows[:, :, None, None], axis=1)
+    g = mx.take_along_axis(g, rows[:, :, None], axis=1)
+    delta = mx.take_along_axis(delta, rows[:, :, None, None], axis=1)
+    return _rollback_slots_compiled(rows.shape[1], stepwise, False)(state0, k, g, delta, final, n)
+
+
+def path_rows_array(paths: Sequence[Sequence[int]], ns: Sequence[int], T: int) -> mx.array:
+    """Each slot's path rows, padded with row 0 (never read) to [B, R]."""
+    if len(paths) != len(ns):
+        raise ValueError(f"{len(paths)} paths for {len(ns)} slots")
+    for p, n in zip(paths, ns):
+        if len(p) != n or not all(0 <= int(t) < T for t in p):
+            raise ValueError(f"path {list(p)} is not {n} rows of a {T}-row block")
+    width = max(1, max(len(p) for p in paths))
+    return mx.array([[int(t) for t in p] + [0] * (width - len(p)) for p in paths], dtype=mx.int32)
 
 
 @cache
-def _rollback_slots_compiled(T: int, stepwise: bool):
+def _rollback_slots_compiled(T: int, stepwise: bool, use_final: bool):
     # Compiled as the solo rollbacks are (_rollback_compiled, _replay_compiled):
     # the same fused ops, the same bits.
     def run(state0, k, g, delta, final, n):
@@ -336,7 +378,7 @@ def _rollback_slots_compiled(T: int, stepwise: bool):
         else:
             delta = mx.where(keep[:, :, None, None], delta, 0.0)
             S = _rollback_twin(state0, k, g, delta, T, keep)
-        return mx.where((n == T)[:, None, None, None], final, S)
+        return mx.where((n == T)[:, None, None, None], final, S) if use_final else S
 
     return mx.compile(run)
 
@@ -353,6 +395,17 @@ def _replay_slots(state0, k, g, delta, keep):
 
 
 MAX_TREE_DEPTH = 64  # deeper trees (never drafted: depth <= block size) take the twin
+
+
+def slot_trees(parents, batch: int) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    """Trees per batch row (slots of batched decoding): ``parents`` given as
+    one parents list per row, returned as tuples; None when ``parents`` is
+    one tree for every row."""
+    if len(parents) == 0 or np.ndim(parents[0]) == 0:
+        return None
+    if len(parents) != batch:
+        raise ValueError(f"{len(parents)} parents lists for a batch of {batch}")
+    return tuple(tuple(int(p) for p in row) for row in parents)
 
 
 def gated_delta_tree(
@@ -374,17 +427,35 @@ def gated_delta_tree(
     parent -1, from ``state``). Shapes as :func:`gated_delta_chain`. Returns y,
     the state after the last token's path, and the tape ``delta``; restore any
     node with :func:`gated_delta_rollback` on its path's rows
-    (:func:`ddtree.path_rows`).
+    (:func:`ddtree.path_rows`). ``parents`` may instead hold one list per
+    batch row (slots, each its own tree of T nodes; :func:`slot_trees`): the
+    Metal kernel runs all in one launch, the twin each row as a solo call.
     """
-    if q.shape[1] != len(parents):
-        raise ValueError(f"{q.shape[1]} tokens but {len(parents)} parents")
-    _, depth = tree_order(parents)
-    if metal.use_metal(force_twin) and max(depth) < MAX_TREE_DEPTH:
-        static = (tuple(int(p) for p in parents), bool(record))
+    trees = slot_trees(parents, q.shape[0])
+    depth = 0
+    for p in trees or (parents,):
+        if q.shape[1] != len(p):
+            raise ValueError(f"{q.shape[1]} tokens but {len(p)} parents")
+        depth = max(depth, max(tree_order(p)[1]))
+    if metal.use_metal(force_twin) and depth < MAX_TREE_DEPTH:
+        static = (trees or tuple(int(p) for p in parents), bool(record))
         y, S, *tape = metal.run_with_twin_vjp(
             _tree_kernel, _tree_twin_outputs, static, (q, k, v, g, beta, state), n_out=3 if record else 2
         )
         return y, S, tape[0] if record else None
+    if trees is not None:
+        rows = [
+            gated_delta_tree(
+                *(x[b : b + 1] for x in (q, k, v, g, beta, state)),
+                trees[b],
+                record=record,
+                force_twin=True,
+                stepwise=stepwise,
+            )
+            for b in range(len(trees))
+        ]
+        ys, states, tapes = zip(*rows)
+        return mx.concatenate(ys), mx.concatenate(states), mx.concatenate(tapes) if record else None
     if stepwise:
         return _steps(q, k, v, g, beta, state, [int(p) for p in parents], record)
     dtype = q.dtype
@@ -438,10 +509,15 @@ def chain_launch(q, k, v, g, beta, state, mask=None, *, record: bool = True, pac
 
 
 def tree_launch(q, k, v, g, beta, state, parents, *, record: bool = True) -> Launch:
+    """``parents``: one tree for every batch row, or one per row (:func:`slot_trees`)."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    order, depth = tree_order(parents)
-    max_depth = 1 << max(depth).bit_length()  # > deepest depth; one kernel per power of two
+    trees = slot_trees(parents, B) or (parents,) * B
+    for p in trees:
+        if len(p) != T:
+            raise ValueError(f"{T} tokens but {len(p)} parents")
+    order, depth = zip(*(tree_order(p) for p in trees))
+    max_depth = 1 << max(max(d) for d in depth).bit_length()  # > deepest depth; one kernel per power of two
     return Launch(
         "gated_delta_tree",
         [
@@ -496,6 +572,39 @@ def rollback_launch(state0, k, g, delta, rows) -> Launch:
     )
 
 
+def rollback_slots_launch(state0, k, g, delta, final, counts, paths=None) -> Launch:
+    """Slot b (batch row b) keeps ``counts[b]`` rows: its chain prefix, or
+    with ``paths`` the rows ``paths[b]`` (a tree path, root first; or
+    :func:`path_rows_array`'s [B, R]); a count >= T takes ``final``, the
+    forward's state."""
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = delta.shape[2:]
+    if paths is None:
+        rows = mx.broadcast_to(mx.arange(T, dtype=mx.int32)[None], (B, T))
+    elif isinstance(paths, mx.array):
+        rows = paths
+    else:
+        rows = path_rows_array(paths, [len(p) for p in paths], T)
+    return Launch(
+        "gated_delta_rollback_slots",
+        [
+            ("state0", state0),
+            ("k", k),
+            ("g", g),
+            ("delta", delta),
+            ("state_final", final),
+            ("rows", rows),
+            ("counts", mx.array(counts, dtype=mx.int32)),
+            ("R", rows.shape[1]),
+            ("T", T),
+        ],
+        [("state", state0.shape, state0.dtype)],
+        [("InT", k.dtype), ("StT", state0.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        (Dk, Dv, B * Hv),
+        (32, 4, 1),
+    )
+
+
 # The Metal calls and their twins, as functions of (static, *arrays) for
 # metal.run_with_twin_vjp: ``static`` holds the call's Python arguments.
 
@@ -526,3 +635,11 @@ def _rollback_kernel(static, state0, k, g, delta):
 
 def _rollback_twin_outputs(static, state0, k, g, delta):
     return [gated_delta_rollback(state0, k, g, delta, static[0], force_twin=True)]
+
+
+def _rollback_slots_kernel(static, state0, k, g, delta, final, n, rows=None):
+    return rollback_slots_launch(state0, k, g, delta, final, n, rows)
+
+
+def _rollback_slots_twin_outputs(static, state0, k, g, delta, final, n, rows=None):
+    return [_rollback_slots_twin(static[0], state0, k, g, delta, final, n, rows)]

@@ -5,9 +5,13 @@
 // on the host), so a node's parent state is always the entry one level up of
 // a per-thread stack of MaxDepth states: registers bounded by the tree depth
 // (at most the draft block), whatever the number of nodes.
+// Batch rows may be slots of batched decoding, each with its own tree of T
+// nodes: order and depth are per batch row (one tree for all rows: the same
+// row repeated).
 // Template: InT, StT, Dk, Dv, Hk, Hv, MaxDepth (> deepest depth), Record.
-// Inputs:  q, k, v, g, beta, state_in as in the chain kernel; order [T] (int,
-//          preorder); depth [T] (int, 0 for a root, parent's + 1 otherwise); T (int).
+// Inputs:  q, k, v, g, beta, state_in as in the chain kernel; order [B, T]
+//          (int, each row's preorder); depth [B, T] (int, 0 for a root,
+//          parent's + 1 otherwise); T (int).
 // Outputs: y [B, T, Hv, Dv] (InT); state_out (state after the path of node
 //          T - 1); delta [B, T, Hv, Dv] (float), written only when Record.
 constexpr int NPL = (Dk + 31) / 32;
@@ -27,8 +31,8 @@ for (int j = 0; j < NPL; ++j) {
   s0[j] = i < Dk ? static_cast<float>(s_in[i]) : 0.0f;
 }
 for (int r = 0; r < T; ++r) {
-  const int t = order[r];
-  const int lvl = t >= 0 && t < T ? depth[t] : -1;
+  const int t = order[b * T + r];
+  const int lvl = t >= 0 && t < T ? depth[b * T + t] : -1;
   if (lvl < 0 || lvl >= MaxDepth) {  // the host validates; never index out of bounds
     continue;
   }
