@@ -57,6 +57,10 @@ class BatchDecoder:
     batch's verify, ``block_size`` and ``baseline``, must be the same for
     all); ``step`` admits queued requests while slots are free, then runs
     one cycle for the active slots, and returns what each request committed.
+    With a ``prefix_cache`` (:class:`~mlx_dflash.PrefixCache`, bound to the
+    engine) a request restores its longest cached prefix when it is admitted
+    (``stats.cached_tokens``) and its committed tokens are snapshotted when
+    it leaves (finished or cancelled), as a solo generation's are.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class BatchDecoder:
         max_batch: int = 8,
         eos_token_ids: Sequence[int] = (),
         prefill_budget: int = 512,
+        prefix_cache=None,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
@@ -74,6 +79,7 @@ class BatchDecoder:
             raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
         self.prefill_budget = prefill_budget
+        self.prefix_cache = prefix_cache  # restored from at admission, snapshotted into at leave
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
@@ -86,9 +92,20 @@ class BatchDecoder:
     def done(self) -> bool:
         return not self.queue and not self.prefilling and not self.active
 
-    def add(self, prompt: Sequence[int], config: Optional[GenerationConfig] = None, **options) -> int:
-        """Queue a request (token ids); returns its index (0, 1, ... in order added)."""
+    def add(
+        self,
+        prompt: Sequence[int],
+        config: Optional[GenerationConfig] = None,
+        *,
+        prefix_boundary: Optional[int] = None,
+        **options,
+    ) -> int:
+        """Queue a request (token ids); returns its index (0, 1, ... in order
+        added). ``prefix_boundary``: its stable prompt boundary for the prefix
+        cache (see ``prefix.py``)."""
         c = GenerationConfig.build(config, **options)
+        if self.done:
+            self.shape = None  # a drained batch takes any shape
         c.validate(None if c.baseline else self.draft)
         if c.tree_budget or c.auto_tree:
             raise DFlashError("batched decoding verifies chains: --tree-budget and --auto-tree are not supported")
@@ -99,14 +116,14 @@ class BatchDecoder:
         self.shape = shape
         index = self.count
         self.count += 1
-        self.queue.append((index, list(prompt), c))
+        self.queue.append((index, list(prompt), c, prefix_boundary))
         return index
 
     def cancel(self, index: int) -> Optional[SlotEvent]:
         """Drop request ``index`` between steps, queued or active (its finish
         reason "cancelled"); no other slot's state is touched. None if it
         is not running (finished, or never added)."""
-        for i, (j, prompt, _) in enumerate(self.queue):
+        for i, (j, prompt, *_) in enumerate(self.queue):
             if j == index:
                 del self.queue[i]
                 stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="cancelled")
@@ -116,6 +133,7 @@ class BatchDecoder:
                 if j == index:
                     del slots[i]
                     d.stats.finish_reason = "cancelled"
+                    self._leave(d)
                     return SlotEvent(index, [], "cancelled", d.stats)
         return None
 
@@ -136,14 +154,26 @@ class BatchDecoder:
             if ev is not None:
                 events.append(ev)
         if self.active:
-            events += self._cycle()
+            running = dict(self.active)
+            cycled = self._cycle()
+            for ev in cycled:
+                if ev.finish_reason is not None:
+                    self._leave(running[ev.index])
+            events += cycled
         return events
 
-    def _admit(self, index: int, prompt: List[int], c: GenerationConfig) -> None:
+    def _admit(self, index: int, prompt: List[int], c: GenerationConfig, prefix_boundary: Optional[int]) -> None:
         draft = None if c.baseline else self.draft
         d = open_decoder(self.target, prompt, c, Hooks(), c.sampler(), draft=draft, eos_token_ids=self.eos_token_ids)
         d.stats.policy = f"batch of up to {self.max_batch}, chain of {d.stats.block_size}" if draft else "batch, plain"
-        self.prefilling.append((index, d, d.prefill_steps(c.prefill_chunk)))
+        steps = d.prefill_steps(c.prefill_chunk, self.prefix_cache, prefix_boundary)
+        self.prefilling.append((index, d, steps))
+
+    def _leave(self, d: Decoder) -> None:
+        """A slot that finished or was cancelled: snapshot its committed
+        tokens into the prefix cache (as a solo generation does at its end)."""
+        if d.prefix_run is not None:
+            d.prefix_run.finish(d.history, d.pending_features())
 
     def _prefill_chunk(self) -> Optional[SlotEvent]:
         """The next chunk of the first slot in prefill; when that was its
@@ -156,6 +186,8 @@ class BatchDecoder:
         d.tic = time.perf_counter()
         if not d.finished:
             self.active.append((index, d))
+        else:
+            self._leave(d)
         return SlotEvent(index, out, d.stats.finish_reason, d.stats)
 
     def _cycle(self) -> List[SlotEvent]:
@@ -203,6 +235,7 @@ def batch_generate(
     *,
     max_batch: int = 8,
     configs: Optional[Sequence[Optional[GenerationConfig]]] = None,
+    prefix_cache=None,
     **options,
 ) -> List[GenerationResult]:
     """Generate for every prompt (text or token ids), up to ``max_batch`` at
@@ -216,16 +249,26 @@ def batch_generate(
     the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
     ``tree_budget``); the verify width is ``block_size`` (default: the
     draft's) for the whole batch, not the adaptive policy's choice.
+    ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`, as
+    :func:`mlx_dflash.stream_generate` takes it: each request restores its
+    longest cached prefix when it joins (``stats.cached_tokens``) and is
+    snapshotted into it when it leaves.
     """
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")
     if configs is not None and len(configs) != len(prompts):
         raise DFlashError(f"{len(configs)} configs for {len(prompts)} prompts")
     tok = engine.tokenizer
-    batch = BatchDecoder(engine.target, engine.draft, max_batch=max_batch, eos_token_ids=tok.eos_token_ids)
+    if prefix_cache is not None:
+        prefix_cache.bind(engine)
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=max_batch, eos_token_ids=tok.eos_token_ids, prefix_cache=prefix_cache
+    )
     for i, prompt in enumerate(prompts):
         own = configs[i] if configs is not None and configs[i] is not None else config
-        batch.add(engine.encode(prompt), own, **options)
+        ids = engine.encode(prompt)
+        boundary = prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None
+        batch.add(ids, own, prefix_boundary=boundary, **options)
     tokens = [[] for _ in prompts]
     stats = [None] * len(prompts)
     while not batch.done:
