@@ -49,6 +49,32 @@ class SlotEvent:
     stats: GenerationStats
 
 
+# `serve --max-batch` when not given (provisional: bench/batch.py measures
+# concurrency 1, 2, 4 and 8); the server lowers it to what memory holds.
+DEFAULT_MAX_BATCH = 4
+
+
+def slot_bytes(target, draft=None, *, context: Optional[int] = None, kv_bits=None, draft_window=None) -> int:
+    """Memory one slot may hold at ``context`` tokens (default: the target's
+    context limit): the target's attention KV per token times the context,
+    plus its DeltaNet recurrent and conv state (fixed per slot), plus the
+    draft's context KV per token times the rows its window keeps. Measured
+    on a one-token probe forward, so it holds for any KV format."""
+    context = context or target.max_context
+    cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+    capture = draft.target_layer_ids if draft is not None else ()
+    _, feats = target.forward([0], cache, capture=capture, logits="none")
+    mx.eval(cache.state())
+    row = sum(c.nbytes() for c in cache.layers if c.sequence)
+    total = row * context + sum(c.nbytes() for c in cache.layers if not c.sequence)
+    if draft is not None and hasattr(draft, "add_context"):
+        dcache = draft.make_cache(draft_window)
+        draft.add_context(feats, dcache)
+        rows = context if dcache.window is None else min(context, sum(dcache.window))
+        total += rows * sum(a.nbytes for a in dcache.state())
+    return total
+
+
 class BatchDecoder:
     """Requests decoded together in slots (see the module's docstring).
 
