@@ -654,6 +654,8 @@ def tool_server(tool_pair, tmp_path_factory):
         KEY,
         "--max-queue",
         "1",
+        "--max-batch",  # one at a time: the queue tests need the engine busy with one request
+        "1",
         log=tmp_path_factory.mktemp("tsrv") / "log.txt",
     )
     yield s
