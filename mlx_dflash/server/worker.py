@@ -362,7 +362,13 @@ class Worker:
                     job = self._q.get()
                 if job is None:
                     break
-                if not self._admit(batch, job):
+                try:
+                    taken = self._admit(batch, job)
+                except Exception as e:  # never let one request kill the engine thread
+                    log.exception("admission failed")
+                    job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+                    taken = True
+                if not taken:
                     if self.slots:
                         held = job
                         break
