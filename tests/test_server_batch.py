@@ -252,6 +252,14 @@ def test_batch_generate_restores_and_snapshots_the_prefix_cache(engine):
         assert g.tokens == w.tokens
     assert got[0].stats.cached_tokens > len(first)  # the solo run's end snapshot
     assert got[1].stats.cached_tokens == got[2].stats.cached_tokens == b
+    # The first request verified past its max_tokens (the batch verifies full
+    # blocks): its cache holds rows of tokens it never handed out, so it must
+    # leave no snapshot keyed by its shorter history.
+    nxt = prompts[0] + got[0].tokens + engine.tokenizer.encode("\n")
+    assert (
+        mlx_dflash.generate(engine, nxt, max_tokens=4, prefix_cache=cache, **PIN).tokens
+        == mlx_dflash.generate(engine, nxt, max_tokens=4, **PIN).tokens
+    )
     # A slot leaving (here cancelled after a few tokens) leaves its snapshot:
     # the prompt and every committed token but the last, which a later request restores.
     batch = mlx_dflash.BatchDecoder(
