@@ -49,32 +49,6 @@ class SlotEvent:
     stats: GenerationStats
 
 
-# `serve --max-batch` when not given (provisional: bench/batch.py measures
-# concurrency 1, 2, 4 and 8); the server lowers it to what memory holds.
-DEFAULT_MAX_BATCH = 4
-
-
-def slot_bytes(target, draft=None, *, context: Optional[int] = None, kv_bits=None, draft_window=None) -> int:
-    """Memory one slot may hold at ``context`` tokens (default: the target's
-    context limit): the target's attention KV per token times the context,
-    plus its DeltaNet recurrent and conv state (fixed per slot), plus the
-    draft's context KV per token times the rows its window keeps. Measured
-    on a one-token probe forward, so it holds for any KV format."""
-    context = context or target.max_context
-    cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
-    capture = draft.target_layer_ids if draft is not None else ()
-    _, feats = target.forward([0], cache, capture=capture, logits="none")
-    mx.eval(cache.state())
-    row = sum(c.nbytes() for c in cache.layers if c.sequence)
-    total = row * context + sum(c.nbytes() for c in cache.layers if not c.sequence)
-    if draft is not None and hasattr(draft, "add_context"):
-        dcache = draft.make_cache(draft_window)
-        draft.add_context(feats, dcache)
-        rows = context if dcache.window is None else min(context, sum(dcache.window))
-        total += rows * sum(a.nbytes for a in dcache.state())
-    return total
-
-
 class BatchDecoder:
     """Requests decoded together in slots (see the module's docstring).
 
@@ -83,10 +57,6 @@ class BatchDecoder:
     batch's verify, ``block_size`` and ``baseline``, must be the same for
     all); ``step`` admits queued requests while slots are free, then runs
     one cycle for the active slots, and returns what each request committed.
-    With a ``prefix_cache`` (:class:`~mlx_dflash.PrefixCache`, bound to the
-    engine) a request restores its longest cached prefix when it is admitted
-    (``stats.cached_tokens``) and its committed tokens are snapshotted when
-    it leaves (finished or cancelled), as a solo generation's are.
     """
 
     def __init__(
@@ -96,8 +66,8 @@ class BatchDecoder:
         *,
         max_batch: int = 8,
         eos_token_ids: Sequence[int] = (),
-        prefill_budget: int = 512,
         prefix_cache=None,
+        prefill_budget: int = 512,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
@@ -105,7 +75,9 @@ class BatchDecoder:
             raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
         self.prefill_budget = prefill_budget
-        self.prefix_cache = prefix_cache  # restored from at admission, snapshotted into at leave
+        # A PrefixCache bound to the engine: a request restores its longest cached
+        # prefix at admission (stats.cached_tokens) and is snapshotted when it leaves.
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
@@ -271,14 +243,15 @@ def batch_generate(
     takes, mlx-lm's for sampling) apply to every request; ``configs[i]``
     (a :class:`~mlx_dflash.GenerationConfig`, or None) replaces ``config``
     for prompt i, e.g. its own ``seed``, ``temperature`` or ``max_tokens``.
-    Greedy, and sampling with ``accept_rule="equality"``, give each request
-    the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
-    ``tree_budget``); the verify width is ``block_size`` (default: the
-    draft's) for the whole batch, not the adaptive policy's choice.
     ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`, as
     :func:`mlx_dflash.stream_generate` takes it: each request restores its
     longest cached prefix when it joins (``stats.cached_tokens``) and is
     snapshotted into it when it leaves.
+
+    Greedy, and sampling with ``accept_rule="equality"``, give each request
+    the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
+    ``tree_budget``); the verify width is ``block_size`` (default: the
+    draft's) for the whole batch, not the adaptive policy's choice.
     """
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")
@@ -311,3 +284,29 @@ def batch_generate(
         detok.finalize()
         results.append(GenerationResult(detok.text, toks, st))
     return results
+
+
+# `serve --max-batch` when not given (provisional: bench/batch.py measures
+# concurrency 1, 2, 4 and 8); the server lowers it to what memory holds.
+DEFAULT_MAX_BATCH = 4
+
+
+def slot_bytes(target, draft=None, *, context: Optional[int] = None, kv_bits=None, draft_window=None) -> int:
+    """Memory one slot may hold at ``context`` tokens (default: the target's
+    context limit): the target's attention KV per token times the context,
+    plus its DeltaNet recurrent and conv state (fixed per slot), plus the
+    draft's context KV per token times the rows its window keeps. Measured
+    on a one-token probe forward, so it holds for any KV format."""
+    context = context or target.max_context
+    cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+    capture = draft.target_layer_ids if draft is not None else ()
+    _, feats = target.forward([0], cache, capture=capture, logits="none")
+    mx.eval(cache.state())
+    row = sum(c.nbytes() for c in cache.layers if c.sequence)
+    total = row * context + sum(c.nbytes() for c in cache.layers if not c.sequence)
+    if draft is not None and hasattr(draft, "add_context"):
+        dcache = draft.make_cache(draft_window)
+        draft.add_context(feats, dcache)
+        rows = context if dcache.window is None else min(context, sum(dcache.window))
+        total += rows * sum(a.nbytes for a in dcache.state())
+    return total
