@@ -247,7 +247,7 @@ def test_batch_generate_restores_and_snapshots_the_prefix_cache(engine):
         first,
     ]
     want = [mlx_dflash.generate(engine, p, max_tokens=8, **PIN) for p in prompts]
-    got = mlx_dflash.batch_generate(engine, prompts, max_tokens=8, prefix_cache=cache)
+    got = mlx_dflash.batch_generate(engine, prompts, max_tokens=8, prefix_cache=cache, **PIN)
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
     assert got[0].stats.cached_tokens > len(first)  # the solo run's end snapshot
