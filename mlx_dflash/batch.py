@@ -66,6 +66,7 @@ class BatchDecoder:
         *,
         max_batch: int = 8,
         eos_token_ids: Sequence[int] = (),
+        prefix_cache=None,
         prefill_budget: int = 512,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -74,6 +75,9 @@ class BatchDecoder:
             raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
         self.prefill_budget = prefill_budget
+        # A PrefixCache bound to the engine: a request restores its longest cached
+        # prefix at admission (stats.cached_tokens) and is snapshotted when it leaves.
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
@@ -86,9 +90,20 @@ class BatchDecoder:
     def done(self) -> bool:
         return not self.queue and not self.prefilling and not self.active
 
-    def add(self, prompt: Sequence[int], config: Optional[GenerationConfig] = None, **options) -> int:
-        """Queue a request (token ids); returns its index (0, 1, ... in order added)."""
+    def add(
+        self,
+        prompt: Sequence[int],
+        config: Optional[GenerationConfig] = None,
+        *,
+        prefix_boundary: Optional[int] = None,
+        **options,
+    ) -> int:
+        """Queue a request (token ids); returns its index (0, 1, ... in order
+        added). ``prefix_boundary``: its stable prompt boundary for the prefix
+        cache (see ``prefix.py``)."""
         c = GenerationConfig.build(config, **options)
+        if self.done:
+            self.shape = None  # a drained batch takes any shape
         c.validate(None if c.baseline else self.draft)
         if c.tree_budget or c.auto_tree:
             raise DFlashError("batched decoding verifies chains: --tree-budget and --auto-tree are not supported")
@@ -99,14 +114,14 @@ class BatchDecoder:
         self.shape = shape
         index = self.count
         self.count += 1
-        self.queue.append((index, list(prompt), c))
+        self.queue.append((index, list(prompt), c, prefix_boundary))
         return index
 
     def cancel(self, index: int) -> Optional[SlotEvent]:
         """Drop request ``index`` between steps, queued or active (its finish
         reason "cancelled"); no other slot's state is touched. None if it
         is not running (finished, or never added)."""
-        for i, (j, prompt, _) in enumerate(self.queue):
+        for i, (j, prompt, *_) in enumerate(self.queue):
             if j == index:
                 del self.queue[i]
                 stats = GenerationStats(prompt_tokens=len(prompt), finish_reason="cancelled")
@@ -116,6 +131,7 @@ class BatchDecoder:
                 if j == index:
                     del slots[i]
                     d.stats.finish_reason = "cancelled"
+                    self._leave(d)
                     return SlotEvent(index, [], "cancelled", d.stats)
         return None
 
@@ -136,14 +152,26 @@ class BatchDecoder:
             if ev is not None:
                 events.append(ev)
         if self.active:
-            events += self._cycle()
+            running = dict(self.active)
+            cycled = self._cycle()
+            for ev in cycled:
+                if ev.finish_reason is not None:
+                    self._leave(running[ev.index])
+            events += cycled
         return events
 
-    def _admit(self, index: int, prompt: List[int], c: GenerationConfig) -> None:
+    def _admit(self, index: int, prompt: List[int], c: GenerationConfig, prefix_boundary: Optional[int]) -> None:
         draft = None if c.baseline else self.draft
         d = open_decoder(self.target, prompt, c, Hooks(), c.sampler(), draft=draft, eos_token_ids=self.eos_token_ids)
         d.stats.policy = f"batch of up to {self.max_batch}, chain of {d.stats.block_size}" if draft else "batch, plain"
-        self.prefilling.append((index, d, d.prefill_steps(c.prefill_chunk)))
+        steps = d.prefill_steps(c.prefill_chunk, self.prefix_cache, prefix_boundary)
+        self.prefilling.append((index, d, steps))
+
+    def _leave(self, d: Decoder) -> None:
+        """A slot that finished or was cancelled: snapshot its committed
+        tokens into the prefix cache (as a solo generation does at its end)."""
+        if d.prefix_run is not None:
+            d.prefix_run.finish(d.history, d.pending_features())
 
     def _prefill_chunk(self) -> Optional[SlotEvent]:
         """The next chunk of the first slot in prefill; when that was its
@@ -156,6 +184,8 @@ class BatchDecoder:
         d.tic = time.perf_counter()
         if not d.finished:
             self.active.append((index, d))
+        else:
+            self._leave(d)
         return SlotEvent(index, out, d.stats.finish_reason, d.stats)
 
     def _cycle(self) -> List[SlotEvent]:
@@ -203,6 +233,7 @@ def batch_generate(
     *,
     max_batch: int = 8,
     configs: Optional[Sequence[Optional[GenerationConfig]]] = None,
+    prefix_cache=None,
     **options,
 ) -> List[GenerationResult]:
     """Generate for every prompt (text or token ids), up to ``max_batch`` at
@@ -212,6 +243,11 @@ def batch_generate(
     takes, mlx-lm's for sampling) apply to every request; ``configs[i]``
     (a :class:`~mlx_dflash.GenerationConfig`, or None) replaces ``config``
     for prompt i, e.g. its own ``seed``, ``temperature`` or ``max_tokens``.
+    ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`, as
+    :func:`mlx_dflash.stream_generate` takes it: each request restores its
+    longest cached prefix when it joins (``stats.cached_tokens``) and is
+    snapshotted into it when it leaves.
+
     Greedy, and sampling with ``accept_rule="equality"``, give each request
     the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
     ``tree_budget``); the verify width is ``block_size`` (default: the
@@ -222,10 +258,16 @@ def batch_generate(
     if configs is not None and len(configs) != len(prompts):
         raise DFlashError(f"{len(configs)} configs for {len(prompts)} prompts")
     tok = engine.tokenizer
-    batch = BatchDecoder(engine.target, engine.draft, max_batch=max_batch, eos_token_ids=tok.eos_token_ids)
+    if prefix_cache is not None:
+        prefix_cache.bind(engine)
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=max_batch, eos_token_ids=tok.eos_token_ids, prefix_cache=prefix_cache
+    )
     for i, prompt in enumerate(prompts):
         own = configs[i] if configs is not None and configs[i] is not None else config
-        batch.add(engine.encode(prompt), own, **options)
+        ids = engine.encode(prompt)
+        boundary = prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None
+        batch.add(ids, own, prefix_boundary=boundary, **options)
     tokens = [[] for _ in prompts]
     stats = [None] * len(prompts)
     while not batch.done:
@@ -242,3 +284,29 @@ def batch_generate(
         detok.finalize()
         results.append(GenerationResult(detok.text, toks, st))
     return results
+
+
+# `serve --max-batch` when not given (provisional: bench/batch.py measures
+# concurrency 1, 2, 4 and 8); the server lowers it to what memory holds.
+DEFAULT_MAX_BATCH = 4
+
+
+def slot_bytes(target, draft=None, *, context: Optional[int] = None, kv_bits=None, draft_window=None) -> int:
+    """Memory one slot may hold at ``context`` tokens (default: the target's
+    context limit): the target's attention KV per token times the context,
+    plus its DeltaNet recurrent and conv state (fixed per slot), plus the
+    draft's context KV per token times the rows its window keeps. Measured
+    on a one-token probe forward, so it holds for any KV format."""
+    context = context or target.max_context
+    cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+    capture = draft.target_layer_ids if draft is not None else ()
+    _, feats = target.forward([0], cache, capture=capture, logits="none")
+    mx.eval(cache.state())
+    row = sum(c.nbytes() for c in cache.layers if c.sequence)
+    total = row * context + sum(c.nbytes() for c in cache.layers if not c.sequence)
+    if draft is not None and hasattr(draft, "add_context"):
+        dcache = draft.make_cache(draft_window)
+        draft.add_context(feats, dcache)
+        rows = context if dcache.window is None else min(context, sum(dcache.window))
+        total += rows * sum(a.nbytes for a in dcache.state())
+    return total

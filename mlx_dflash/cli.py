@@ -6,6 +6,7 @@ from typing import Callable, List, Optional
 
 import typer
 
+from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
 from .errors import DFlashError
 from .sampling import DEFAULT_ACCEPT_RULE
@@ -937,11 +938,20 @@ def serve(
         False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."
     ),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
+    max_batch: Optional[int] = typer.Option(
+        None,
+        "--max-batch",
+        help="Requests decoded together in one batch (continuous batching: requests join and leave between "
+        "cycles); 1 = one at a time. Default: "
+        + str(DEFAULT_MAX_BATCH)
+        + ", or fewer if memory (each slot's KV for the full context, its DeltaNet state and draft context) "
+        "does not hold that many; a value above what memory holds is refused.",
+    ),
     pipeline: bool = typer.Option(
         False,
         "--pipeline",
         help="Split the target's layers across the processes of an `mlx.launch` run; "
-        "rank 0 serves HTTP, the other ranks run their stages (no prefix cache).",
+        "rank 0 serves HTTP, the other ranks run their stages (no prefix cache). Runs one request at a time.",
     ),
     pipeline_timeout: float = typer.Option(
         60.0,
@@ -967,6 +977,13 @@ def serve(
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+    if max_batch is not None and max_batch < 1:
+        raise DFlashError(f"--max-batch must be at least 1 (1 = one request at a time), got {max_batch}")
+    if pipeline and max_batch is not None and max_batch > 1:
+        raise DFlashError(
+            "--max-batch > 1 does not run with --pipeline (a batch needs the whole target in one process); "
+            "leave --max-batch out or give 1"
+        )
     try:
         template_args = json.loads(chat_template_args) if chat_template_args else {}
     except ValueError as e:
@@ -985,6 +1002,7 @@ def serve(
         chat_template_args=template_args,
         prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
+        max_batch=1 if pipeline else max_batch,
     )
     get_engine = _engine_loader(
         model,

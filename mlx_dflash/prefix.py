@@ -172,7 +172,9 @@ class PrefixRun:
             return
         self.finished = True
         n = self.cache.offset
-        if n <= self.base[1] or self.cache.block:
+        # Fewer tokens than rows: it verified past its EOS or max_tokens, and
+        # those rows' tokens were never handed out, so no snapshot names them.
+        if n <= self.base[1] or self.cache.block or len(tokens) < n:
             return
         d = self.dcache
         if d is not None:

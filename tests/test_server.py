@@ -92,7 +92,11 @@ class ServerProcess:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess("--api-key", KEY, "--max-body-mb", "0.5", log=tmp_path_factory.mktemp("srv") / "log.txt")
+    # One request at a time (--max-batch 1, as before batching): its seeded speculative-rule
+    # text equals generate()'s; batched serving is tested in tests/test_server_batch.py.
+    s = ServerProcess(
+        "--api-key", KEY, "--max-body-mb", "0.5", "--max-batch", "1", log=tmp_path_factory.mktemp("srv") / "log.txt"
+    )
     yield s
     s.close()
     assert s.proc.returncode is not None
@@ -653,6 +657,8 @@ def tool_server(tool_pair, tmp_path_factory):
         "--api-key",
         KEY,
         "--max-queue",
+        "1",
+        "--max-batch",  # one at a time: the queue tests need the engine busy with one request
         "1",
         log=tmp_path_factory.mktemp("tsrv") / "log.txt",
     )

@@ -4,7 +4,7 @@
 plumbing), ``openai.py``, ``responses.py`` (OpenAI's Responses API) and
 ``anthropic.py`` are the API dialects,
 ``tools.py`` parses reasoning and tool calls out of the model's text,
-``worker.py`` runs generations one at a time in arrival order and
+``worker.py`` runs generations in arrival order (one at a time, or in a batch) and
 ``metrics.py`` renders Prometheus counters.
 """
 
@@ -42,10 +42,12 @@ def build(settings: Settings, load_engine: Callable[[], object], generate_fn: Op
         generate_fn=generate_fn,
         prompt_cache=settings.prompt_cache,
         prompt_cache_bytes=settings.prompt_cache_bytes,
+        max_batch=settings.max_batch,
+        generation=settings.generation,
     )
     worker.start()
     metrics.queue_length = lambda: worker.queue_length
-    metrics.running = lambda: int(worker.running is not None)
+    metrics.running = lambda: worker.running_count
     return create_app(Server(settings, worker, metrics)), worker
 
 

@@ -37,6 +37,7 @@ class Settings:
     chat_template_args: Dict[str, Any] = field(default_factory=dict)
     prompt_cache: bool = True
     prompt_cache_bytes: Optional[int] = None  # None: the prefix cache's default budget
+    max_batch: Optional[int] = None  # requests decoded together; None: batch.DEFAULT_MAX_BATCH as memory allows
 
 
 class APIError(Exception):

@@ -11,6 +11,32 @@ def _prefix_cache_bytes(pc) -> int:
     return int(getattr(pc, "nbytes", 0))
 
 
+# Upper bounds (seconds) of the queue-wait histogram's buckets.
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class Histogram:
+    """Cumulative buckets, sum and count, as Prometheus histograms are exposed."""
+
+    def __init__(self, bounds):
+        self.bounds = tuple(bounds)
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.bounds):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def samples(self):
+        out = [(f'_bucket{{le="{b:g}"}}', n) for b, n in zip(self.bounds, self.counts)]
+        out.append(('_bucket{le="+Inf"}', self.count))
+        return out + [("_sum", f"{self.sum:.6f}"), ("_count", self.count)]
+
+
 class Metrics:
     def __init__(self):
         self._lock = threading.Lock()
@@ -27,6 +53,9 @@ class Metrics:
         self.queue_length: Callable[[], int] = lambda: 0
         self.running: Callable[[], int] = lambda: 0
         self.cache_bytes = 0
+        self.max_slots = 1  # --max-batch
+        self.queue_wait = Histogram(WAIT_BUCKETS)  # seconds from arrival to admission
+        self.slots_per_step: Histogram = Histogram(range(1, 2))  # set by max_slots at the first step
 
     def record_request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -46,6 +75,17 @@ class Metrics:
                 self.last_decode_tps = d["decode_tps"]
             # read here, on the engine thread that changes the cache
             self.cache_bytes = _prefix_cache_bytes(prefix_cache)
+
+    def record_queue_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.queue_wait.observe(seconds)
+
+    def record_batch_step(self, slots: int) -> None:
+        """Requests in the batch (decoding or prefilling) at one step."""
+        with self._lock:
+            if self.slots_per_step.bounds[-1] != self.max_slots:
+                self.slots_per_step = Histogram(range(1, self.max_slots + 1))
+            self.slots_per_step.observe(slots)
 
     def record_cancel(self) -> None:
         with self._lock:
@@ -106,5 +146,24 @@ class Metrics:
             )
             metric("prefix_cache_bytes", "gauge", "Bytes held by the prefix cache.", [("", self.cache_bytes)])
             metric("queue_length", "gauge", "Requests waiting for the engine.", [("", self.queue_length())])
-            metric("running_requests", "gauge", "Requests being generated (0 or 1).", [("", self.running())])
+            metric("running_requests", "gauge", "Requests being generated (up to --max-batch).", [("", self.running())])
+            metric("batch_slots_max", "gauge", "Slots of the batch (--max-batch).", [("", self.max_slots)])
+            metric(
+                "batch_slots_active",
+                "gauge",
+                "Slots taken now (requests decoding or prefilling).",
+                [("", self.running())],
+            )
+            metric(
+                "batch_slots_per_step",
+                "histogram",
+                "Slots taken at each batch step (--max-batch > 1).",
+                self.slots_per_step.samples(),
+            )
+            metric(
+                "queue_wait_seconds",
+                "histogram",
+                "Seconds from a request's arrival to its admission to the engine.",
+                self.queue_wait.samples(),
+            )
             return "\n".join(out) + "\n"

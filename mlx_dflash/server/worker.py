@@ -1,10 +1,17 @@
 """One engine, many clients: a generation thread fed by a bounded arrival-order queue.
 
-The engine runs one request at a time on its own thread (MLX work stays on
-one thread and the event loop stays free for other clients). After every
-committed block the thread checks whether the request was cancelled (the
-client went away) or ran past its deadline, and if so closes the
-``stream_generate`` generator, so the engine is free within one cycle.
+MLX work stays on one thread and the event loop stays free for other
+clients. With ``max_batch`` 1 the thread runs one request at a time
+(``stream_generate``); after every committed block it checks whether the
+request was cancelled (the client went away) or ran past its deadline, and
+if so closes the generator, so the engine is free within one cycle.
+
+With ``max_batch`` > 1 it runs a :class:`~mlx_dflash.BatchDecoder`: between
+steps it admits queued requests to free slots (arrival order), drops the
+slots whose client went away or whose deadline passed, runs one step, and
+sends each request its text as its tokens arrive. A request the batch does
+not take (another verify shape, e.g. a tree) waits, holding the queue,
+until the batch drains, and then runs alone.
 """
 
 import asyncio
@@ -15,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..batch import DEFAULT_MAX_BATCH
 from ..errors import DFlashError
 from .metrics import Metrics
 
@@ -101,8 +109,20 @@ def _stats_dict(stats) -> Dict[str, Any]:
     }
 
 
+@dataclass
+class _Slot:
+    """A job in the batch: its own detokenizer, stop strings and latest stats."""
+
+    job: Job
+    detok: Any
+    stops: StopMatcher
+    stats: Any = None
+
+
 class Worker:
-    """Owns the engine; runs queued jobs in arrival order on one thread."""
+    """Owns the engine; runs queued jobs in arrival order on one thread,
+    one at a time or (``max_batch`` > 1, None: up to ``DEFAULT_MAX_BATCH``
+    as memory allows) together in a batch."""
 
     def __init__(
         self,
@@ -113,13 +133,22 @@ class Worker:
         generate_fn: Optional[Callable] = None,
         prompt_cache_bytes: Optional[int] = None,
         prompt_cache: bool = True,
+        max_batch: Optional[int] = 1,
+        generation=None,
     ):
+        if max_batch is not None and max_batch < 1:
+            raise DFlashError(f"--max-batch must be at least 1, got {max_batch}")
         self._load = load_engine
         self._q: queue.Queue[Optional[Job]] = queue.Queue(maxsize=max_queue)
         self.metrics = metrics
         self.engine = None
         self.prefix_cache = None
-        self.running: Optional[Job] = None
+        self.running: Optional[Job] = None  # the job running alone
+        self.slots: Dict[int, _Slot] = {}  # the batch's jobs by request index
+        self._asked = max_batch
+        self.max_batch = max_batch or DEFAULT_MAX_BATCH
+        self._generation = generation  # the server's defaults: KV format and context of a slot
+        self._stopping = False
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._main, name="mlx-dflash-engine", daemon=True)
@@ -137,6 +166,7 @@ class Worker:
 
     def stop(self) -> None:
         if self._thread.is_alive():
+            self._stopping = True
             try:
                 self._q.put_nowait(None)
             except queue.Full:
@@ -153,6 +183,10 @@ class Worker:
     def queue_length(self) -> int:
         return self._q.qsize()
 
+    @property
+    def running_count(self) -> int:
+        return len(self.slots) + (self.running is not None)
+
     def submit(self, job: Job) -> None:
         try:
             self._q.put_nowait(job)
@@ -167,29 +201,81 @@ class Worker:
             self.engine = self._load()
             self._generate = self._generate or stream_generate
             self.prefix_cache = self._make_prefix_cache()
+            if self.max_batch > 1:
+                self._check_batch()
         except BaseException as e:  # reported to start()
             self._error = e
             self._ready.set()
             return
+        self.metrics.max_slots = self.max_batch
         self._ready.set()
+        if self.max_batch > 1:
+            self._batch_main()
+            return
         while True:
             job = self._q.get()
             if job is None:
                 return
-            self.running = job
-            try:
-                self._run(job)
-            except Exception as e:  # never let one request kill the engine thread
-                log.exception("generation failed")
-                job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
-            finally:
-                self.running = None
+            self._run_alone(job)
+
+    def _run_alone(self, job: Job) -> None:
+        self.running = job
+        try:
+            self._run(job)
+        except Exception as e:  # never let one request kill the engine thread
+            log.exception("generation failed")
+            job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+        finally:
+            self.running = None
 
     def _make_prefix_cache(self):
         """One prefix cache for every request: a client resending its history prefills only the new part."""
         from ..prefix import PrefixCache
 
         return PrefixCache(max_bytes=self._cache_bytes) if self._use_cache else None
+
+    def _check_batch(self) -> None:
+        """Refuse (or, for the default, lower) a max_batch the batch cannot
+        run: a verify shape it does not take, or more slots than memory holds."""
+        import mlx.core as mx
+
+        from ..batch import BatchDecoder, slot_bytes
+        from ..config import GenerationConfig
+        from ..prefix import device_memory
+
+        eng = self.engine
+        gen = self._generation or GenerationConfig()
+        if eng.stage is not None:
+            raise DFlashError("--max-batch > 1 does not run on a pipeline-split target (--pipeline); use --max-batch 1")
+        try:
+            BatchDecoder(eng.target, eng.draft, max_batch=2).add([0], gen)
+        except DFlashError as e:
+            if self._asked is not None:
+                raise DFlashError(f"--max-batch {self._asked}: {e}; use --max-batch 1") from None
+            log.warning("serving one request at a time (--max-batch 1): %s", e)
+            self.max_batch = 1
+            return
+        context = gen.max_context or eng.target.max_context
+        per = slot_bytes(eng.target, eng.draft, context=context, kv_bits=gen.kv_bits, draft_window=gen.draft_window)
+        total = device_memory()
+        held = mx.get_active_memory()  # the weights, loaded
+        budget = self.prefix_cache.max_bytes if self.prefix_cache is not None else 0
+        room = total - held - budget
+        fits = max(0, room // max(per, 1))
+        if self.max_batch <= fits:
+            return
+        if self._asked is None:
+            self.max_batch = max(1, int(min(DEFAULT_MAX_BATCH, fits)))
+            log.warning("--max-batch %d (the default, %d, does not fit in memory)", self.max_batch, DEFAULT_MAX_BATCH)
+            return
+        raise DFlashError(
+            f"--max-batch {self.max_batch} does not fit in memory: a slot may hold {per / 1e6:.1f} MB "
+            f"(attention KV for {context} tokens, the DeltaNet state and the draft's context), "
+            f"{self.max_batch * per / 1e9:.2f} GB for {self.max_batch} slots, and "
+            f"{max(room, 0) / 1e9:.2f} GB is left of {total / 1e9:.2f} GB after the weights "
+            f"({held / 1e9:.2f} GB) and the prefix cache budget ({budget / 1e9:.2f} GB): "
+            f"at most {fits} slots fit (lower --max-batch or --prompt-cache-bytes, or use --kv-bits)"
+        )
 
     def _run(self, job: Job) -> None:
         now = time.monotonic()
@@ -200,6 +286,7 @@ class Worker:
             job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
             return
         job.started = now
+        self.metrics.record_queue_wait(now - job.arrived)
         kwargs = dict(job.gen)
         if self.prefix_cache is not None:
             kwargs["prefix_cache"] = self.prefix_cache
@@ -231,6 +318,10 @@ class Worker:
             return
         finally:
             gen.close()  # stops the decode loop now; the engine is free for the next job
+        self._done(job, stops, stats, finish)
+
+    def _done(self, job: Job, stops: StopMatcher, stats, finish: Optional[str]) -> None:
+        """The rest of the text (held for a stop string that did not come) and the "done" event."""
         if finish in (None, "stop", "length") and not stops.hit:
             rest = stops.flush()
             if rest:
@@ -239,3 +330,140 @@ class Worker:
         d["stop_sequence"] = stops.matched
         self.metrics.record_generation(d, self.prefix_cache)
         job.send("done", finish or "stop", d)
+
+    # --- the batch -------------------------------------------------------------------
+    def _new_batch(self):
+        from ..batch import BatchDecoder
+
+        eng = self.engine
+        if self.prefix_cache is not None:
+            self.prefix_cache.bind(eng)  # as stream_generate does
+        return BatchDecoder(
+            eng.target,
+            eng.draft,
+            max_batch=self.max_batch,
+            eos_token_ids=eng.tokenizer.eos_token_ids,
+            prefix_cache=self.prefix_cache,
+        )
+
+    def _batch_main(self) -> None:
+        batch = self._new_batch()
+        held: Optional[Job] = None  # a job the batch does not take: it runs once the batch drains
+        while True:
+            while len(self.slots) < self.max_batch and not self._stopping:
+                if held is not None:
+                    job, held = held, None
+                elif self.slots:
+                    try:
+                        job = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    job = self._q.get()
+                if job is None:
+                    break
+                try:
+                    taken = self._admit(batch, job)
+                except Exception as e:  # never let one request kill the engine thread
+                    log.exception("admission failed")
+                    job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+                    taken = True
+                if not taken:
+                    if self.slots:
+                        held = job
+                        break
+                    self._run_alone(job)
+            if self._stopping:
+                for index in list(self.slots):
+                    batch.cancel(index)
+                    self._leave(index, "cancelled")
+                return
+            if not self.slots:
+                continue
+            for index, slot in list(self.slots.items()):
+                job = slot.job
+                if job.cancelled.is_set():
+                    reason = "cancelled"
+                elif time.monotonic() - job.arrived > job.timeout:
+                    reason = "timeout"
+                else:
+                    continue
+                ev = batch.cancel(index)  # frees the slot for the next step
+                if ev is not None:
+                    slot.stats = ev.stats
+                self._leave(index, reason)
+            if not self.slots:
+                continue
+            self.metrics.record_batch_step(len(self.slots))
+            try:
+                for ev in batch.step():
+                    self._deliver(batch, ev)
+            except Exception as e:  # a failed step leaves the batch's state unknown: end its requests
+                log.exception("batched generation failed")
+                for slot in self.slots.values():
+                    slot.job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+                self.slots.clear()
+                batch = self._new_batch()
+
+    def _admit(self, batch, job: Job) -> bool:
+        """Add ``job`` to the batch (or answer it now); False if the batch
+        does not take its options while others run."""
+        from ..decode import check_prompt
+
+        now = time.monotonic()
+        if job.cancelled.is_set():
+            job.send("done", "cancelled", _stats_dict(None))
+            return True
+        if now - job.arrived > job.timeout:
+            job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
+            return True
+        eng = self.engine
+        config = job.gen["config"]
+        try:
+            config.validate(None if config.baseline else eng.draft)
+            check_prompt(eng.target, job.ids, config)
+        except DFlashError as e:
+            job.send("error", 400, str(e))
+            return True
+        boundary = None
+        if self.prefix_cache is not None:
+            boundary = self.prefix_cache.stable_boundary(eng.tokenizer, job.ids, job.gen.get("chat_template_config"))
+        try:
+            index = batch.add(job.ids, config, prefix_boundary=boundary)
+        except DFlashError:
+            return False
+        job.started = now
+        self.metrics.record_queue_wait(now - job.arrived)
+        detok = eng.tokenizer.detokenizer
+        detok.reset()
+        self.slots[index] = _Slot(job, detok, StopMatcher(job.stops))
+        return True
+
+    def _deliver(self, batch, ev) -> None:
+        """A request's tokens from one step: its text (through its stop
+        strings) to its client, and its end when it finished."""
+        slot = self.slots.get(ev.index)
+        if slot is None:
+            return
+        job, slot.stats = slot.job, ev.stats
+        if job.cached_tokens is None:  # set before the first event is sent
+            job.cached_tokens = int(ev.stats.cached_tokens or 0)
+        eos = self.engine.tokenizer.eos_token_ids
+        for t in ev.tokens:
+            if t not in eos:
+                slot.detok.add_token(t)
+        if ev.finish_reason is not None:
+            slot.detok.finalize()
+        text = slot.stops.feed(slot.detok.last_segment)
+        if text or ev.tokens:
+            job.send("text", text, len(ev.tokens))
+        if slot.stops.hit:
+            if ev.finish_reason is None:
+                batch.cancel(ev.index)  # the slot is free for the next step
+            self._leave(ev.index, "stop")
+        elif ev.finish_reason is not None:
+            self._leave(ev.index, ev.finish_reason)
+
+    def _leave(self, index: int, finish: str) -> None:
+        slot = self.slots.pop(index)
+        self._done(slot.job, slot.stops, slot.stats, finish)

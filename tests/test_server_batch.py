@@ -1,0 +1,296 @@
+"""`mlx-dflash serve --max-batch N`: requests decoded together in one batch.
+
+One server process (the embedded pair, 4 slots, the equality rule so that a
+seeded sample is the same text in any mode), driven by the official
+`openai` and `anthropic` clients: concurrent streams each equal their solo
+``mlx_dflash.generate`` output, a dropped client frees its slot for the next
+request while the others keep streaming, and the prefix cache still serves
+batched requests. The server helpers are tests/test_server.py's.
+"""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from test_server import KEY, ServerProcess, _free_port
+
+import mlx_dflash
+from mlx_dflash.cli import main
+
+SLOTS = 4
+# Solo runs with the width pinned (no cost measurement first): greedy and the
+# equality rule give the same tokens at any width.
+PIN = {"block_size": 16}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = ServerProcess(
+        "--api-key",
+        KEY,
+        "--max-batch",
+        str(SLOTS),
+        "--accept-rule",
+        "equality",
+        log=tmp_path_factory.mktemp("bsrv") / "log.txt",
+    )
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return mlx_dflash.load()
+
+
+# (prompt, max_tokens, sampling): different lengths, greedy and seeded samples.
+REQUESTS = [
+    ("def fibonacci(n):", 10, {}),
+    ("import os\n\n\ndef read_config(path):", 4, {"temperature": 0.8, "top_p": 0.9, "seed": 7}),
+    ("class Stack:\n", 14, {"temperature": 0.7, "top_k": 40, "seed": 3}),
+    ("# Parse command line arguments\n", 6, {}),
+    ("x = [i * i for i in range(10)]\nprint(", 12, {"temperature": 1.0, "seed": 11}),
+    ("SELECT name FROM users WHERE", 3, {}),
+    ("The quick brown fox", 8, {"temperature": 0.6, "top_p": 0.8, "seed": 5}),
+    ("fn main() {\n", 12, {"temperature": 0}),
+]
+
+
+def _solo(engine, prompt, n, sampling):
+    ids = engine.encode(prompt, chat_template=True)
+    return mlx_dflash.generate(engine, ids, max_tokens=n, accept_rule="equality", **PIN, **sampling)
+
+
+def _stream(server, i):
+    prompt, n, sampling = REQUESTS[i]
+    messages = [{"role": "user", "content": prompt}]
+    if i % 2:
+        with server.anthropic().messages.stream(
+            model="mlx-dflash", max_tokens=n, messages=messages, extra_body=sampling
+        ) as s:
+            pieces = list(s.text_stream)
+            final = s.get_final_message()
+        return "".join(pieces), final.usage.output_tokens
+    chunks = list(
+        server.openai().chat.completions.create(
+            model="mlx-dflash",
+            messages=messages,
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            **{k: v for k, v in sampling.items() if k != "top_k"},
+            extra_body={"top_k": sampling["top_k"]} if "top_k" in sampling else None,
+        )
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+
+def _histogram(m, name):
+    return m[f"mlx_dflash_{name}_sum"], m[f"mlx_dflash_{name}_count"]
+
+
+def test_eight_concurrent_streams_equal_their_solo_output(server, engine):
+    want = [_solo(engine, *r) for r in REQUESTS]
+    before = server.metrics()
+    with ThreadPoolExecutor(len(REQUESTS)) as ex:
+        got = list(ex.map(lambda i: _stream(server, i), range(len(REQUESTS))))
+    for i, ((text, n), w) in enumerate(zip(got, want)):
+        assert text == w.text, (i, text, w.text)
+        assert n == len(w.tokens), i
+    after = server.metrics()
+    assert after["mlx_dflash_batch_slots_max"] == SLOTS
+    # They really shared the batch: more than one slot per step on average.
+    s0, c0 = _histogram(before, "batch_slots_per_step")
+    s1, c1 = _histogram(after, "batch_slots_per_step")
+    assert c1 > c0 and (s1 - s0) / (c1 - c0) > 1.5
+    assert after[f'mlx_dflash_batch_slots_per_step_bucket{{le="{SLOTS}"}}'] > before.get(
+        f'mlx_dflash_batch_slots_per_step_bucket{{le="{SLOTS}"}}', 0
+    )
+    # Eight requests for four slots: each admission's wait is in the histogram.
+    w0, n0 = _histogram(before, "queue_wait_seconds")
+    w1, n1 = _histogram(after, "queue_wait_seconds")
+    assert n1 - n0 == len(REQUESTS) and w1 > w0
+    assert after["mlx_dflash_batch_slots_active"] == 0 and after["mlx_dflash_running_requests"] == 0
+
+
+def _long_stream(server, client, prompt):
+    body = {"model": "mlx-dflash", "messages": [{"role": "user", "content": prompt}], "max_tokens": 3000}
+    body["stream"] = True
+    cm = client.stream("POST", server.url + "/v1/chat/completions", json=body, headers={"x-api-key": KEY})
+    r = cm.__enter__()
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    seen = 0
+    for line in lines:
+        if line.startswith("data: ") and '"content"' in line:
+            seen += 1
+            if seen == 2:
+                break
+    return cm, lines
+
+
+def _content_events(lines, k):
+    seen = 0
+    for line in lines:
+        if line.startswith("data: ") and '"content"' in line:
+            seen += 1
+            if seen == k:
+                return True
+    return False
+
+
+def test_dropped_stream_frees_its_slot_for_the_next_request(server, engine):
+    """Four long streams fill the slots and a fifth request waits; dropping one
+    stream admits the waiting one, which finishes while the other three keep
+    streaming. An oversized prompt meanwhile gets a 400 and changes nothing."""
+    before = server.metrics()
+    prompts = ["def a():", "def b():", "def c():", "def d():"]
+    with httpx.Client(timeout=120) as client:
+        streams = [_long_stream(server, client, p) for p in prompts]
+        assert server.metrics()["mlx_dflash_batch_slots_active"] == SLOTS
+        want = _solo(engine, "def e():", 6, {})
+        out = {}
+        waiting = threading.Thread(
+            target=lambda: out.setdefault(
+                "r",
+                server.openai().chat.completions.create(
+                    model="mlx-dflash", messages=[{"role": "user", "content": "def e():"}], max_tokens=6
+                ),
+            )
+        )
+        waiting.start()
+        tic = time.monotonic()
+        while server.metrics()["mlx_dflash_queue_length"] < 1 and time.monotonic() - tic < 30:
+            time.sleep(0.05)
+        assert server.metrics()["mlx_dflash_queue_length"] == 1  # no slot free: it waits
+        # A prompt over the context: a 400 in the API's shape, the batch untouched.
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "mlx-dflash", "prompt": [100] * 5000, "max_tokens": 3},
+            headers={"x-api-key": KEY},
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        cm, _ = streams.pop(0)
+        cm.__exit__(None, None, None)  # the client goes away mid-stream
+        waiting.join(timeout=120)
+        assert not waiting.is_alive()
+        assert out["r"].choices[0].message.content == want.text
+        # The other three kept their slots and still stream.
+        for _, lines in streams:
+            assert _content_events(lines, 2)
+        m = server.metrics()
+        assert m["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + 1
+        assert m["mlx_dflash_batch_slots_active"] == SLOTS - 1
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+    tic = time.monotonic()
+    while server.metrics()["mlx_dflash_running_requests"] > 0 and time.monotonic() - tic < 30:
+        time.sleep(0.1)
+    after = server.metrics()
+    assert after["mlx_dflash_running_requests"] == 0
+    assert after["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + SLOTS
+
+
+def test_batched_requests_are_served_from_the_prefix_cache(server, engine):
+    """A conversation's second turn, sent by several clients at once after the
+    first turn ran: each batched request restores the cached prefix (usage
+    reports it) and its reply equals generate() without any cache."""
+    first = [{"role": "user", "content": "def parse_args(argv):\n"}]
+    r1 = server.openai().chat.completions.create(model="mlx-dflash", messages=first, max_tokens=8)
+    turns = ["\n\ndef main():\n", "\n\nclass Config:\n", "\n\nif __name__ == '__main__':\n", "\n\nimport sys\n"]
+    convos = [
+        first + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": t}]
+        for t in turns
+    ]
+    ids = [list(engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)) for c in convos]
+    want = [mlx_dflash.generate(engine, x, max_tokens=8, **PIN) for x in ids]
+    before = server.metrics()
+
+    def one(i):
+        if i % 2:
+            m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=8, messages=convos[i])
+            return (
+                m.content[0].text,
+                m.usage.cache_read_input_tokens,
+                m.usage.input_tokens + m.usage.cache_read_input_tokens,
+            )
+        r = server.openai().chat.completions.create(model="mlx-dflash", messages=convos[i], max_tokens=8)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
+
+    with ThreadPoolExecutor(len(convos)) as ex:
+        got = list(ex.map(one, range(len(convos))))
+    for (text, cached, prompt), w, x in zip(got, want, ids):
+        assert text == w.text
+        assert prompt == len(x)
+        assert 0 < cached < len(x)
+    after = server.metrics()
+    assert after["mlx_dflash_prefix_cache_hits_total"] >= before["mlx_dflash_prefix_cache_hits_total"] + len(convos)
+    s0, c0 = _histogram(before, "batch_slots_per_step")
+    s1, c1 = _histogram(after, "batch_slots_per_step")
+    assert (s1 - s0) / (c1 - c0) > 1.0  # they shared the batch
+
+
+def test_batch_generate_restores_and_snapshots_the_prefix_cache(engine):
+    """The Python API: a batched request after a solo one with the same prefix
+    restores it (stats.cached_tokens) and gives the tokens it gives without the
+    cache; the batch's requests leave snapshots a later request restores."""
+    cache = mlx_dflash.PrefixCache()
+    first = engine.encode("def fibonacci(n):", chat_template=True)
+    solo = mlx_dflash.generate(engine, first, max_tokens=8, prefix_cache=cache, **PIN)
+    assert solo.stats.cached_tokens == 0
+    b = cache.stable_boundary(engine.tokenizer, first)  # the prompt minus the template's reply tail
+    prompts = [
+        first + solo.tokens + engine.tokenizer.encode("\n# tests\n"),
+        first[:b] + engine.tokenizer.encode(" hello"),
+        first,
+    ]
+    want = [mlx_dflash.generate(engine, p, max_tokens=8, **PIN) for p in prompts]
+    got = mlx_dflash.batch_generate(engine, prompts, max_tokens=8, prefix_cache=cache, **PIN)
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+    assert got[0].stats.cached_tokens > len(first)  # the solo run's end snapshot
+    assert got[1].stats.cached_tokens == got[2].stats.cached_tokens == b
+    # The first request verified past its max_tokens (the batch verifies full
+    # blocks): its cache holds rows of tokens it never handed out, so it must
+    # leave no snapshot keyed by its shorter history.
+    nxt = prompts[0] + got[0].tokens + engine.tokenizer.encode("\n")
+    assert (
+        mlx_dflash.generate(engine, nxt, max_tokens=4, prefix_cache=cache, **PIN).tokens
+        == mlx_dflash.generate(engine, nxt, max_tokens=4, **PIN).tokens
+    )
+    # A slot leaving (here cancelled after a few tokens) leaves its snapshot:
+    # the prompt and every committed token but the last, which a later request restores.
+    batch = mlx_dflash.BatchDecoder(
+        engine.target, engine.draft, eos_token_ids=engine.tokenizer.eos_token_ids, prefix_cache=cache
+    )
+    index = batch.add(prompts[1], max_tokens=40, **PIN)
+    toks = []
+    while len(toks) < 3:
+        for ev in batch.step():
+            toks += ev.tokens
+    assert batch.cancel(index).finish_reason == "cancelled"
+    nxt = prompts[1] + toks + engine.tokenizer.encode("\n")
+    later = mlx_dflash.generate(engine, nxt, max_tokens=4, prefix_cache=cache, **PIN)
+    assert later.stats.cached_tokens == len(prompts[1]) + len(toks) - 1
+    assert later.tokens == mlx_dflash.generate(engine, nxt, max_tokens=4, **PIN).tokens
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--max-batch", "-3"], "--max-batch must be at least 1"),
+        (["--max-batch", "2", "--pipeline"], "does not run with --pipeline"),
+        (["--max-batch", "100000000"], "does not fit in memory"),
+    ],
+)
+def test_bad_max_batch_is_one_error_line_and_exit_2(args, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", str(_free_port()), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and words in lines[0], err
+    assert "Traceback" not in err
