@@ -1,5 +1,6 @@
 """The ``mlx-dflash`` command line."""
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -1023,13 +1024,22 @@ def serve(
         gen.validate(engine.draft)
         return engine
 
-    run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)
+    try:
+        run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)
+    except DFlashError as e:
+        if not _FROM_COMMAND_LINE:
+            raise
+        # The engine thread has run MLX: the interpreter's teardown then
+        # aborts now and then in MLX's C++ destructors (about 1 exit in 3).
+        typer.echo(f"error: {e}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
 
 
 def _pipeline_server(stage, no_prompt_cache: bool):
     """Rank 0 serving a pipeline: the server's generate function, which ends
     the server when a rank is lost, and a SIGTERM handler that releases the others."""
-    import os
     import signal
 
     from .api import stream_generate

@@ -8,6 +8,8 @@ request while the others keep streaming, and the prefix cache still serves
 batched requests. The server helpers are tests/test_server.py's.
 """
 
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -294,3 +296,17 @@ def test_bad_max_batch_is_one_error_line_and_exit_2(args, words, capsys):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and words in lines[0], err
     assert "Traceback" not in err
+
+
+def test_serve_load_error_exits_2_every_time():
+    # The engine loads on its own thread; the interpreter's teardown after
+    # that thread ran MLX used to abort now and then (exit 134, about 1 in 3).
+    for _ in range(4):
+        r = subprocess.run(
+            [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(_free_port()), "--block-size", "99"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: --block-size"), r.stderr
