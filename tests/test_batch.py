@@ -642,3 +642,227 @@ def test_speculative_rule_through_the_batch_with_a_real_draft(tok_dir):
     kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
     assert n // 10 < kept < n - n // 10, kept  # both branches of the rule ran
     assert not chi2_fails(counts, joint, n)[0], chi2_fails(counts, joint, n)
+
+
+# --- the batch's width policy --------------------------------------------------------
+
+
+class ScriptedWidths:
+    """A batch width policy that plays a fixed cycle of widths (cut to the
+    room), to switch widths under the batch at every cycle."""
+
+    adaptive = False
+
+    def __init__(self, widths, max_width=8):
+        self.widths, self.max_width, self.fixed, self.k = list(widths), max_width, None, 0
+        self.played = []
+
+    def plan(self, slots, room):
+        W = min(self.widths[self.k % len(self.widths)], room)
+        self.k += 1
+        self.played.append(W)
+        return W
+
+    def observe(self, slots, seconds=0.0):
+        pass
+
+    def describe(self, S):
+        return "scripted"
+
+
+class TableCosts:
+    """An injected batch cost model: seconds of a cycle of S slots at width W."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.asked = set()
+
+    def cycle(self, S, W):
+        self.asked.add((S, W))
+        return self.fn(S, W)
+
+    def observed(self, S, W, seconds):
+        pass  # fixed: the test's costs, not this machine's
+
+
+class Always:
+    """A draft that proposes each request's known continuation, right every
+    time (``right``) or wrong every time."""
+
+    def __init__(self, seqs, vocab, right=True, block_size=8):
+        self.seqs, self.vocab, self.right, self.block_size = list(seqs), vocab, right, block_size
+        self.target_layer_ids = []
+        self.made = 0
+
+    def make_cache(self, window=None):
+        self.made += 1
+        return self.seqs[(self.made - 1) % len(self.seqs)]
+
+    def __call__(self, features, anchor, anchor_pos, B, seq):
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        for j in range(1, B):
+            tok = seq[anchor_pos + j] if anchor_pos + j < len(seq) else 0
+            logits[j - 1, tok if self.right else (tok + 1) % self.vocab] = 1.0
+        return mx.array(logits)
+
+
+def run_batch(engine, prompts, configs, policy=None, max_batch=4):
+    """Each request's (tokens, stats) through a BatchDecoder."""
+    from mlx_dflash import BatchDecoder
+
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=max_batch, eos_token_ids=engine.tokenizer.eos_token_ids, policy=policy
+    )
+    for p, c in zip(prompts, configs):
+        batch.add(p, c)
+    out, stats = [[] for _ in prompts], [None] * len(prompts)
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+            stats[ev.index] = ev.stats
+    return out, stats, batch
+
+
+def adaptive_configs(n=40, **kw):
+    from mlx_dflash import GenerationConfig
+
+    return [GenerationConfig(max_tokens=n + 5 * i, **kw) for i in range(len(BATCH_PROMPTS))]
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_width_switches_every_cycle_keep_solo_tokens(engines, which):
+    """Widths 1 (a plain step for the batch), 3, 8, 2, 5 in turn under the
+    same slots, with a real draft and with one right a random part of each
+    block, greedy and seeded sampling (equality rule): each request's
+    tokens are its solo run's."""
+    engine = engines[which]
+    for kw in ({}, dict(temperature=0.8, top_p=0.9, accept_rule="equality")):
+        configs = [c.update(seed=50 + i) for i, c in enumerate(adaptive_configs(20, **kw))]
+        want = solo(engine, BATCH_PROMPTS, configs)
+        for eng in (engine, scripted(engine, BATCH_PROMPTS, want, seed=7)):
+            policy = ScriptedWidths([1, 3, 8, 2, 1, 1, 5])
+            got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=policy, max_batch=3)
+            assert got == [r.tokens for r in want]
+            assert {1, 2, 3, 5, 8} <= set(policy.played)
+            assert all({1, 3, 8} <= set(st.widths) for st in stats)
+
+
+def test_batch_policy_sums_slots_and_prices_the_batch():
+    """The choice is the batch's: slot rates summed over the batch cycle's
+    cost. One slot whose draft is always right and three whose drafts never
+    are: alone that slot would draft, the batch steps plainly; tokens past a
+    slot's max_tokens earn nothing; pinned widths ignore costs."""
+    from mlx_dflash.batch import BatchPolicy
+
+    costs = TableCosts(lambda S, W: 1.0 if W == 1 else 1.0 + 0.5 * S * (W - 1) / 7)
+    good = BatchPolicy(8, costs)
+    for _ in range(12):
+        good.acceptance(0).observe(7, 7)
+        for i in (1, 2, 3):
+            good.acceptance(i).observe(7, 0)
+    good.warmup = 0
+    assert good.best([(0, 100)], room=100) == 8  # alone, it drafts the full block
+    slots = [(0, 100), (1, 100), (2, 100), (3, 100)]
+    assert good.best(slots, room=100) == 1  # the batch does not pay for it
+    assert good.rate(slots, 1) == pytest.approx(4.0)
+    assert good.rate(slots, 8) < 4.0
+    assert (4, 8) in costs.asked and (1, 8) in costs.asked
+    # All four right: the batch drafts, as wide as pays.
+    for i in (1, 2, 3):
+        good.acc[i] = good.acceptance(0)
+    assert good.best(slots, room=100) == 8
+    assert good.best(slots, room=5) == 5  # the tightest context room caps it
+    # Every slot one token from its max_tokens: drafted rows would not be emitted.
+    assert good.best([(i, 1) for i in range(4)], room=100) == 1
+    pinned = BatchPolicy(8, None, fixed=4)
+    assert [pinned.plan(slots, room) for room in (100, 3, 1)] == [4, 3, 1]
+
+
+def test_batch_policy_plain_runs_and_probes():
+    """A useless draft: after the two drafted warm-up cycles and two plain
+    verdicts, plain runs of 16, 32, ... cycles, each ended by one probe; a
+    probe that pays brings drafting back at once."""
+    from mlx_dflash.batch import BatchPolicy
+
+    costs = TableCosts(lambda S, W: 1.0 if W == 1 else 1.5 + 0.05 * W)
+    p = BatchPolicy(8, costs)
+    slots = [(0, 10**6), (1, 10**6)]
+    widths = []
+    for _ in range(80):
+        W = p.plan(slots, room=10**6)
+        widths.append(W)
+        p.observe([(i, left, 1) for i, left in slots])  # nothing accepted
+    drafted = [k for k, W in enumerate(widths) if W > 1]
+    # Two warm-up cycles, one more after the first plain verdict, then one
+    # probe after 16 plain cycles and one after 32.
+    assert drafted == [0, 1, 2, 3 + 16, 3 + 16 + 1 + 32]
+    # A probe that keeps everything: drafting resumes.
+    while p.plan(slots, room=10**6) == 1:
+        p.observe([(i, left, 1) for i, left in slots])
+    p.observe([(i, left, p.last) for i, left in slots])
+    assert p.plan(slots, room=10**6) > 1 and p.plain_left == 0
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_adaptive_batch_chooses_plain_or_drafting_by_cost_and_acceptance(engines, which):
+    """With injected costs (no timings): drafting dear or the draft always
+    wrong -> mostly plain steps for the batch; drafting cheap and the draft
+    always right -> full blocks. Tokens are the solo ones every time."""
+    from dataclasses import replace
+
+    from mlx_dflash.batch import BatchPolicy
+
+    engine = engines[which]
+    configs = adaptive_configs(40)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    seqs = [list(p) + r.tokens for p, r in zip(BATCH_PROMPTS, want)]
+    V = engine.target.vocab_size
+    cheap = lambda S, W: 1.0 + 0.1 * W  # noqa: E731
+    dear = lambda S, W: 1.0 if W == 1 else 20.0  # noqa: E731
+    for costs, right, plain in ((dear, True, True), (cheap, False, True), (cheap, True, False)):
+        eng = replace(engine, draft=Always(seqs, V, right=right))
+        got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=BatchPolicy(8, TableCosts(costs)))
+        assert got == [r.tokens for r in want]
+        for st in stats:
+            plain_cycles = st.widths.get(1, 0)
+            if plain:
+                assert plain_cycles > sum(n for w, n in st.widths.items() if w > 1), st.widths
+            else:
+                assert plain_cycles == 0 and max(st.widths) == 8, st.widths
+                assert st.tau > 4
+
+
+def test_adaptive_batch_measures_its_costs_and_pins_like_solo(engines, tmp_path):
+    """Without block_size the batch is adaptive on measured batch costs
+    (S slots at each ladder width, cached on disk per S, between batch sizes
+    interpolated); block_size, adaptive=False or the speculative rule pin
+    the width as a solo run does."""
+    from mlx_dflash.batch import BatchCosts
+
+    engine = engines["dense"]
+    costs = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    t2, t4 = costs.table(2), costs.table(4)
+    assert costs.measured == [2, 4] and sorted(t2) == [1, 2, 4, 8]
+    assert all(t > 0 for t in t2.values()) and list(t2.values()) == sorted(t2.values())
+    assert costs.cycle(3, 8) == pytest.approx((t2[8] + t4[8]) / 2)
+    again = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    assert again.table(4) == t4 and again.measured == []  # read back, not measured
+    assert costs.cycle(2, 3) == pytest.approx((t2[2] + t2[4]) / 2)
+
+    configs = adaptive_configs(16)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    got, stats, batch = run_batch(engine, BATCH_PROMPTS, configs)
+    assert got == [r.tokens for r in want]
+    assert batch.policy.adaptive and "adaptive" in stats[0].policy
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=3)
+    for kw in (dict(block_size=4), dict(adaptive=False)):
+        cfgs = [c.update(**kw) for c in configs]
+        got, stats, batch = run_batch(eng, BATCH_PROMPTS, cfgs)
+        assert got == [r.tokens for r in want]
+        assert not batch.policy.adaptive and "pinned" in stats[0].policy
+        assert all(set(st.widths) <= {kw.get("block_size", 8)} for st in stats), [st.widths for st in stats]
+    spec = [c.update(temperature=0.8, seed=i) for i, c in enumerate(configs)]  # the speculative rule
+    _, stats, batch = run_batch(engine, BATCH_PROMPTS, spec)
+    assert not batch.policy.adaptive and all(set(st.widths) <= {8} for st in stats)
+    with pytest.raises(DFlashError, match="adaptive"):
+        run_batch(engine, BATCH_PROMPTS[:2], [configs[0], configs[1].update(adaptive=False)])
