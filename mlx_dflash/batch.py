@@ -394,7 +394,10 @@ class BatchDecoder:
             self.shape = None  # a drained batch takes any shape
         c.validate(None if c.baseline else self.draft)
         if c.tree_budget or c.auto_tree:
-            raise DFlashError("batched decoding verifies chains: --tree-budget and --auto-tree are not supported")
+            raise DFlashError(
+                "batched decoding verifies chains: --tree-budget and --auto-tree are not supported (each slot's "
+                "tree has its own topology, and the DeltaNet tree kernels take one for the whole batch)"
+            )
         check_prompt(self.target, list(prompt), c)
         shape = (c.block_size, c.baseline, c.adaptive)
         if self.shape is not None and shape != self.shape:

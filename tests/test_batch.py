@@ -367,8 +367,9 @@ def test_bad_batch_input(engines):
     for bad in (0, -2):
         with pytest.raises(DFlashError, match="max_batch"):
             mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
-    with pytest.raises(DFlashError, match="tree-budget"):
-        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, tree_budget=4)
+    for tree in (dict(tree_budget=4), dict(auto_tree=6)):  # the reason is stated
+        with pytest.raises(DFlashError, match="tree-budget.*own topology.*one for the whole batch"):
+            mlx_dflash.batch_generate(engine, BATCH_PROMPTS, **tree)
     with pytest.raises(DFlashError, match="same block_size"):
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
     with pytest.raises(DFlashError, match="configs for"):
