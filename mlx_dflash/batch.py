@@ -370,7 +370,7 @@ class BatchDecoder:
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
-        self.shape = None  # (block_size, baseline, adaptive) shared by every request
+        self.shape = None  # (block_size, baseline, adaptive, tree_budget) shared by every request
         self.policy = policy  # the batch's widths (None: made at the first cycle, see _width_policy)
         mx.reset_peak_memory()  # each request's stats.peak_memory: the batch's
 
@@ -393,15 +393,17 @@ class BatchDecoder:
         if self.done:
             self.shape = None  # a drained batch takes any shape
         c.validate(None if c.baseline else self.draft)
-        if c.tree_budget or c.auto_tree:
+        if c.auto_tree:
             raise DFlashError(
-                "batched decoding verifies chains: --tree-budget and --auto-tree are not supported (each slot's "
-                "tree has its own topology, and the DeltaNet tree kernels take one for the whole batch)"
+                "batched decoding does not choose trees: --auto-tree is not supported (the batch's width "
+                "policy prices chains; --tree-budget pins a tree per slot)"
             )
         check_prompt(self.target, list(prompt), c)
-        shape = (c.block_size, c.baseline, c.adaptive)
+        shape = (c.block_size, c.baseline, c.adaptive, c.tree_budget)
         if self.shape is not None and shape != self.shape:
-            raise DFlashError("every request of a batch needs the same block_size, baseline and adaptive options")
+            raise DFlashError(
+                "every request of a batch needs the same block_size, baseline, adaptive and tree_budget options"
+            )
         self.shape = shape
         index = self.count
         self.count += 1
@@ -485,11 +487,11 @@ class BatchDecoder:
         slot on the speculative rule, whose text depends on the drafted
         widths), else adaptive on the pair's measured batch costs."""
         if self.policy is None:
-            block_size, baseline, adaptive = self.shape
+            block_size, baseline, adaptive, tree_budget = self.shape
             if baseline or self.draft is None:
                 self.policy = BatchPolicy(1)
                 return self.policy
-            pinned = block_size is not None or not adaptive or any(d.spec for d in ds)
+            pinned = block_size is not None or not adaptive or tree_budget > 0 or any(d.spec for d in ds)
             costs = None if pinned else batch_costs(self.target, self.draft, ds[0].cache.kv_bits)
             self.policy = BatchPolicy(self.draft.block_size, costs, fixed=block_size)
         if self.policy.adaptive and any(d.spec for d in ds):
@@ -507,8 +509,17 @@ class BatchDecoder:
         # Adaptive widths verify the first W of the full block (as solo: a
         # shorter DFlash block proposes other tokens); pinned ones draft W.
         plan = Plan(max(W, 1), block=policy.max_width if policy.adaptive else 0)
+        tree_budget = self.shape[3]
+        if tree_budget and W > 1:  # a tree per slot, of the same node count, drafted from a block of W
+            plan = Plan(tree_budget + 1, tree=True, block=W)
         t0 = time.perf_counter()
-        if plan.width > 1:
+        parents = None
+        if plan.tree:
+            props = [d.propose(plan) for d in ds]  # each slot's draft logits, its own tree
+            parents = [p.tree.parents for p in props]
+            if len({len(p) for p in parents}) > 1:
+                raise RuntimeError(f"trees of {sorted({len(p) for p in parents})} nodes in one batch")
+        elif plan.width > 1:
             B = max(plan.block, plan.width)
             items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, d.spec) for d in ds]
             props = [
@@ -519,17 +530,24 @@ class BatchDecoder:
             props = [Proposal(plan) for _ in ds]
         t1 = time.perf_counter()
         slots = SlotBatch([d.cache for d in ds])
-        tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
-        logits, feats = self.target.forward_slots(tokens, slots, capture=ds[0].capture, record=plan.width > 1)
+        if plan.tree:
+            tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+        else:
+            tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
+        logits, feats = self.target.forward_slots(
+            tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
+        )
         verified = [
             d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
         ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
         if plan.width > 1:
-            slots.rollback([len(path) for path in paths])
+            slots.rollback([len(path) for path in paths], paths if plan.tree else None)
         events = []
         desc = policy.describe(self.max_batch) if ds[0].draft is not None else "batch, plain"
+        if tree_budget and ds[0].draft is not None:
+            desc = f"batch of up to {self.max_batch}, pinned (tree of {tree_budget} per slot)"
         for (index, d), p, v, path in zip(self.active, props, verified, paths):
             out = d.commit(p, v, path, rolled_back=True)
             st = d.stats

@@ -473,12 +473,21 @@ class SlotBatch:
         for c in self.caches:
             c.block = block
 
-    def rollback(self, ns: Sequence[int]) -> None:
+    def rollback(self, ns: Sequence[int], paths: Optional[Sequence[Sequence[int]]] = None) -> None:
         """After a recorded :meth:`Target.forward_slots`, slot b keeps the
-        first ``ns[b]`` tokens of its block (chain)."""
+        first ``ns[b]`` tokens of its block (chain), or with ``paths`` (a
+        tree per slot) the block rows on ``paths[b]`` (root first, ``ns[b]``
+        of them): each slot's own tree rollback, its tape being its own."""
         ns = [int(n) for n in ns]
         if self.block == 0:
             raise RuntimeError("rollback without a recorded block")
+        if paths is not None:
+            if len(paths) != len(self.caches):
+                raise ValueError(f"{len(paths)} paths for {len(self.caches)} slots")
+            for c, n, path in zip(self.caches, ns, paths):
+                c.rollback(n, path=list(path))
+            self.block, self.tapes = 0, {}
+            return
         if len(ns) != len(self.caches):
             raise ValueError(f"{len(ns)} kept counts for {len(self.caches)} slots")
         if not all(1 <= n <= self.block for n in ns):

@@ -107,6 +107,52 @@ def test_slot_rollback_equals_solo_rollback(targets, model):
             assert same(logits[b], target.forward(nxt[b], c, record=True)[0])
 
 
+def random_trees(S, T, seed):
+    """S random trees of T nodes (root first, each node's parent before it)
+    and in each a random root path."""
+    from mlx_dflash.ddtree import path_rows
+
+    rng = np.random.default_rng(seed)
+    parents = [[-1] + [int(rng.integers(0, t)) for t in range(1, T)] for _ in range(S)]
+    paths = [path_rows(p, int(rng.integers(0, T))) for p in parents]
+    return parents, paths
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_tree_per_slot_forward_and_rollback_equal_solo(targets, model):
+    """A tree per slot (each its own topology, the same node count): logits,
+    features, caches after the rollback along each slot's accepted path, and
+    the next block, equal each slot's solo tree verify, bit for bit."""
+    from mlx_dflash.ddtree import path_rows
+
+    target = targets[model]
+    T = 7
+    parents, paths = random_trees(len(PROMPTS), T, seed=3)
+    parents[1] = [-1, 0, 1, 2, 3, 4, 5]  # a chain-shaped tree among them
+    paths[1] = path_rows(parents[1], 6)
+    assert len({tuple(p) for p in parents}) == len(PROMPTS)
+    solo = prefilled(target, PROMPTS)
+    slots = SlotBatch(prefilled(target, PROMPTS))
+    tokens = block_tokens(len(PROMPTS), T, seed=11)
+    logits, feats = target.forward_slots(tokens, slots, capture=CAPTURE, record=True, parents=parents)
+    slots.rollback([len(p) for p in paths], paths)
+    for b, c in enumerate(solo):
+        lg, f = target.forward(tokens[b], c, capture=CAPTURE, record=True, parents=parents[b])
+        assert same(logits[b], lg), b
+        assert same(feats[b], f), b
+        c.rollback(len(paths[b]), path=paths[b])
+        assert_same_state(slots.caches[b], c)
+        assert slots.caches[b].block == 0
+    nxt = block_tokens(len(PROMPTS), 3, seed=2)
+    logits, _ = target.forward_slots(nxt, slots, record=True)
+    for b, c in enumerate(solo):
+        assert same(logits[b], target.forward(nxt[b], c, record=True)[0])
+    with pytest.raises(ValueError, match="recorded"):
+        target.forward_slots(tokens, slots, parents=parents)
+    with pytest.raises(ValueError, match="parent lists"):
+        target.forward_slots(tokens, slots, record=True, parents=parents[:2])
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 def test_rolling_back_one_slot_leaves_the_others_untouched(targets, dtype):
     target = targets["dense", dtype]
@@ -367,9 +413,10 @@ def test_bad_batch_input(engines):
     for bad in (0, -2):
         with pytest.raises(DFlashError, match="max_batch"):
             mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
-    for tree in (dict(tree_budget=4), dict(auto_tree=6)):  # the reason is stated
-        with pytest.raises(DFlashError, match="tree-budget.*own topology.*one for the whole batch"):
-            mlx_dflash.batch_generate(engine, BATCH_PROMPTS, **tree)
+    with pytest.raises(DFlashError, match="auto-tree.*prices chains"):  # the reason is stated
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, auto_tree=6)
+    with pytest.raises(DFlashError, match="same block_size, baseline, adaptive and tree_budget"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=[None, configs_for()[0].update(tree_budget=3)])
     with pytest.raises(DFlashError, match="same block_size"):
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
     with pytest.raises(DFlashError, match="configs for"):
@@ -867,3 +914,30 @@ def test_adaptive_batch_measures_its_costs_and_pins_like_solo(engines, tmp_path)
     assert not batch.policy.adaptive and all(set(st.widths) <= {8} for st in stats)
     with pytest.raises(DFlashError, match="adaptive"):
         run_batch(engine, BATCH_PROMPTS[:2], [configs[0], configs[1].update(adaptive=False)])
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_tree_per_slot_equals_solo_tree(engines, which):
+    """tree_budget: a DDTree per slot each cycle (built from its own draft
+    logits), verified in one forward and rolled back along each slot's own
+    path: greedy and seeded sampling (equality rule) give each request its
+    solo tree run's tokens, with the real draft and a scripted one right a
+    random part of each block; after every step each slot's cache equals a
+    plain forward over its tokens."""
+    from support.reference import assert_cache_is_plain_forward
+
+    engine = engines[which]
+    for kw in ({}, dict(temperature=0.8, top_k=20, accept_rule="equality")):
+        configs = [c.update(tree_budget=5, seed=70 + i, **kw) for i, c in enumerate(configs_for())]
+        want = solo(engine, BATCH_PROMPTS, configs)
+        for eng in (engine, scripted(engine, BATCH_PROMPTS, want, seed=9)):
+            got, stats, batch = run_batch(eng, BATCH_PROMPTS, configs, max_batch=3)
+            assert got == [r.tokens for r in want]
+            assert all(set(st.widths) == {6} for st in stats) and "tree of 5" in stats[0].policy
+    batch = run_batch(eng, BATCH_PROMPTS[:0], [])[2]  # a fresh decoder, stepped by hand below
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    while not batch.done:
+        batch.step()
+        for _, d in batch.active:
+            assert_cache_is_plain_forward(eng.target, d.cache, d.history[:-1])
