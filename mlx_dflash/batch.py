@@ -8,9 +8,9 @@ until ``prefill_budget`` tokens are done (at least one chunk), then one
 cycle: running slots keep streaming, a cycle delayed by about one budget's
 prefill at most, and short prompts join several at a time. Each cycle drafts for
 every active slot in one draft forward (``propose_slots``; each slot's
-context on its own), verifies all slots' chains in
-one :meth:`Target.forward_slots` of one width W, and accepts, commits and
-rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
+context on its own), verifies all slots' chains (or, with ``tree_budget``,
+a DDTree per slot) in one :meth:`Target.forward_slots` of one width W, and
+accepts, commits and rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
 the moment it hits EOS, ``max_tokens`` or the context end.
 
 W is chosen per cycle for the whole batch by :class:`BatchPolicy`: the
@@ -338,8 +338,8 @@ class BatchDecoder:
 
     ``add`` queues a request (``config`` and keyword options as
     :func:`mlx_dflash.generate` takes them; the options that shape the
-    batch's verify, ``block_size``, ``baseline`` and ``adaptive``, must be the same for
-    all); ``step`` admits queued requests while slots are free, then runs
+    batch's verify, ``block_size``, ``baseline``, ``adaptive`` and
+    ``tree_budget``, must be the same for all); ``step`` admits queued requests while slots are free, then runs
     one cycle for the active slots, and returns what each request committed.
     ``policy``: the batch's widths (a :class:`BatchPolicy`; default: made at
     the first cycle from the requests' options).
@@ -588,9 +588,9 @@ def batch_generate(
     snapshotted into it when it leaves.
 
     Greedy, and sampling with ``accept_rule="equality"``, give each request
-    the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
-    ``tree_budget``); one verify width per cycle for the whole batch
-    (:class:`BatchPolicy`), pinned by ``block_size``.
+    the tokens :func:`mlx_dflash.generate` gives it alone. One verify width
+    per cycle for the whole batch (:class:`BatchPolicy`), pinned by
+    ``block_size``; ``tree_budget``: a DDTree per slot (no ``auto_tree``).
     """
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")
