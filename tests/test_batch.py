@@ -941,3 +941,25 @@ def test_batch_tree_per_slot_equals_solo_tree(engines, which):
         batch.step()
         for _, d in batch.active:
             assert_cache_is_plain_forward(eng.target, d.cache, d.history[:-1])
+
+
+def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
+    """Observed cycle times replace the measured prior per (S, W): the first
+    at each shape untimed (it traces), then the median of the last 5, each
+    clipped to 3x the estimate; a shape unseen for 64 cycles goes back to
+    the prior."""
+    from mlx_dflash.batch import BatchCosts
+
+    engine = engines["dense"]
+    costs = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    costs.tables = {2: {1: 1.0, 8: 2.0}, 4: {1: 2.0, 8: 4.0}}  # a prior, not measured here
+    assert costs.cycle(3, 8) == pytest.approx(3.0)
+    costs.observed(3, 8, 0.5)  # the first at (3, 8): tracing, not counted
+    assert costs.cycle(3, 8) == pytest.approx(3.0)
+    for t in (2.0, 2.2, 100.0):
+        costs.observed(3, 8, t)
+    assert costs.seen[3, 8] == pytest.approx([2.0, 2.2, 6.6])  # 100 clipped to 3x the estimate then (2.2)
+    assert costs.cycle(3, 8) == pytest.approx(2.2) and costs.cycle(3, 1) == pytest.approx(1.5)
+    for _ in range(65):
+        costs.observed(2, 1, 1.0)
+    assert costs.cycle(3, 8) == pytest.approx(3.0) and costs.measured == []
