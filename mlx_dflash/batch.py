@@ -483,9 +483,10 @@ class BatchDecoder:
 
     def _width_policy(self, ds: List[Decoder]) -> BatchPolicy:
         """The batch's width policy, made at its first cycle: pinned where a
-        solo run would be (``block_size`` given, ``adaptive=False``, or a
-        slot on the speculative rule, whose text depends on the drafted
-        widths), else adaptive on the pair's measured batch costs."""
+        solo run would be (``block_size`` given, ``adaptive=False``, a
+        ``tree_budget``), else adaptive on the pair's measured batch costs;
+        the draft's block for cycles while a slot samples with the
+        speculative rule (its text depends on the drafted widths)."""
         if self.policy is None:
             block_size, baseline, adaptive, tree_budget = self.shape
             if baseline or self.draft is None:
@@ -495,7 +496,7 @@ class BatchDecoder:
             costs = None if pinned else batch_costs(self.target, self.draft, ds[0].cache.kv_bits)
             self.policy = BatchPolicy(self.draft.block_size, costs, fixed=block_size)
         if self.policy.adaptive and any(d.spec for d in ds):
-            self.policy = BatchPolicy(self.policy.max_width, None, fixed=self.policy.fixed)
+            return BatchPolicy(self.policy.max_width)  # the adaptive one resumes once they leave
         return self.policy
 
     def _cycle(self) -> List[SlotEvent]:
@@ -505,7 +506,7 @@ class BatchDecoder:
         # not: rows past it are verified and not emitted (emit stops there).
         room = min(d.max_context - d.pos for d in ds)
         left = [(i, d.max_tokens - d.stats.generated_tokens) for i, d in self.active]
-        W = policy.plan(left, room)
+        W = policy.plan(left, room) if ds[0].draft is not None else 1  # baseline: plain steps
         # Adaptive widths verify the first W of the full block (as solo: a
         # shorter DFlash block proposes other tokens); pinned ones draft W.
         plan = Plan(max(W, 1), block=policy.max_width if policy.adaptive else 0)
