@@ -223,12 +223,16 @@ class BatchPolicy:
     request's rates stay its own whoever shares the batch); ``left_b`` its
     tokens before ``max_tokens`` (rows past it are verified and not
     emitted, so they earn nothing). ``T(S, W)``: ``costs.cycle(S, W)``
-    (:class:`BatchCosts`, told each cycle's time by ``costs.observed``). As
-    the solo policy: two drafted warm-up cycles,
-    two plain verdicts in a row before a plain run, a probe cycle (the
-    slots' counts dropped, as wide as pays under the prior) after 16, 32,
-    ... up to 256 plain cycles. ``costs`` None: pinned at ``fixed`` (else
-    the block)."""
+    (:class:`BatchCosts`, told each cycle's time by ``costs.observed``).
+
+    As the solo policy: two drafted warm-up cycles, two plain verdicts in a
+    row before a plain run of 16, 32, ... up to 256 plain cycles. Where the
+    solo policy then probes with a drafted cycle, the batch's last plain
+    cycle of a run also drafts (``shadow``), unverified: the target's next
+    plain tokens score each slot's draft (its old counts dropped first), so
+    a look at a useless draft costs a draft forward, not a wide verify. If
+    drafting then pays, it resumes; else the next run is twice as long.
+    ``costs`` None: pinned at ``fixed`` (else the block)."""
 
     first_plain_run = 16
     longest_plain_run = 256
@@ -240,8 +244,9 @@ class BatchPolicy:
         self.plain_left = 0
         self.plain_run = self.first_plain_run
         self.plain_votes = 0
-        self.probing = False
         self.last = 1  # the width of the cycle being booked
+        self.shadow = False  # the plain cycle planned also drafts (see score_shadows)
+        self.shadows: Dict[int, Tuple[int, List[int]]] = {}  # request index -> (anchor position, drafted tokens)
 
     @property
     def adaptive(self) -> bool:
@@ -275,18 +280,20 @@ class BatchPolicy:
         left before max_tokens)], ``room`` the tightest slot's context room."""
         live = {i for i, _ in slots}
         self.acc = {i: a for i, a in self.acc.items() if i in live}  # left slots' rates go
+        self.shadows = {i: sh for i, sh in self.shadows.items() if i in live}
+        self.shadow = False
         top = min(self.max_width, room)
         if top < 2:
             W = 1
         elif not self.adaptive:
             W = min(self.fixed or self.max_width, room)
-        elif self.plain_left > 0:
+        elif self.plain_left > 0 or self.shadows:  # in a plain run, or its shadow draft not yet scored
             W = 1
+            if self.plain_left == 1:  # the run's last cycle: a look at the draft, on fresh evidence
+                self.shadow = True
+                for a in self.acc.values():
+                    a.forget(0.0)
         elif self.warmup > 0:
-            W = self.best(slots, room, drafted=True)
-        elif self.probing:
-            for a in self.acc.values():
-                a.forget(0.0)
             W = self.best(slots, room, drafted=True)
         else:
             W = self.best(slots, room)
@@ -295,8 +302,8 @@ class BatchPolicy:
                 if self.plain_votes >= 2:
                     self.plain_votes = 0
                     self.plain_left = self.plain_run
-                else:
-                    W = self.best(slots, room, drafted=True)
+                    return self.plan(slots, room)
+                W = self.best(slots, room, drafted=True)
             else:
                 self.plain_votes = 0
         self.last = W
@@ -304,28 +311,46 @@ class BatchPolicy:
 
     def observe(self, slots: Sequence[Tuple[int, int, int]], seconds: float = 0.0) -> None:
         """Book the cycle just run: ``slots`` = [(request index, tokens left
-        before it, tokens it committed)], in ``seconds``."""
+        before it, tokens it committed)], in ``seconds`` (0: not timed)."""
         if not self.adaptive:
             return
         W, S = self.last, len(slots)
         if seconds > 0:
             self.costs.observed(S, W, seconds)
         if W == 1:
-            if self.plain_left > 0:
-                self.plain_left -= 1
-                self.probing = self.plain_left == 0  # the run is over: look at the draft again
+            self.plain_left = max(self.plain_left - 1, 0)
             return
         for i, _, n in slots:
             self.acceptance(i).observe(W - 1, n - 1)
         self.warmup -= 1
-        if self.probing:
-            self.probing = False
-            everyone = [(i, left) for i, left, _ in slots]
-            if self.best(everyone, self.max_width) > 1:
-                self.plain_run = self.first_plain_run
-            else:
-                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
-                self.plain_left = self.plain_run
+
+    def score_shadows(self, slots: Sequence[Tuple[int, int, List[int]]], room: int) -> None:
+        """Score the shadow drafts against what the target committed since,
+        for ``slots`` = [(request index, tokens left, its committed
+        history)]: a slot's draft counts as a drafted cycle once a miss
+        shows or all its positions are committed. When the last is scored,
+        drafting resumes if it pays, else the next plain run is twice as
+        long."""
+        if not self.shadows:
+            return
+        for i, _, history in slots:
+            if i not in self.shadows:
+                continue
+            pos, drafted = self.shadows[i]
+            got = history[pos + 1 : pos + 1 + len(drafted)]
+            a = 0
+            while a < len(got) and got[a] == drafted[a]:
+                a += 1
+            if a < len(got) or len(got) == len(drafted):
+                del self.shadows[i]
+                self.acceptance(i).observe(len(drafted), a)
+        if self.shadows or self.plain_left > 0:
+            return
+        if self.best([(i, left) for i, left, _ in slots], room) > 1:
+            self.plain_run = self.first_plain_run
+        else:
+            self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
+            self.plain_left = self.plain_run
 
     def describe(self, S: int) -> str:
         if not self.adaptive:
@@ -529,6 +554,10 @@ class BatchDecoder:
             ]
         else:
             props = [Proposal(plan) for _ in ds]
+        shadow = None
+        if plan.width == 1 and getattr(policy, "shadow", False):  # drafted, not verified: scored later
+            items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, False) for d in ds]
+            shadow = [t for t, _ in propose_slots(self.draft, items, policy.max_width)]
         t1 = time.perf_counter()
         slots = SlotBatch([d.cache for d in ds])
         if plan.tree:
@@ -543,6 +572,8 @@ class BatchDecoder:
         ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
+        for (index, d), t in zip(self.active, shadow or ()):
+            policy.shadows[index] = (d.pos, t.tolist())
         if plan.width > 1:
             slots.rollback([len(path) for path in paths], paths if plan.tree else None)
         events = []
@@ -561,7 +592,11 @@ class BatchDecoder:
                 st.finish_reason = "length"  # context full
             events.append(SlotEvent(index, out, st.finish_reason, st))
         booked = [(i, n, len(path)) for (i, n), path in zip(left, paths)]
-        policy.observe(booked, time.perf_counter() - t0)
+        policy.observe(booked, 0.0 if shadow else time.perf_counter() - t0)  # a plain cycle's time: without the draft
+        if getattr(policy, "shadows", None):
+            policy.score_shadows(
+                [(i, d.max_tokens - d.stats.generated_tokens, d.history) for i, d in self.active], room
+            )
         self.active = [(i, d) for i, d in self.active if not d.finished]
         return events
 

@@ -737,20 +737,23 @@ class Always:
     """A draft that proposes each request's known continuation, right every
     time (``right``) or wrong every time."""
 
-    def __init__(self, seqs, vocab, right=True, block_size=8):
+    def __init__(self, seqs, vocab, right=True, block_size=8, wrong_calls=0):
         self.seqs, self.vocab, self.right, self.block_size = list(seqs), vocab, right, block_size
+        self.wrong_calls = wrong_calls  # wrong in its first calls, whatever ``right`` says
         self.target_layer_ids = []
-        self.made = 0
+        self.made = self.calls = 0
 
     def make_cache(self, window=None):
         self.made += 1
         return self.seqs[(self.made - 1) % len(self.seqs)]
 
     def __call__(self, features, anchor, anchor_pos, B, seq):
+        self.calls += 1
+        right = self.right and self.calls > self.wrong_calls
         logits = np.zeros((B - 1, self.vocab), np.float32)
         for j in range(1, B):
             tok = seq[anchor_pos + j] if anchor_pos + j < len(seq) else 0
-            logits[j - 1, tok if self.right else (tok + 1) % self.vocab] = 1.0
+            logits[j - 1, tok if right else (tok + 1) % self.vocab] = 1.0
         return mx.array(logits)
 
 
@@ -826,29 +829,49 @@ def test_batch_policy_sums_slots_and_prices_the_batch():
     assert [pinned.plan(slots, room) for room in (100, 3, 1)] == [4, 3, 1]
 
 
-def test_batch_policy_plain_runs_and_probes():
+def test_batch_policy_plain_runs_and_shadow_drafts():
     """A useless draft: after the two drafted warm-up cycles and two plain
-    verdicts, plain runs of 16, 32, ... cycles, each ended by one probe; a
-    probe that pays brings drafting back at once."""
+    verdicts, plain runs of 16, 32, ... cycles; the last cycle of each also
+    drafts, unverified (a shadow), scored by the tokens the target commits
+    next. A shadow draft the target agrees with brings drafting back."""
     from mlx_dflash.batch import BatchPolicy
 
     costs = TableCosts(lambda S, W: 1.0 if W == 1 else 1.5 + 0.05 * W)
     p = BatchPolicy(8, costs)
     slots = [(0, 10**6), (1, 10**6)]
-    widths = []
-    for _ in range(80):
+    history = [[], []]
+    widths, shadows = [], []
+
+    def cycle(right):
         W = p.plan(slots, room=10**6)
         widths.append(W)
-        p.observe([(i, left, 1) for i, left in slots])  # nothing accepted
+        if p.shadow:  # as BatchDecoder._cycle: each slot's draft of the block from its anchor
+            shadows.append(len(widths) - 1)
+            for i in (0, 1):
+                p.shadows[i] = (len(history[i]) - 1, [7] * 7)
+        p.observe([(i, left, 1) for i, left in slots])  # drafts rejected: one token each
+        for h in history:
+            h.append(7 if right else 8)
+        p.score_shadows([(i, left, history[i]) for i, left in slots], room=10**6)
+
+    for h in history:
+        h.append(0)
+    for _ in range(80):
+        cycle(right=False)
     drafted = [k for k, W in enumerate(widths) if W > 1]
-    # Two warm-up cycles, one more after the first plain verdict, then one
-    # probe after 16 plain cycles and one after 32.
-    assert drafted == [0, 1, 2, 3 + 16, 3 + 16 + 1 + 32]
-    # A probe that keeps everything: drafting resumes.
-    while p.plan(slots, room=10**6) == 1:
-        p.observe([(i, left, 1) for i, left in slots])
-    p.observe([(i, left, p.last) for i, left in slots])
-    assert p.plan(slots, room=10**6) > 1 and p.plain_left == 0
+    assert drafted == [0, 1, 2]  # two warm-up cycles, one more after the first plain verdict
+    assert shadows == [3 + 15, 3 + 16 + 31]  # the last cycle of a 16- and a 32-cycle plain run
+    assert not p.shadows and p.plain_run == 64
+    # The target now agrees with the draft: the next shadow, once its 7
+    # positions are committed, brings drafting back.
+    while len(shadows) < 3:
+        cycle(right=True)
+    assert p.shadows and widths[-1] == 1
+    for _ in range(6):
+        cycle(right=True)
+        assert widths[-1] == 1
+    cycle(right=True)
+    assert not p.shadows and p.plan(slots, room=10**6) > 1
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
@@ -865,12 +888,14 @@ def test_adaptive_batch_chooses_plain_or_drafting_by_cost_and_acceptance(engines
     want = solo(engine, BATCH_PROMPTS, configs)
     seqs = [list(p) + r.tokens for p, r in zip(BATCH_PROMPTS, want)]
     V = engine.target.vocab_size
-    cheap = lambda S, W: 1.0 + 0.1 * W  # noqa: E731
+    cheap = lambda S, W: 1.0 if W == 1 else 1.0 + 0.1 * W  # noqa: E731
     dear = lambda S, W: 1.0 if W == 1 else 20.0  # noqa: E731
     for costs, right, plain in ((dear, True, True), (cheap, False, True), (cheap, True, False)):
         eng = replace(engine, draft=Always(seqs, V, right=right))
         got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=BatchPolicy(8, TableCosts(costs)))
         assert got == [r.tokens for r in want]
+        if costs is cheap and not right:  # the drafted cycles before the first plain one
+            first_plain = stats[0].tree_sizes.index(1)
         for st in stats:
             plain_cycles = st.widths.get(1, 0)
             if plain:
@@ -878,6 +903,16 @@ def test_adaptive_batch_chooses_plain_or_drafting_by_cost_and_acceptance(engines
             else:
                 assert plain_cycles == 0 and max(st.widths) == 8, st.widths
                 assert st.tau > 4
+    # Wrong until the batch turns to plain steps, right from then on: the
+    # shadow draft at the end of the first plain run brings drafting back.
+    eng = replace(engine, draft=Always(seqs, V, wrong_calls=first_plain * len(BATCH_PROMPTS)))
+    got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=BatchPolicy(8, TableCosts(cheap)))
+    assert got == [r.tokens for r in want]
+    for st in stats:
+        last_plain = max([k for k, w in enumerate(st.tree_sizes) if w == 1], default=None)
+        assert last_plain is not None, (st.tree_sizes, st.cycle_commits)
+        assert 16 <= st.widths[1] < 16 + 8 and st.cycle_commits[last_plain + 1 :], st.widths
+        assert all(n > 1 for n in st.cycle_commits[last_plain + 1 :]), st.cycle_commits
 
 
 def test_adaptive_batch_measures_its_costs_and_pins_like_solo(engines, tmp_path):
