@@ -998,3 +998,46 @@ def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
     for _ in range(65):
         costs.observed(2, 1, 1.0)
     assert costs.cycle(3, 8) == pytest.approx(3.0) and costs.measured == []
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "v2"])
+def test_shadow_drafts_with_real_drafts_keep_solo_tokens(dense, tok_dir, kind):
+    """Plain runs with shadow drafts (the draft reads its context and
+    proposes in plain cycles, unverified), then drafting again, with real
+    DFlash drafts (full context, a sliding window, DFlash 2): each request's
+    tokens are its solo run's."""
+    from mlx_dflash import Engine
+    from mlx_dflash.batch import BatchPolicy
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg, model = dense
+    target = Target(model)
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), _draft(cfg, kind).bind(target))
+    configs = adaptive_configs(30)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    # Drafting dear for the first 12 cycles (a plain run starts), then cheap:
+    # the shadow at the end of the run brings drafting back.
+    clock = {"cycles": 0}
+
+    class Turning(TableCosts):
+        def observed(self, S, W, seconds):
+            pass
+
+    def fn(S, W):
+        return 1.0 if W == 1 else (30.0 if clock["cycles"] < 12 else 1.01)
+
+    policy = BatchPolicy(8, Turning(fn))
+    plan = policy.plan
+
+    def counted(slots, room):
+        clock["cycles"] += 1
+        return plan(slots, room)
+
+    policy.plan = counted
+    got, stats, _ = run_batch(engine, BATCH_PROMPTS, configs, policy=policy)
+    assert got == [r.tokens for r in want]
+    for st in stats:
+        sizes = st.tree_sizes
+        first_plain = sizes.index(1)
+        assert sizes[first_plain : first_plain + 16] == [1] * 16, sizes
+        assert any(w > 1 for w in sizes[first_plain + 16 :]), sizes
