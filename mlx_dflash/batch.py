@@ -10,17 +10,19 @@ prefill at most, and short prompts join several at a time. Each cycle drafts for
 every active slot in one draft forward (``propose_slots``; each slot's
 context on its own), verifies all slots' chains (or, with ``tree_budget``,
 a DDTree per slot) in one :meth:`Target.forward_slots` of one width W, and
-accepts, commits and rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
-the moment it hits EOS, ``max_tokens`` or the context end.
+accepts, commits and rolls back per slot
+(:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves the moment it hits
+EOS, ``max_tokens`` or the context end.
 
 W is chosen per cycle for the whole batch by :class:`BatchPolicy`: the
 width with the most expected committed tokens, summed over the slots, per
 second of a batch cycle (:class:`BatchCosts`), W = 1 being a plain step for
-the batch; pinned, as a solo run is, by ``block_size``, ``adaptive=False``
-or the speculative rule. It is cut to the context room the tightest slot
-has left (a slot near its ``max_tokens`` verifies the full width; emit
-stops at its limit). Greedy and the equality rule give each request its solo tokens (every emitted token is the
-target's pick, and each slot's rows are its solo forward's).
+the batch; pinned, as a solo run is, by ``block_size``, ``adaptive=False``,
+``tree_budget`` or the speculative rule. It is cut to the context room the
+tightest slot has left (a slot near its ``max_tokens`` verifies the full
+width; emit stops at its limit). Greedy and the equality rule give each
+request its solo tokens (every emitted token is the target's pick, and each
+slot's rows are its solo forward's).
 """
 
 import json
