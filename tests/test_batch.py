@@ -220,6 +220,8 @@ def test_slot_rollback_refuses_bad_counts(targets):
         slots.rollback([0, 4])
     with pytest.raises(ValueError, match="kept counts for 2 slots"):
         slots.rollback([1])
+    with pytest.raises(ValueError, match="paths of"):
+        slots.rollback([2, 1], [[0], [0]])
 
 
 # --- batch_generate and the BatchDecoder ------------------------------------------

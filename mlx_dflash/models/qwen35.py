@@ -319,8 +319,9 @@ class Target:
         layers run with the slots stacked (the same W for all, so the same
         recurrence per slot). ``record``: roll back with ``batch.rollback``.
         ``parents``: a tree per slot (``parents[b]``, W nodes each, as
-        :meth:`forward` takes one; needs ``record``): the DeltaNet layers then
-        run slot by slot (their tree kernels take one topology per call)."""
+        :meth:`forward` takes one; needs ``record``; roll back along each
+        slot's path with ``batch.rollback(ns, paths)``): the DeltaNet tree
+        kernels take one tree per batch row."""
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         S, T = tokens.shape
         caches = batch.caches
@@ -350,19 +351,10 @@ class Target:
         feats, tapes = {}, {}
         for i, layer in enumerate(self.layers):
             sts = [c.layers[i] for c in caches]
-            if layer.is_linear and trees is not None:  # each slot's tree, as its solo forward runs it
-                K = layer.linear_attn.conv_kernel_size
-                hs = []
-                for b, st in enumerate(sts):
-                    out = self._step(i, "deltanet", T, record, fused, False, parents[b])(h[b : b + 1], st.conv, st.ssm)
-                    st.tape = (st.ssm, *out[3:], K)
-                    st.conv, st.ssm = out[1], out[2]
-                    hs.append(out[0])
-                h = mx.concatenate(hs, axis=0)
-            elif layer.is_linear:
+            if layer.is_linear:
                 ssm0 = mx.concatenate([st.ssm for st in sts], axis=0)
                 conv = mx.concatenate([st.conv for st in sts], axis=0)
-                out = self._step(i, "deltanet", T, record, fused, compiled)(h, conv, ssm0)
+                out = self._step(i, "deltanet", T, record, fused, compiled, parents)(h, conv, ssm0)
                 h, conv, ssm = out[:3]
                 K = layer.linear_attn.conv_kernel_size
                 for b, st in enumerate(sts):
