@@ -8,24 +8,29 @@ until ``prefill_budget`` tokens are done (at least one chunk), then one
 cycle: running slots keep streaming, a cycle delayed by about one budget's
 prefill at most, and short prompts join several at a time. Each cycle drafts for
 every active slot in one draft forward (``propose_slots``; each slot's
-context on its own), verifies all slots' chains in
-one :meth:`Target.forward_slots` of one width W, and accepts, commits and
-rolls back per slot (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves
-the moment it hits EOS, ``max_tokens`` or the context end.
+context on its own), verifies all slots' chains (or, with ``tree_budget``,
+a DDTree per slot) in one :meth:`Target.forward_slots` of one width W, and
+accepts, commits and rolls back per slot
+(:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves the moment it hits
+EOS, ``max_tokens`` or the context end.
 
-W is the block size (the request options' ``block_size``, else the
-draft's), cut to the context room the tightest slot has left (a slot near
-its ``max_tokens`` verifies the full width; emit stops at its limit); W = 1
-(no draft, or a slot one token from its context end) is a plain step for
-the batch. Greedy and the
-equality rule give each request its solo tokens (every emitted token is the
-target's pick, and each slot's rows are its solo forward's).
+W is chosen per cycle for the whole batch by :class:`BatchPolicy`: the
+width with the most expected committed tokens, summed over the slots, per
+second of a batch cycle (:class:`BatchCosts`), W = 1 being a plain step for
+the batch; pinned, as a solo run is, by ``block_size``, ``adaptive=False``,
+``tree_budget`` or the speculative rule. It is cut to the context room the
+tightest slot has left (a slot near its ``max_tokens`` verifies the full
+width; emit stops at its limit). Greedy and the equality rule give each
+request its solo tokens (every emitted token is the target's pick, and each
+slot's rows are its solo forward's).
 """
 
+import json
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Union
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -35,7 +40,8 @@ from .config import GenerationConfig
 from .decode import Decoder, GenerationStats, Hooks, Proposal, check_prompt, open_decoder
 from .errors import DFlashError
 from .models.draft import propose_slots
-from .policy import Plan
+from .policy import Acceptance, Plan, Policy, _interp, _recent_median, cost_key, default_cache_dir, machine_id
+from .sampling import Sampler
 
 
 @dataclass
@@ -49,14 +55,321 @@ class SlotEvent:
     stats: GenerationStats
 
 
+# --- the batch's width: costs of S slots at width W, and the choice ----------------
+
+
+def _pow2_brackets(S: int) -> Tuple[int, int]:
+    """The powers of two around S (measured batch sizes; others interpolated)."""
+    lo = 1 << (S.bit_length() - 1)
+    return lo, (lo if lo == S else 2 * lo)
+
+
+class BatchCosts:
+    """Seconds of one batch cycle of S slots at width W, drafting included (W =
+    1: a plain step for every slot, no draft). Measured on scratch caches
+    (``context`` tokens each) the first time a batch of S slots needs them,
+    at S = 1, 2, 4, 8, ... (a width ladder each; S between two of those is
+    interpolated linearly) and cached in ``batch-costs.json`` next to the
+    solo policy's ``costs.json``, under the same key (pair, KV format,
+    machine, mlx version). A batch cycle is not S solo cycles: the row-wise
+    work (the weights read once for all rows) is shared, attention and the
+    draft's context run per slot, so its cost is measured, not derived.
+
+    Measured costs are a prior: the median of the last 5 observed cycles at
+    an (S, W) (:meth:`observed`, each clipped to 3x the estimate) replaces
+    it; the first cycle at each (S, W) is not timed (it traces that shape's
+    compiled forwards), and times expire after ``stale_after`` cycles
+    without that shape (one timed in a stall of the machine would otherwise
+    never be chosen, so never corrected)."""
+
+    FILE = "batch-costs.json"
+    FORMAT = 1
+    stale_after = 64
+
+    def __init__(self, target, draft, *, kv_bits: Optional[int] = None, cache_dir=None, context: int = 64):
+        self.target, self.draft, self.kv_bits, self.context = target, draft, kv_bits, context
+        self.folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.tables: Dict[int, Dict[int, float]] = {}  # S -> {W: seconds}
+        self.measured: List[int] = []  # the S measured by this process (not read from the file)
+        self._key = None
+        self.seen: Dict[Tuple[int, int], List[float]] = {}  # (S, W) -> its last few cycle times
+        self.seen_at: Dict[Tuple[int, int], int] = {}  # (S, W) -> ``cycles`` at its last time
+        self.warm = set()  # (S, W) whose first, untimed cycle has run
+        self.cycles = 0
+
+    def widths(self) -> List[int]:
+        B = self.draft.block_size
+        return sorted({w for w in (1, 2, 4, 8, 16, B) if w <= B})
+
+    def cycle(self, S: int, W: int) -> float:
+        ts = self.seen.get((S, W))
+        return _recent_median(ts) if ts else self.prior(S, W)
+
+    def observed(self, S: int, W: int, seconds: float) -> None:
+        """A cycle of S slots at width W took ``seconds``."""
+        self.cycles += 1
+        for k in [k for k, at in self.seen_at.items() if self.cycles - at > self.stale_after]:
+            del self.seen[k], self.seen_at[k]
+        if (S, W) not in self.warm:
+            self.warm.add((S, W))
+            return
+        old = self.cycle(S, W)
+        self.seen[S, W] = (self.seen.get((S, W), []) + [min(max(seconds, old / 3), old * 3)])[-5:]
+        self.seen_at[S, W] = self.cycles
+
+    def prior(self, S: int, W: int) -> float:
+        """The measured cost (interpolated between measured S and W)."""
+        lo, hi = _pow2_brackets(S)
+        a, b = _interp(self.table(lo), W), _interp(self.table(hi), W)
+        return a if hi == lo else a + (b - a) * (S - lo) / (hi - lo)
+
+    def table(self, S: int) -> Dict[int, float]:
+        if S not in self.tables:
+            self.tables[S] = self._load(S)
+        return self.tables[S]
+
+    def _entry_key(self, S: int) -> str:
+        if self._key is None:
+            self._key = f"{cost_key(self.target, self.draft, self.kv_bits)}:{machine_id()}:{mx.__version__}"
+        return f"{self._key}:{self.FORMAT}:{S}"
+
+    def _load(self, S: int) -> Dict[int, float]:
+        path = self.folder / self.FILE
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        if not isinstance(entries, dict):
+            entries = {}
+        key = self._entry_key(S)
+        if key in entries:
+            return {int(w): float(t) for w, t in entries[key].items()}
+        table = self.measure(S)
+        self.measured.append(S)
+        entries[key] = table
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(dict(list(entries.items())[-64:]), indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only home: measured again next time
+        return table
+
+    def measure(self, S: int, reps: int = 3) -> Dict[int, float]:
+        """One batch cycle of S scratch slots per ladder width, as ``_cycle``
+        runs it (draft for all slots at the full block, one forward_slots,
+        the host reading the picks, the rollback to one kept token); the
+        widths take turns within each of ``reps`` rounds after a warm-up and
+        keep their fastest."""
+        target, draft = self.target, self.draft
+        V, Bmax, capture = target.vocab_size, draft.block_size, draft.target_layer_ids
+        caches, items = [], []
+        for b in range(S):
+            c = target.make_cache(kv_bits=self.kv_bits) if self.kv_bits else target.make_cache()
+            _, f = target.prefill([(7 * i + 3 + b) % V for i in range(self.context)], c, capture=capture)
+            caches.append(c)
+            items.append([f, 5, self.context, draft.make_cache(), Sampler(), False])
+        propose_slots(draft, [tuple(it) for it in items], Bmax)  # the draft reads the scratch contexts
+        for it in items:
+            it[0] = None
+        mx.eval([c.state() for c in caches])
+        slots = SlotBatch(caches)
+
+        def run(W):
+            if W > 1:
+                props = propose_slots(draft, [tuple(it) for it in items], Bmax)
+                drafted = [t[: W - 1] for t, _ in props]
+                tokens = mx.stack([mx.concatenate([mx.array([5], dtype=mx.int32), t]) for t in drafted])
+            else:
+                tokens = mx.full((S, 1), 5, dtype=mx.int32)
+            logits, f = target.forward_slots(tokens, slots, capture=capture, record=W > 1)
+            mx.argmax(logits, axis=-1).tolist()
+            if W > 1:
+                slots.rollback([1] * S)
+            for b, it in enumerate(items):  # the draft reads the kept rows at its next call
+                it[0] = f[b, :1] if W > 1 or it[0] is None else mx.concatenate([it[0], f[b, :1]])
+                it[2] += 1
+            mx.eval(slots.state())
+
+        best = {W: float("inf") for W in self.widths()}
+        for r in range(reps + 1):  # the first round warms up (traces, allocator)
+            for W in best:
+                t = time.perf_counter()
+                run(W)
+                if r:
+                    best[W] = min(best[W], time.perf_counter() - t)
+        hi, out = 0.0, {}
+        for W in sorted(best):  # a wider cycle never costs less
+            hi = out[W] = max(hi, best[W])
+        return out
+
+
+_BATCH_COSTS: Dict[tuple, BatchCosts] = {}
+
+
+def batch_costs(target, draft, kv_bits: Optional[int] = None) -> BatchCosts:
+    """The pair's :class:`BatchCosts`, one per process (tables filled as batch sizes come)."""
+    key = (id(target), id(draft), kv_bits, getattr(target, "compiled", False), getattr(draft, "compiled", False))
+    if key not in _BATCH_COSTS:
+        _BATCH_COSTS[key] = BatchCosts(target, draft, kv_bits=kv_bits)
+    return _BATCH_COSTS[key]
+
+
+class BatchPolicy:
+    """Each cycle's width W for the whole batch: the one with the most
+    expected committed tokens summed over the slots per second of the batch
+    cycle, ``sum_b E_b(min(W, left_b)) / T(S, W)``, W = 1 (a plain step for
+    every slot, S tokens) or a drafted width of the solo ladder. ``E_b`` is
+    slot b's expected chain tokens from its own :class:`Acceptance` (a
+    request's rates stay its own whoever shares the batch); ``left_b`` its
+    tokens before ``max_tokens`` (rows past it are verified and not
+    emitted, so they earn nothing). ``T(S, W)``: ``costs.cycle(S, W)``
+    (:class:`BatchCosts`, told each cycle's time by ``costs.observed``).
+
+    As the solo policy: two drafted warm-up cycles, two plain verdicts in a
+    row before a plain run of 16, 32, ... up to 256 plain cycles. Where the
+    solo policy then probes with a drafted cycle, the batch's last plain
+    cycle of a run also drafts (``shadow``), unverified: the target's next
+    plain tokens score each slot's draft (its old counts dropped first), so
+    a look at a useless draft costs a draft forward, not a wide verify. If
+    drafting then pays, it resumes; else the next run is twice as long.
+    ``costs`` None: pinned at ``fixed`` (else the block)."""
+
+    first_plain_run = 16
+    longest_plain_run = 256
+
+    def __init__(self, max_width: int, costs=None, *, fixed: Optional[int] = None):
+        self.max_width, self.costs, self.fixed = max_width, costs, fixed
+        self.acc: Dict[int, Acceptance] = {}  # request index -> its acceptance
+        self.warmup = 2
+        self.plain_left = 0
+        self.plain_run = self.first_plain_run
+        self.plain_votes = 0
+        self.last = 1  # the width of the cycle being booked
+        self.shadow = False  # the plain cycle planned also drafts (see score_shadows)
+        self.shadows: Dict[int, Tuple[int, List[int]]] = {}  # request index -> (anchor position, drafted tokens)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.costs is not None
+
+    def acceptance(self, index: int) -> Acceptance:
+        if index not in self.acc:
+            self.acc[index] = Acceptance(self.max_width)
+        return self.acc[index]
+
+    def cost(self, S: int, W: int) -> float:
+        return self.costs.cycle(S, W)
+
+    def rate(self, slots: Sequence[Tuple[int, int]], W: int) -> float:
+        """Expected committed tokens per second of a width-W cycle for
+        ``slots`` = [(request index, tokens left)]."""
+        e = sum(self.acceptance(i).expected(max(min(W, left), 1)) for i, left in slots)
+        return e / self.cost(len(slots), W)
+
+    def best(self, slots: Sequence[Tuple[int, int]], room: int, drafted: bool = False) -> int:
+        ladder = Policy(self.max_width).ladder(room)
+        best, rate = 1, (0.0 if drafted else self.rate(slots, 1))
+        for W in ladder:
+            r = self.rate(slots, W)
+            if r > rate:
+                best, rate = W, r
+        return best
+
+    def plan(self, slots: Sequence[Tuple[int, int]], room: int) -> int:
+        """The next cycle's width for ``slots`` = [(request index, tokens
+        left before max_tokens)], ``room`` the tightest slot's context room."""
+        live = {i for i, _ in slots}
+        self.acc = {i: a for i, a in self.acc.items() if i in live}  # left slots' rates go
+        self.shadows = {i: sh for i, sh in self.shadows.items() if i in live}
+        self.shadow = False
+        top = min(self.max_width, room)
+        if top < 2:
+            W = 1
+        elif not self.adaptive:
+            W = min(self.fixed or self.max_width, room)
+        elif self.plain_left > 0 or self.shadows:  # in a plain run, or its shadow draft not yet scored
+            W = 1
+            if self.plain_left == 1:  # the run's last cycle: a look at the draft, on fresh evidence
+                self.shadow = True
+                for a in self.acc.values():
+                    a.forget(0.0)
+        elif self.warmup > 0:
+            W = self.best(slots, room, drafted=True)
+        else:
+            W = self.best(slots, room)
+            if W == 1:
+                self.plain_votes += 1
+                if self.plain_votes >= 2:
+                    self.plain_votes = 0
+                    self.plain_left = self.plain_run
+                    return self.plan(slots, room)
+                W = self.best(slots, room, drafted=True)
+            else:
+                self.plain_votes = 0
+        self.last = W
+        return W
+
+    def observe(self, slots: Sequence[Tuple[int, int, int]], seconds: float = 0.0) -> None:
+        """Book the cycle just run: ``slots`` = [(request index, tokens left
+        before it, tokens it committed)], in ``seconds`` (0: not timed)."""
+        if not self.adaptive:
+            return
+        W, S = self.last, len(slots)
+        if seconds > 0:
+            self.costs.observed(S, W, seconds)
+        if W == 1:
+            self.plain_left = max(self.plain_left - 1, 0)
+            return
+        for i, _, n in slots:
+            self.acceptance(i).observe(W - 1, n - 1)
+        self.warmup -= 1
+
+    def score_shadows(self, slots: Sequence[Tuple[int, int, List[int]]], room: int) -> None:
+        """Score the shadow drafts against what the target committed since,
+        for ``slots`` = [(request index, tokens left, its committed
+        history)]: a slot's draft counts as a drafted cycle once a miss
+        shows or all its positions are committed. When the last is scored,
+        drafting resumes if it pays, else the next plain run is twice as
+        long."""
+        if not self.shadows:
+            return
+        for i, _, history in slots:
+            if i not in self.shadows:
+                continue
+            pos, drafted = self.shadows[i]
+            got = history[pos + 1 : pos + 1 + len(drafted)]
+            a = 0
+            while a < len(got) and got[a] == drafted[a]:
+                a += 1
+            if a < len(got) or len(got) == len(drafted):
+                del self.shadows[i]
+                self.acceptance(i).observe(len(drafted), a)
+        if self.shadows or self.plain_left > 0:
+            return
+        if self.best([(i, left) for i, left, _ in slots], room) > 1:
+            self.plain_run = self.first_plain_run
+        else:
+            self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
+            self.plain_left = self.plain_run
+
+    def describe(self, S: int) -> str:
+        if not self.adaptive:
+            return f"batch of up to {S}, pinned (chain of {self.fixed or self.max_width})"
+        return f"batch of up to {S}, adaptive (sum over slots of expected tokens per second of the batch cycle)"
+
+
 class BatchDecoder:
     """Requests decoded together in slots (see the module's docstring).
 
     ``add`` queues a request (``config`` and keyword options as
     :func:`mlx_dflash.generate` takes them; the options that shape the
-    batch's verify, ``block_size`` and ``baseline``, must be the same for
-    all); ``step`` admits queued requests while slots are free, then runs
+    batch's verify, ``block_size``, ``baseline``, ``adaptive`` and
+    ``tree_budget``, must be the same for all); ``step`` admits queued requests while slots are free, then runs
     one cycle for the active slots, and returns what each request committed.
+    ``policy``: the batch's widths (a :class:`BatchPolicy`; default: made at
+    the first cycle from the requests' options).
     """
 
     def __init__(
@@ -68,6 +381,7 @@ class BatchDecoder:
         eos_token_ids: Sequence[int] = (),
         prefix_cache=None,
         prefill_budget: int = 512,
+        policy: Optional[BatchPolicy] = None,
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
@@ -83,7 +397,8 @@ class BatchDecoder:
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
-        self.shape = None  # (block_size, baseline) shared by every request
+        self.shape = None  # (block_size, baseline, adaptive, tree_budget) shared by every request
+        self.policy = policy  # the batch's widths (None: made at the first cycle, see _width_policy)
         mx.reset_peak_memory()  # each request's stats.peak_memory: the batch's
 
     @property
@@ -105,12 +420,17 @@ class BatchDecoder:
         if self.done:
             self.shape = None  # a drained batch takes any shape
         c.validate(None if c.baseline else self.draft)
-        if c.tree_budget or c.auto_tree:
-            raise DFlashError("batched decoding verifies chains: --tree-budget and --auto-tree are not supported")
+        if c.auto_tree:
+            raise DFlashError(
+                "batched decoding does not choose trees: --auto-tree is not supported (the batch's width "
+                "policy prices chains; --tree-budget pins a tree per slot)"
+            )
         check_prompt(self.target, list(prompt), c)
-        shape = (c.block_size, c.baseline)
+        shape = (c.block_size, c.baseline, c.adaptive, c.tree_budget)
         if self.shape is not None and shape != self.shape:
-            raise DFlashError("every request of a batch needs the same block_size and baseline options")
+            raise DFlashError(
+                "every request of a batch needs the same block_size, baseline, adaptive and tree_budget options"
+            )
         self.shape = shape
         index = self.count
         self.count += 1
@@ -188,33 +508,84 @@ class BatchDecoder:
             self._leave(d)
         return SlotEvent(index, out, d.stats.finish_reason, d.stats)
 
+    def _width_policy(self, ds: List[Decoder]) -> BatchPolicy:
+        """The batch's width policy, made at its first cycle: pinned where a
+        solo run would be (``block_size`` given, ``adaptive=False``, a
+        ``tree_budget``), else adaptive on the pair's measured batch costs;
+        the draft's block for cycles while a slot samples with the
+        speculative rule (its text depends on the drafted widths)."""
+        if self.policy is None:
+            block_size, baseline, adaptive, tree_budget = self.shape
+            if baseline or self.draft is None:
+                self.policy = BatchPolicy(1)
+                return self.policy
+            pinned = block_size is not None or not adaptive or tree_budget > 0 or any(d.spec for d in ds)
+            costs = None if pinned else batch_costs(self.target, self.draft, ds[0].cache.kv_bits)
+            self.policy = BatchPolicy(self.draft.block_size, costs, fixed=block_size)
+        if self.policy.adaptive and any(d.spec for d in ds):
+            return BatchPolicy(self.policy.max_width)  # the adaptive one resumes once they leave
+        return self.policy
+
     def _cycle(self) -> List[SlotEvent]:
         ds: List[Decoder] = [d for _, d in self.active]
+        policy = self._width_policy(ds)
         # A slot's context end bounds every slot's width; its max_tokens does
         # not: rows past it are verified and not emitted (emit stops there).
-        W = min([ds[0].stats.block_size] + [d.max_context - d.pos for d in ds])
-        plan = Plan(max(W, 1))
+        room = min(d.max_context - d.pos for d in ds)
+        left = [(i, d.max_tokens - d.stats.generated_tokens) for i, d in self.active]
+        W = policy.plan(left, room) if ds[0].draft is not None else 1  # baseline: plain steps
+        # Adaptive widths verify the first W of the full block (as solo: a
+        # shorter DFlash block proposes other tokens); pinned ones draft W.
+        plan = Plan(max(W, 1), block=policy.max_width if policy.adaptive else 0)
+        tree_budget = self.shape[3]
+        if tree_budget and W > 1:  # a tree per slot, of the same node count, drafted from a block of W
+            plan = Plan(tree_budget + 1, tree=True, block=W)
         t0 = time.perf_counter()
-        if plan.width > 1:
+        parents = None
+        if plan.tree:
+            props = [d.propose(plan) for d in ds]  # each slot's draft logits, its own tree
+            parents = [p.tree.parents for p in props]
+            if len({len(p) for p in parents}) > 1:
+                raise RuntimeError(f"trees of {sorted({len(p) for p in parents})} nodes in one batch")
+        elif plan.width > 1:
+            B = max(plan.block, plan.width)
             items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, d.spec) for d in ds]
-            props = [Proposal(plan, drafted=t, q=q) for t, q in propose_slots(self.draft, items, plan.width)]
+            props = [
+                Proposal(plan, drafted=t[: plan.width - 1], q=None if q is None else q[: plan.width - 1])
+                for t, q in propose_slots(self.draft, items, B)
+            ]
         else:
             props = [Proposal(plan) for _ in ds]
+        shadow = None
+        if plan.width == 1 and getattr(policy, "shadow", False):  # drafted, not verified: scored later
+            items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, False) for d in ds]
+            shadow = [t for t, _ in propose_slots(self.draft, items, policy.max_width)]
         t1 = time.perf_counter()
         slots = SlotBatch([d.cache for d in ds])
-        tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
-        logits, feats = self.target.forward_slots(tokens, slots, capture=ds[0].capture, record=plan.width > 1)
+        if plan.tree:
+            tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+        else:
+            tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
+        logits, feats = self.target.forward_slots(
+            tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
+        )
         verified = [
             d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
         ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
+        for (index, d), t in zip(self.active, shadow or ()):
+            policy.shadows[index] = (d.pos, t.tolist())
         if plan.width > 1:
-            slots.rollback([len(path) for path in paths])
+            slots.rollback([len(path) for path in paths], paths if plan.tree else None)
         events = []
+        desc = policy.describe(self.max_batch) if ds[0].draft is not None else "batch, plain"
+        if tree_budget and ds[0].draft is not None:
+            desc = f"batch of up to {self.max_batch}, pinned (tree of {tree_budget} per slot)"
         for (index, d), p, v, path in zip(self.active, props, verified, paths):
             out = d.commit(p, v, path, rolled_back=True)
             st = d.stats
+            st.policy = desc
             st.draft_time += t1 - t0  # the batch's draft, verify and rollback time
             st.verify_time += t2 - t1
             st.rollback_time += time.perf_counter() - t2
@@ -222,6 +593,12 @@ class BatchDecoder:
             if not d.finished and d.room() < 1:
                 st.finish_reason = "length"  # context full
             events.append(SlotEvent(index, out, st.finish_reason, st))
+        booked = [(i, n, len(path)) for (i, n), path in zip(left, paths)]
+        policy.observe(booked, 0.0 if shadow else time.perf_counter() - t0)  # a plain cycle's time: without the draft
+        if getattr(policy, "shadows", None):
+            policy.score_shadows(
+                [(i, d.max_tokens - d.stats.generated_tokens, d.history) for i, d in self.active], room
+            )
         self.active = [(i, d) for i, d in self.active if not d.finished]
         return events
 
@@ -249,9 +626,9 @@ def batch_generate(
     snapshotted into it when it leaves.
 
     Greedy, and sampling with ``accept_rule="equality"``, give each request
-    the tokens :func:`mlx_dflash.generate` gives it alone. Chains only (no
-    ``tree_budget``); the verify width is ``block_size`` (default: the
-    draft's) for the whole batch, not the adaptive policy's choice.
+    the tokens :func:`mlx_dflash.generate` gives it alone. One verify width
+    per cycle for the whole batch (:class:`BatchPolicy`), pinned by
+    ``block_size``; ``tree_budget``: a DDTree per slot (no ``auto_tree``).
     """
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")

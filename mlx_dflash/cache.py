@@ -473,9 +473,11 @@ class SlotBatch:
         for c in self.caches:
             c.block = block
 
-    def rollback(self, ns: Sequence[int]) -> None:
+    def rollback(self, ns: Sequence[int], paths: Optional[Sequence[Sequence[int]]] = None) -> None:
         """After a recorded :meth:`Target.forward_slots`, slot b keeps the
-        first ``ns[b]`` tokens of its block (chain)."""
+        first ``ns[b]`` tokens of its block (chain), or with ``paths`` (a
+        tree per slot) the block rows on ``paths[b]`` (root first, ``ns[b]``
+        of them; its KV compacted), each as its solo rollback."""
         ns = [int(n) for n in ns]
         if self.block == 0:
             raise RuntimeError("rollback without a recorded block")
@@ -483,16 +485,24 @@ class SlotBatch:
             raise ValueError(f"{len(ns)} kept counts for {len(self.caches)} slots")
         if not all(1 <= n <= self.block for n in ns):
             raise ValueError(f"kept counts {ns} outside 1..{self.block}")
+        if paths is not None:
+            paths = [[int(t) for t in p] for p in paths]
+            if len(paths) != len(ns) or any(len(p) != n for p, n in zip(paths, ns)):
+                raise ValueError(f"paths of {[len(p) for p in paths]} rows for kept counts {ns}")
         starts = [c.offset - self.block for c in self.caches]
         for i in range(len(self.caches[0].layers)):
             tape = self.tapes.get(i)
-            if tape is None:  # attention: each slot truncates its own KV
-                for c, start, n in zip(self.caches, starts, ns):
-                    c.layers[i].rollback(start, n)
+            if tape is None:  # attention: each slot truncates (a tree: compacts) its own KV
+                for b, (c, start, n) in enumerate(zip(self.caches, starts, ns)):
+                    c.layers[i].rollback(start, n, None if paths is None else paths[b])
                 continue
             ssm0, k, g, delta, conv_in, K, final = tape
-            ssm = gated_delta_rollback_slots(ssm0, k, g, delta, final, ns, stepwise=row_exact(k.dtype))
-            conv = conv_state_rollback_slots(conv_in, ns, K)
+            ssm = gated_delta_rollback_slots(ssm0, k, g, delta, final, ns, stepwise=row_exact(k.dtype), paths=paths)
+            if paths is None:
+                conv = conv_state_rollback_slots(conv_in, ns, K)
+            else:  # the last K-1 rows of the conv state followed by the path's rows
+                idx = [(list(range(K - 1)) + [K - 1 + t for t in p])[-(K - 1) :] for p in paths]
+                conv = mx.take_along_axis(conv_in, mx.array(idx, dtype=mx.int32)[:, :, None], axis=1)
             for b, c in enumerate(self.caches):
                 st = c.layers[i]
                 st.ssm, st.conv, st.tape = ssm[b : b + 1], conv[b : b + 1], None

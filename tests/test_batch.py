@@ -107,6 +107,52 @@ def test_slot_rollback_equals_solo_rollback(targets, model):
             assert same(logits[b], target.forward(nxt[b], c, record=True)[0])
 
 
+def random_trees(S, T, seed):
+    """S random trees of T nodes (root first, each node's parent before it)
+    and in each a random root path."""
+    from mlx_dflash.ddtree import path_rows
+
+    rng = np.random.default_rng(seed)
+    parents = [[-1] + [int(rng.integers(0, t)) for t in range(1, T)] for _ in range(S)]
+    paths = [path_rows(p, int(rng.integers(0, T))) for p in parents]
+    return parents, paths
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_tree_per_slot_forward_and_rollback_equal_solo(targets, model):
+    """A tree per slot (each its own topology, the same node count): logits,
+    features, caches after the rollback along each slot's accepted path, and
+    the next block, equal each slot's solo tree verify, bit for bit."""
+    from mlx_dflash.ddtree import path_rows
+
+    target = targets[model]
+    T = 7
+    parents, paths = random_trees(len(PROMPTS), T, seed=3)
+    parents[1] = [-1, 0, 1, 2, 3, 4, 5]  # a chain-shaped tree among them
+    paths[1] = path_rows(parents[1], 6)
+    assert len({tuple(p) for p in parents}) == len(PROMPTS)
+    solo = prefilled(target, PROMPTS)
+    slots = SlotBatch(prefilled(target, PROMPTS))
+    tokens = block_tokens(len(PROMPTS), T, seed=11)
+    logits, feats = target.forward_slots(tokens, slots, capture=CAPTURE, record=True, parents=parents)
+    slots.rollback([len(p) for p in paths], paths)
+    for b, c in enumerate(solo):
+        lg, f = target.forward(tokens[b], c, capture=CAPTURE, record=True, parents=parents[b])
+        assert same(logits[b], lg), b
+        assert same(feats[b], f), b
+        c.rollback(len(paths[b]), path=paths[b])
+        assert_same_state(slots.caches[b], c)
+        assert slots.caches[b].block == 0
+    nxt = block_tokens(len(PROMPTS), 3, seed=2)
+    logits, _ = target.forward_slots(nxt, slots, record=True)
+    for b, c in enumerate(solo):
+        assert same(logits[b], target.forward(nxt[b], c, record=True)[0])
+    with pytest.raises(ValueError, match="recorded"):
+        target.forward_slots(tokens, slots, parents=parents)
+    with pytest.raises(ValueError, match="parent lists"):
+        target.forward_slots(tokens, slots, record=True, parents=parents[:2])
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
 def test_rolling_back_one_slot_leaves_the_others_untouched(targets, dtype):
     target = targets["dense", dtype]
@@ -174,6 +220,8 @@ def test_slot_rollback_refuses_bad_counts(targets):
         slots.rollback([0, 4])
     with pytest.raises(ValueError, match="kept counts for 2 slots"):
         slots.rollback([1])
+    with pytest.raises(ValueError, match="paths of"):
+        slots.rollback([2, 1], [[0], [0]])
 
 
 # --- batch_generate and the BatchDecoder ------------------------------------------
@@ -367,8 +415,10 @@ def test_bad_batch_input(engines):
     for bad in (0, -2):
         with pytest.raises(DFlashError, match="max_batch"):
             mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
-    with pytest.raises(DFlashError, match="tree-budget"):
-        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, tree_budget=4)
+    with pytest.raises(DFlashError, match="auto-tree.*prices chains"):  # the reason is stated
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS, auto_tree=6)
+    with pytest.raises(DFlashError, match="same block_size, baseline, adaptive and tree_budget"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=[None, configs_for()[0].update(tree_budget=3)])
     with pytest.raises(DFlashError, match="same block_size"):
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
     with pytest.raises(DFlashError, match="configs for"):
@@ -642,3 +692,354 @@ def test_speculative_rule_through_the_batch_with_a_real_draft(tok_dir):
     kept = sum(r.stats.cycle_commits[0] > 1 for r in got)
     assert n // 10 < kept < n - n // 10, kept  # both branches of the rule ran
     assert not chi2_fails(counts, joint, n)[0], chi2_fails(counts, joint, n)
+
+
+# --- the batch's width policy --------------------------------------------------------
+
+
+class ScriptedWidths:
+    """A batch width policy that plays a fixed cycle of widths (cut to the
+    room), to switch widths under the batch at every cycle."""
+
+    adaptive = False
+
+    def __init__(self, widths, max_width=8):
+        self.widths, self.max_width, self.fixed, self.k = list(widths), max_width, None, 0
+        self.played = []
+
+    def plan(self, slots, room):
+        W = min(self.widths[self.k % len(self.widths)], room)
+        self.k += 1
+        self.played.append(W)
+        return W
+
+    def observe(self, slots, seconds=0.0):
+        pass
+
+    def describe(self, S):
+        return "scripted"
+
+
+class TableCosts:
+    """An injected batch cost model: seconds of a cycle of S slots at width W."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.asked = set()
+
+    def cycle(self, S, W):
+        self.asked.add((S, W))
+        return self.fn(S, W)
+
+    def observed(self, S, W, seconds):
+        pass  # fixed: the test's costs, not this machine's
+
+
+class Always:
+    """A draft that proposes each request's known continuation, right every
+    time (``right``) or wrong every time."""
+
+    def __init__(self, seqs, vocab, right=True, block_size=8, wrong_calls=0):
+        self.seqs, self.vocab, self.right, self.block_size = list(seqs), vocab, right, block_size
+        self.wrong_calls = wrong_calls  # wrong in its first calls, whatever ``right`` says
+        self.target_layer_ids = []
+        self.made = self.calls = 0
+
+    def make_cache(self, window=None):
+        self.made += 1
+        return self.seqs[(self.made - 1) % len(self.seqs)]
+
+    def __call__(self, features, anchor, anchor_pos, B, seq):
+        self.calls += 1
+        right = self.right and self.calls > self.wrong_calls
+        logits = np.zeros((B - 1, self.vocab), np.float32)
+        for j in range(1, B):
+            tok = seq[anchor_pos + j] if anchor_pos + j < len(seq) else 0
+            logits[j - 1, tok if right else (tok + 1) % self.vocab] = 1.0
+        return mx.array(logits)
+
+
+def run_batch(engine, prompts, configs, policy=None, max_batch=4):
+    """Each request's (tokens, stats) through a BatchDecoder."""
+    from mlx_dflash import BatchDecoder
+
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=max_batch, eos_token_ids=engine.tokenizer.eos_token_ids, policy=policy
+    )
+    for p, c in zip(prompts, configs):
+        batch.add(p, c)
+    out, stats = [[] for _ in prompts], [None] * len(prompts)
+    while not batch.done:
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+            stats[ev.index] = ev.stats
+    return out, stats, batch
+
+
+def adaptive_configs(n=40, **kw):
+    from mlx_dflash import GenerationConfig
+
+    return [GenerationConfig(max_tokens=n + 5 * i, **kw) for i in range(len(BATCH_PROMPTS))]
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_width_switches_every_cycle_keep_solo_tokens(engines, which):
+    """Widths 1 (a plain step for the batch), 3, 8, 2, 5 in turn under the
+    same slots, with a real draft and with one right a random part of each
+    block, greedy and seeded sampling (equality rule): each request's
+    tokens are its solo run's."""
+    engine = engines[which]
+    for kw in ({}, dict(temperature=0.8, top_p=0.9, accept_rule="equality")):
+        configs = [c.update(seed=50 + i) for i, c in enumerate(adaptive_configs(20, **kw))]
+        want = solo(engine, BATCH_PROMPTS, configs)
+        for eng in (engine, scripted(engine, BATCH_PROMPTS, want, seed=7)):
+            policy = ScriptedWidths([1, 3, 8, 2, 1, 1, 5])
+            got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=policy, max_batch=3)
+            assert got == [r.tokens for r in want]
+            assert {1, 2, 3, 5, 8} <= set(policy.played)
+            assert all({1, 3, 8} <= set(st.widths) for st in stats)
+
+
+def test_batch_policy_sums_slots_and_prices_the_batch():
+    """The choice is the batch's: slot rates summed over the batch cycle's
+    cost. One slot whose draft is always right and three whose drafts never
+    are: alone that slot would draft, the batch steps plainly; tokens past a
+    slot's max_tokens earn nothing; pinned widths ignore costs."""
+    from mlx_dflash.batch import BatchPolicy
+
+    costs = TableCosts(lambda S, W: 1.0 if W == 1 else 1.0 + 0.5 * S * (W - 1) / 7)
+    good = BatchPolicy(8, costs)
+    for _ in range(12):
+        good.acceptance(0).observe(7, 7)
+        for i in (1, 2, 3):
+            good.acceptance(i).observe(7, 0)
+    good.warmup = 0
+    assert good.best([(0, 100)], room=100) == 8  # alone, it drafts the full block
+    slots = [(0, 100), (1, 100), (2, 100), (3, 100)]
+    assert good.best(slots, room=100) == 1  # the batch does not pay for it
+    assert good.rate(slots, 1) == pytest.approx(4.0)
+    assert good.rate(slots, 8) < 4.0
+    assert (4, 8) in costs.asked and (1, 8) in costs.asked
+    # All four right: the batch drafts, as wide as pays.
+    for i in (1, 2, 3):
+        good.acc[i] = good.acceptance(0)
+    assert good.best(slots, room=100) == 8
+    assert good.best(slots, room=5) == 5  # the tightest context room caps it
+    # Every slot one token from its max_tokens: drafted rows would not be emitted.
+    assert good.best([(i, 1) for i in range(4)], room=100) == 1
+    pinned = BatchPolicy(8, None, fixed=4)
+    assert [pinned.plan(slots, room) for room in (100, 3, 1)] == [4, 3, 1]
+
+
+def test_batch_policy_plain_runs_and_shadow_drafts():
+    """A useless draft: after the two drafted warm-up cycles and two plain
+    verdicts, plain runs of 16, 32, ... cycles; the last cycle of each also
+    drafts, unverified (a shadow), scored by the tokens the target commits
+    next. A shadow draft the target agrees with brings drafting back."""
+    from mlx_dflash.batch import BatchPolicy
+
+    costs = TableCosts(lambda S, W: 1.0 if W == 1 else 1.5 + 0.05 * W)
+    p = BatchPolicy(8, costs)
+    slots = [(0, 10**6), (1, 10**6)]
+    history = [[], []]
+    widths, shadows = [], []
+
+    def cycle(right):
+        W = p.plan(slots, room=10**6)
+        widths.append(W)
+        if p.shadow:  # as BatchDecoder._cycle: each slot's draft of the block from its anchor
+            shadows.append(len(widths) - 1)
+            for i in (0, 1):
+                p.shadows[i] = (len(history[i]) - 1, [7] * 7)
+        p.observe([(i, left, 1) for i, left in slots])  # drafts rejected: one token each
+        for h in history:
+            h.append(7 if right else 8)
+        p.score_shadows([(i, left, history[i]) for i, left in slots], room=10**6)
+
+    for h in history:
+        h.append(0)
+    for _ in range(80):
+        cycle(right=False)
+    drafted = [k for k, W in enumerate(widths) if W > 1]
+    assert drafted == [0, 1, 2]  # two warm-up cycles, one more after the first plain verdict
+    assert shadows == [3 + 15, 3 + 16 + 31]  # the last cycle of a 16- and a 32-cycle plain run
+    assert not p.shadows and p.plain_run == 64
+    # The target now agrees with the draft: the next shadow, once its 7
+    # positions are committed, brings drafting back.
+    while len(shadows) < 3:
+        cycle(right=True)
+    assert p.shadows and widths[-1] == 1
+    for _ in range(6):
+        cycle(right=True)
+        assert widths[-1] == 1
+    cycle(right=True)
+    assert not p.shadows and p.plan(slots, room=10**6) > 1
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_adaptive_batch_chooses_plain_or_drafting_by_cost_and_acceptance(engines, which):
+    """With injected costs (no timings): drafting dear or the draft always
+    wrong -> mostly plain steps for the batch; drafting cheap and the draft
+    always right -> full blocks. Tokens are the solo ones every time."""
+    from dataclasses import replace
+
+    from mlx_dflash.batch import BatchPolicy
+
+    engine = engines[which]
+    configs = adaptive_configs(40)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    seqs = [list(p) + r.tokens for p, r in zip(BATCH_PROMPTS, want)]
+    V = engine.target.vocab_size
+    cheap = lambda S, W: 1.0 if W == 1 else 1.0 + 0.1 * W  # noqa: E731
+    dear = lambda S, W: 1.0 if W == 1 else 20.0  # noqa: E731
+    for costs, right, plain in ((dear, True, True), (cheap, False, True), (cheap, True, False)):
+        eng = replace(engine, draft=Always(seqs, V, right=right))
+        got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=BatchPolicy(8, TableCosts(costs)))
+        assert got == [r.tokens for r in want]
+        if costs is cheap and not right:  # the drafted cycles before the first plain one
+            first_plain = stats[0].tree_sizes.index(1)
+        for st in stats:
+            plain_cycles = st.widths.get(1, 0)
+            if plain:
+                assert plain_cycles > sum(n for w, n in st.widths.items() if w > 1), st.widths
+            else:
+                assert plain_cycles == 0 and max(st.widths) == 8, st.widths
+                assert st.tau > 4
+    # Wrong until the batch turns to plain steps, right from then on: the
+    # shadow draft at the end of the first plain run brings drafting back.
+    eng = replace(engine, draft=Always(seqs, V, wrong_calls=first_plain * len(BATCH_PROMPTS)))
+    got, stats, _ = run_batch(eng, BATCH_PROMPTS, configs, policy=BatchPolicy(8, TableCosts(cheap)))
+    assert got == [r.tokens for r in want]
+    for st in stats:
+        last_plain = max([k for k, w in enumerate(st.tree_sizes) if w == 1], default=None)
+        assert last_plain is not None, (st.tree_sizes, st.cycle_commits)
+        assert 16 <= st.widths[1] < 16 + 8 and st.cycle_commits[last_plain + 1 :], st.widths
+        assert all(n > 1 for n in st.cycle_commits[last_plain + 1 :]), st.cycle_commits
+
+
+def test_adaptive_batch_measures_its_costs_and_pins_like_solo(engines, tmp_path):
+    """Without block_size the batch is adaptive on measured batch costs
+    (S slots at each ladder width, cached on disk per S, between batch sizes
+    interpolated); block_size, adaptive=False or the speculative rule pin
+    the width as a solo run does."""
+    from mlx_dflash.batch import BatchCosts
+
+    engine = engines["dense"]
+    costs = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    t2, t4 = costs.table(2), costs.table(4)
+    assert costs.measured == [2, 4] and sorted(t2) == [1, 2, 4, 8]
+    assert all(t > 0 for t in t2.values()) and list(t2.values()) == sorted(t2.values())
+    assert costs.cycle(3, 8) == pytest.approx((t2[8] + t4[8]) / 2)
+    again = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    assert again.table(4) == t4 and again.measured == []  # read back, not measured
+    assert costs.cycle(2, 3) == pytest.approx((t2[2] + t2[4]) / 2)
+
+    configs = adaptive_configs(16)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    got, stats, batch = run_batch(engine, BATCH_PROMPTS, configs)
+    assert got == [r.tokens for r in want]
+    assert batch.policy.adaptive and "adaptive" in stats[0].policy
+    eng = scripted(engine, BATCH_PROMPTS, want, seed=3)
+    for kw in (dict(block_size=4), dict(adaptive=False)):
+        cfgs = [c.update(**kw) for c in configs]
+        got, stats, batch = run_batch(eng, BATCH_PROMPTS, cfgs)
+        assert got == [r.tokens for r in want]
+        assert not batch.policy.adaptive and "pinned" in stats[0].policy
+        assert all(set(st.widths) <= {kw.get("block_size", 8)} for st in stats), [st.widths for st in stats]
+    spec = [c.update(temperature=0.8, seed=i) for i, c in enumerate(configs)]  # the speculative rule
+    _, stats, batch = run_batch(engine, BATCH_PROMPTS, spec)
+    assert all(set(st.widths) <= {8} and "pinned" in st.policy for st in stats)
+    with pytest.raises(DFlashError, match="adaptive"):
+        run_batch(engine, BATCH_PROMPTS[:2], [configs[0], configs[1].update(adaptive=False)])
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batch_tree_per_slot_equals_solo_tree(engines, which):
+    """tree_budget: a DDTree per slot each cycle (built from its own draft
+    logits), verified in one forward and rolled back along each slot's own
+    path: greedy and seeded sampling (equality rule) give each request its
+    solo tree run's tokens, with the real draft and a scripted one right a
+    random part of each block; after every step each slot's cache equals a
+    plain forward over its tokens."""
+    from support.reference import assert_cache_is_plain_forward
+
+    engine = engines[which]
+    for kw in ({}, dict(temperature=0.8, top_k=20, accept_rule="equality")):
+        configs = [c.update(tree_budget=5, seed=70 + i, **kw) for i, c in enumerate(configs_for())]
+        want = solo(engine, BATCH_PROMPTS, configs)
+        for eng in (engine, scripted(engine, BATCH_PROMPTS, want, seed=9)):
+            got, stats, batch = run_batch(eng, BATCH_PROMPTS, configs, max_batch=3)
+            assert got == [r.tokens for r in want]
+            assert all(set(st.widths) == {6} for st in stats) and "tree of 5" in stats[0].policy
+    batch = run_batch(eng, BATCH_PROMPTS[:0], [])[2]  # a fresh decoder, stepped by hand below
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    while not batch.done:
+        batch.step()
+        for _, d in batch.active:
+            assert_cache_is_plain_forward(eng.target, d.cache, d.history[:-1])
+
+
+def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
+    """Observed cycle times replace the measured prior per (S, W): the first
+    at each shape untimed (it traces), then the median of the last 5, each
+    clipped to 3x the estimate; a shape unseen for 64 cycles goes back to
+    the prior."""
+    from mlx_dflash.batch import BatchCosts
+
+    engine = engines["dense"]
+    costs = BatchCosts(engine.target, engine.draft, cache_dir=tmp_path)
+    costs.tables = {2: {1: 1.0, 8: 2.0}, 4: {1: 2.0, 8: 4.0}}  # a prior, not measured here
+    assert costs.cycle(3, 8) == pytest.approx(3.0)
+    costs.observed(3, 8, 0.5)  # the first at (3, 8): tracing, not counted
+    assert costs.cycle(3, 8) == pytest.approx(3.0)
+    for t in (2.0, 2.2, 100.0):
+        costs.observed(3, 8, t)
+    assert costs.seen[3, 8] == pytest.approx([2.0, 2.2, 6.6])  # 100 clipped to 3x the estimate then (2.2)
+    assert costs.cycle(3, 8) == pytest.approx(2.2) and costs.cycle(3, 1) == pytest.approx(1.5)
+    for _ in range(65):
+        costs.observed(2, 1, 1.0)
+    assert costs.cycle(3, 8) == pytest.approx(3.0) and costs.measured == []
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "v2"])
+def test_shadow_drafts_with_real_drafts_keep_solo_tokens(dense, tok_dir, kind):
+    """Plain runs with shadow drafts (the draft reads its context and
+    proposes in plain cycles, unverified), then drafting again, with real
+    DFlash drafts (full context, a sliding window, DFlash 2): each request's
+    tokens are its solo run's."""
+    from mlx_dflash import Engine
+    from mlx_dflash.batch import BatchPolicy
+    from mlx_dflash.loading import load_tokenizer
+
+    cfg, model = dense
+    target = Target(model)
+    engine = Engine(target, load_tokenizer(tok_dir, eos_token_ids=[2]), _draft(cfg, kind).bind(target))
+    configs = adaptive_configs(30)
+    want = solo(engine, BATCH_PROMPTS, configs)
+    # Drafting dear for the first 12 cycles (a plain run starts), then cheap:
+    # the shadow at the end of the run brings drafting back.
+    clock = {"cycles": 0}
+
+    class Turning(TableCosts):
+        def observed(self, S, W, seconds):
+            pass
+
+    def fn(S, W):
+        return 1.0 if W == 1 else (30.0 if clock["cycles"] < 12 else 1.01)
+
+    policy = BatchPolicy(8, Turning(fn))
+    plan = policy.plan
+
+    def counted(slots, room):
+        clock["cycles"] += 1
+        return plan(slots, room)
+
+    policy.plan = counted
+    got, stats, _ = run_batch(engine, BATCH_PROMPTS, configs, policy=policy)
+    assert got == [r.tokens for r in want]
+    for st in stats:
+        sizes = st.tree_sizes
+        first_plain = sizes.index(1)
+        assert sizes[first_plain : first_plain + 16] == [1] * 16, sizes
+        assert any(w > 1 for w in sizes[first_plain + 16 :]), sizes

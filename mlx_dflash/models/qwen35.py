@@ -303,7 +303,13 @@ class Target:
         return self.lm_head(self.norm(h))[0], features
 
     def forward_slots(
-        self, tokens: mx.array, batch: SlotBatch, *, capture: Sequence[int] = (), record: bool = False
+        self,
+        tokens: mx.array,
+        batch: SlotBatch,
+        *,
+        capture: Sequence[int] = (),
+        record: bool = False,
+        parents: Optional[Sequence[Sequence[int]]] = None,
     ) -> Tuple[mx.array, Optional[mx.array]]:
         """:meth:`forward` of a block of the same width W for every slot of
         ``batch``, each at its own offset: tokens [S, W]. Returns logits
@@ -311,13 +317,27 @@ class Target:
         solo forward's. Row-wise work runs on all slots' rows at once;
         attention runs per slot over its own KV (the solo call); DeltaNet
         layers run with the slots stacked (the same W for all, so the same
-        recurrence per slot). ``record``: roll back with ``batch.rollback``."""
+        recurrence per slot). ``record``: roll back with ``batch.rollback``.
+        ``parents``: a tree per slot (``parents[b]``, W nodes each, as
+        :meth:`forward` takes one; needs ``record``; roll back along each
+        slot's path with ``batch.rollback(ns, paths)``): the DeltaNet tree
+        kernels take one tree per batch row."""
         tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
         S, T = tokens.shape
         caches = batch.caches
         if len(caches) != S:
             raise ValueError(f"{S} rows of tokens for {len(caches)} slots")
-        compiled = self.compiled and self._compilable and (T == 1 or (record and T <= self.compile_widths))
+        trees = None
+        if parents is not None:
+            if not record:
+                raise ValueError("a tree forward must be recorded (it is always rolled back)")
+            if len(parents) != S or any(len(p) != T for p in parents):
+                raise ValueError(f"a tree of {T} nodes per slot needs {S} parent lists of {T}")
+            parents = [list(p) for p in parents]
+            trees = [tree_inputs(p) for p in parents]
+        compiled = (
+            self.compiled and self._compilable and trees is None and (T == 1 or (record and T <= self.compile_widths))
+        )
         h = self.embed_tokens(tokens)
         fused = fused_exp_for(record, h.dtype)
         offsets = [c.offset for c in caches]
@@ -334,7 +354,7 @@ class Target:
             if layer.is_linear:
                 ssm0 = mx.concatenate([st.ssm for st in sts], axis=0)
                 conv = mx.concatenate([st.conv for st in sts], axis=0)
-                out = self._step(i, "deltanet", T, record, fused, compiled)(h, conv, ssm0)
+                out = self._step(i, "deltanet", T, record, fused, compiled, parents)(h, conv, ssm0)
                 h, conv, ssm = out[:3]
                 K = layer.linear_attn.conv_kernel_size
                 for b, st in enumerate(sts):
@@ -343,7 +363,18 @@ class Target:
                 if record:
                     tapes[i] = (ssm0, *out[3:], K, ssm)
             else:
-                if pos is not None:
+                masks = [mask] * S
+                if trees is not None:  # node t at offset + depth[t], seeing the context and its ancestors
+                    pre = [
+                        self._step(i, "pre", T, record, fused, False)(h[b : b + 1], off + trees[b][0])
+                        for b, off in enumerate(offsets)
+                    ]
+                    q, k, v, gate = (mx.concatenate(x, axis=0) for x in zip(*pre))
+                    masks = [
+                        mx.concatenate([mx.ones((T, off), dtype=mx.bool_), anc], axis=1)
+                        for off, (_, anc) in zip(offsets, trees)
+                    ]
+                elif pos is not None:
                     q, k, v, gate = self._step(i, "pre", T, record, fused, compiled)(h, pos)
                 else:
                     pre = [
@@ -353,7 +384,8 @@ class Target:
                     q, k, v, gate = (mx.concatenate(x, axis=0) for x in zip(*pre))
                 scale = layer.self_attn.scale
                 o = [
-                    st.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], scale, mask, record) for b, st in enumerate(sts)
+                    st.attend(q[b : b + 1], k[b : b + 1], v[b : b + 1], scale, masks[b], record)
+                    for b, st in enumerate(sts)
                 ]
                 h = self._step(i, "post", T, record, fused, compiled)(h, mx.concatenate(o, axis=0), gate)
             if i in capture:

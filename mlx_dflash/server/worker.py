@@ -10,7 +10,7 @@ With ``max_batch`` > 1 it runs a :class:`~mlx_dflash.BatchDecoder`: between
 steps it admits queued requests to free slots (arrival order), drops the
 slots whose client went away or whose deadline passed, runs one step, and
 sends each request its text as its tokens arrive. A request the batch does
-not take (another verify shape, e.g. a tree) waits, holding the queue,
+not take (another verify shape, e.g. --auto-tree) waits, holding the queue,
 until the batch drains, and then runs alone.
 """
 
