@@ -551,6 +551,7 @@ def main() -> None:
         args.max_tokens,
         args.rounds,
         args.profile_slots,
+        memory_tokens=max(args.max_tokens, 20),
         log=lambda s: print(s, flush=True),
     )
     res["blas"] = blas.describe()
