@@ -243,13 +243,13 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
     def verify_batched():
         slots = SlotBatch([d.cache for d in ds])
         vf = timed(lambda: mx.eval(*target.forward_slots(block(ds), slots, capture=ds[0].capture, record=True)))
-        return vf, timed(lambda: (slots.rollback([1] * S), mx.eval(slots.state())))
+        return vf, timed(lambda: (slots.rollback([keep] * S), mx.eval(slots.state())))
 
     def verify_solo():
         vf = rb = 0.0
         for d in ds:
             vf += timed(lambda: mx.eval(*target.forward(block([d])[0], d.cache, capture=d.capture, record=True)))
-            rb += timed(lambda: (d.cache.rollback(1), mx.eval(d.cache.state())))
+            rb += timed(lambda: (d.cache.rollback(keep), mx.eval(d.cache.state())))
         return vf, rb
 
     name, ids = prompts[0]
@@ -262,6 +262,8 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
     acc = {k: [] for k in ("draft_b", "draft_s", "verify_b", "verify_s", "rollback_b", "rollback_s", "cycle_ms")}
     for k in runs:  # warm-up
         runs[k]()
+    # each rollback keeps what a cycle of the batch keeps on average (its tau)
+    keep = min(W, max(1, round(run_batched(engine, prompts, max_tokens, S)["tau"])))
     draft_batched(), draft_solo(), verify_batched(), verify_solo()
     for r in range(rounds):
         acc["draft_b"].append(timed(draft_batched))
@@ -270,13 +272,14 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
         acc["verify_b"].append(vb), acc["rollback_b"].append(rb)
         acc["verify_s"].append(vs), acc["rollback_s"].append(rs)
         run = run_batched(engine, prompts, max_tokens, S)
-        acc["cycle_ms"].append(run["wall"] / run["cycles"] * 1e3)
+        # the first step (every prefill and the first cycle) ends at the last first token
+        acc["cycle_ms"].append((run["wall"] - max(run["ttft"])) / max(run["cycles"] - 1, 1) * 1e3)
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for k in order:
             one.setdefault(k, []).append(runs[k]()["tok_s"])
     med = statistics.median
     out = {k: med(v) for k, v in acc.items()}
-    out.update(slots=S, width=W, prompt=name, tok_s_c1={k: med(v) for k, v in one.items()})
+    out.update(slots=S, width=W, kept=keep, prompt=name, tok_s_c1={k: med(v) for k, v in one.items()})
     out["c1_batched_over_pinned"] = med(b / p for b, p in zip(one["batched"], one["pinned"]))
     out["c1_pinned_over_adaptive"] = med(p / a for p, a in zip(one["pinned"], one["adaptive"]))
     log(f"profile: {out}")
@@ -496,7 +499,8 @@ def profile_markdown(p: dict, max_tokens: int) -> list:
         "## Where a batched cycle's time goes",
         "",
         f"{S} slots (the first {S} prompts, after prefill), width {W}; synchronised, isolated forwards, medians "
-        f"(ms) of the batch's call for all {S} slots and of {S} solo calls one after another, alternating:",
+        f"(ms) of the batch's call for all {S} slots and of {S} solo calls one after another, alternating; "
+        f"each rollback keeps {p['kept']} of the {W} rows (the batch's mean tokens per cycle):",
         "",
         f"| phase | batched ({S} slots) | {S} x solo | batched / solo |",
         "|---|---:|---:|---:|",
