@@ -121,9 +121,10 @@ def run_one_at_a_time(engine, prompts, max_tokens: int, **options) -> dict:
     return clock.result(peak_gb=mx.get_peak_memory() / 1e9, tau=statistics.mean(taus))
 
 
-def run_batched(engine, prompts, max_tokens: int, c: int, keep=None) -> dict:
-    """BatchDecoder with max_batch = C, every request added at t = 0.
-    ``keep``: a dict that receives each request's Decoder (for its caches)."""
+def run_batched(engine, prompts, max_tokens: int, c: int, keep=None, block_size=None) -> dict:
+    """BatchDecoder with max_batch = C, every request added at t = 0, its
+    width ``block_size`` (None: the draft's). ``keep``: a dict that receives
+    each request's Decoder (for its caches)."""
     import mlx.core as mx
 
     from mlx_dflash import BatchDecoder
@@ -131,7 +132,7 @@ def run_batched(engine, prompts, max_tokens: int, c: int, keep=None) -> dict:
     clock = Clock(len(prompts))
     batch = BatchDecoder(engine.target, engine.draft, max_batch=c, eos_token_ids=engine.tokenizer.eos_token_ids)
     for _, ids in prompts:
-        batch.add(ids, max_tokens=max_tokens)
+        batch.add(ids, max_tokens=max_tokens, block_size=block_size)
     stats = {}
     while not batch.done:
         for ev in batch.step():
@@ -304,16 +305,18 @@ def measure(
     warmup: bool = True,
     memory_tokens: int = 128,
     solo_options: Optional[dict] = None,
+    block_size: Optional[int] = None,
     log=print,
 ) -> dict:
     """Every concurrency, ``rounds`` alternating rounds of the three systems,
     then memory per slot (``memory_tokens`` per request) and the profile.
-    ``solo_options``: extra stream_generate options of one-at-a-time."""
+    ``solo_options``: extra stream_generate options of one-at-a-time;
+    ``block_size``: the batch's verify width (None: the draft's block)."""
     eos = engine.tokenizer.eos_token_ids
     runners = {
         "mlx-lm": lambda p, c: run_mlx_lm(model, eos, p, max_tokens, c),
         "one-at-a-time": lambda p, c: run_one_at_a_time(engine, p, max_tokens, **(solo_options or {})),
-        "batched": lambda p, c: run_batched(engine, p, max_tokens, c),
+        "batched": lambda p, c: run_batched(engine, p, max_tokens, c, block_size=block_size),
     }
     med = statistics.median
     rows = []
@@ -354,7 +357,7 @@ def measure(
             f"batched/one-at-a-time {row['batched_over_one_at_a_time']:.2f}x, identical {same}"
         )
     memory = slot_memory(engine, bench_prompts(engine, max(concurrencies)), memory_tokens)
-    res = {"max_tokens": max_tokens, "rounds": rounds, "rows": rows, "memory": memory}
+    res = {"max_tokens": max_tokens, "rounds": rounds, "block_size": block_size, "rows": rows, "memory": memory}
     if profile_slots:
         res["profile"] = profile(engine, bench_prompts(engine, profile_slots), max_tokens, rounds, log)
     return res
@@ -433,7 +436,9 @@ def to_markdown(res: dict, command: str) -> str:
         f"in one process, taking turns (order alternating by round), {res['rounds']} rounds, medians. "
         "The machine is shared with other engineers' tests: absolute numbers drift, the within-round ratios "
         "are what to compare. one-at-a-time is `stream_generate` per request (today's server, without its "
-        "prefix cache: the prompts share nothing); batched is `BatchDecoder(max_batch=C)`; mlx-lm is "
+        "prefix cache: the prompts share nothing); batched is `BatchDecoder(max_batch=C)` verifying "
+        + (f"{res['block_size']} tokens per slot" if res.get("block_size") else "the draft's block per slot")
+        + "; mlx-lm is "
         "its `BatchGenerator` with a batch of C on `mlx_lm.load` of the same target folder.",
         "",
         "| C | system | tok/s | TTFT median s | TTFT max s | latency median s | latency max s | peak GB |",
@@ -528,6 +533,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per concurrency (default 3)")
     ap.add_argument(
+        "--block-size", type=int, default=None, help="the batch's verify width (default: the draft's block)"
+    )
+    ap.add_argument(
         "--profile-slots",
         type=int,
         default=4,
@@ -556,6 +564,7 @@ def main() -> None:
         args.rounds,
         args.profile_slots,
         memory_tokens=max(args.max_tokens, 20),
+        block_size=args.block_size,
         log=lambda s: print(s, flush=True),
     )
     res["blas"] = blas.describe()
@@ -563,6 +572,7 @@ def main() -> None:
     res["recommendation"] = recommend(res)
     command = "python bench/batch.py -c " + " ".join(map(str, args.concurrency))
     command += f" --max-tokens {args.max_tokens} --rounds {args.rounds} --profile-slots {args.profile_slots}"
+    command += f" --block-size {args.block_size}" if args.block_size else ""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     md = to_markdown(res, command)
