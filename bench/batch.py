@@ -404,9 +404,10 @@ def goals(res: dict) -> list:
 def recommend(res: dict) -> dict:
     """A ``serve --max-batch`` default: the smallest C whose throughput is
     within 10% of the best measured, throughput taken as batched /
-    one-at-a-time in the same round (drift on a shared machine cancels; the
-    queue's tok/s does not depend on C), and whose slowest request finishes
-    no later than the queue's slowest (median over rounds). 1 if none."""
+    one-at-a-time in the same round (what batching gains over today's
+    server at that load; drift on a shared machine cancels), and whose
+    slowest request finishes no later than the queue's slowest (median over
+    rounds). 1 if none."""
     rows = sorted(res["rows"], key=lambda r: r["concurrency"])
     best = max(r["batched_over_one_at_a_time"] for r in rows)
     ok = [
