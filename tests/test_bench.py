@@ -218,3 +218,71 @@ def test_compare_revisions_table_and_medians():
     s = cr.summarize(before, after, modes)
     assert not s["identical_tokens"] and not s["rows"][1]["modes"]["dflash"]["identical_tokens"]
     assert "equal the base's plain decoding: False" in cr.to_markdown(s, [])
+
+
+def _bench_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_batch_bench_smoke(tmp_path):
+    """bench/batch.py end to end at concurrency 2, 4 tokens, one round: the
+    three systems run, batched gives each request the one-at-a-time tokens,
+    the times are ordered (one at a time: the second request's first token
+    after the first request's end), and the result states goals and memory."""
+    import mlx_lm
+
+    from mlx_dflash.api import DEFAULT_MODEL
+
+    bb = _bench_script("batch")
+    eng = mlx_dflash.load()
+    model, _ = mlx_lm.load(str(DEFAULT_MODEL))
+    model.set_dtype(mx.float32)
+    # pinned width: the adaptive policy's one-time cost measurement is not this test's
+    res = bb.measure(
+        eng, model, [2], 4, 1, warmup=False, memory_tokens=20, solo_options={"adaptive": False}, log=lambda _: None
+    )
+    (row,) = res["rows"]
+    assert row["identical_batched_one_at_a_time"] and row["generated_tokens"] == [4, 4]
+    assert len(set(row["prompts"])) == 2 and 0 <= row["mlx_lm_requests_equal"] <= 2
+    for s in bb.SYSTEMS:
+        m = row["rounds"][0][s]
+        assert all(0 < t <= lat for t, lat in zip(m["ttft_s"], m["latency_s"]))
+        assert max(m["latency_s"]) == m["wall_s"] and m["tok_s"] == pytest.approx(8 / m["wall_s"])
+    one = row["rounds"][0]["one-at-a-time"]
+    assert one["ttft_s"][1] > one["latency_s"][0]
+    assert row["batched_over_mlx_lm"] == pytest.approx(
+        row["median"]["batched"]["tok_s"] / row["median"]["mlx-lm"]["tok_s"]
+    )
+    per = res["memory"]["per_slot"]
+    assert len(per) == 2 and all(p["attention_kv_bytes"] > 0 and p["recurrent_bytes"] > 0 for p in per)
+    res.update(blas="test", machine="test", recommendation=bb.recommend(res))
+    md = bb.to_markdown(res, "cmd")
+    assert "| 2 | batched |" in md and "- met: identical tokens, batched and one-at-a-time" in md
+
+
+def test_batch_bench_recommendation():
+    """The --max-batch recommendation: the smallest concurrency within 10% of
+    the best throughput (batched / one at a time) whose slowest request is
+    not later than the queue's; 1 when none is."""
+    bb = _bench_script("batch")
+
+    def row(c, ratio, worst):
+        return {
+            "concurrency": c,
+            "batched_over_one_at_a_time": ratio,
+            "worst_latency_batched_over_one_at_a_time": worst,
+        }
+
+    res = {"rows": [row(8, 2.1, 0.8), row(1, 0.9, 1.1), row(2, 1.5, 0.9), row(4, 2.0, 0.9)]}
+    assert bb.recommend(res)["max_batch"] == 4  # within 10% of 8's, and smaller
+    res["rows"][3] = row(4, 2.0, 1.2)
+    assert bb.recommend(res)["max_batch"] == 8  # 4's slowest request finishes after the queue's
+    res["rows"] = [row(1, 0.9, 1.1), row(2, 0.8, 1.3)]
+    assert bb.recommend(res)["max_batch"] == 1
