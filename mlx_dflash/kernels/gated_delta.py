@@ -344,12 +344,16 @@ def gated_delta_rollback_slots(
         return metal.run_with_twin_vjp(
             _rollback_slots_kernel, _rollback_slots_twin_outputs, (bool(stepwise),), (state0, k, g, delta, final), extra
         )[0]
-    return _rollback_slots_twin(bool(stepwise), state0, k, g, delta, final, n, rows)
+    return _rollback_slots_twin(bool(stepwise), state0, k, g, delta, final, n, rows, keep=max(ns))
 
 
-def _rollback_slots_twin(stepwise: bool, state0, k, g, delta, final, n, rows=None):
+def _rollback_slots_twin(stepwise: bool, state0, k, g, delta, final, n, rows=None, keep=None):
     if rows is None:
-        return _rollback_slots_compiled(delta.shape[1], stepwise, True)(state0, k, g, delta, final, n)
+        T = delta.shape[1]
+        if keep is not None and keep < T:  # rows no slot keeps: skip them (most of a wide block)
+            k, g, delta = k[:, :keep], g[:, :keep], delta[:, :keep]
+            return _rollback_slots_compiled(keep, stepwise, False)(state0, k, g, delta, final, n)
+        return _rollback_slots_compiled(T, stepwise, True)(state0, k, g, delta, final, n)
     k = mx.take_along_axis(k, rows[:, :, None, None], axis=1)
     g = mx.take_along_axis(g, rows[:, :, None], axis=1)
     delta = mx.take_along_axis(delta, rows[:, :, None, None], axis=1)
