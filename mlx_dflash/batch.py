@@ -561,29 +561,33 @@ class BatchDecoder:
             items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, False) for d in ds]
             shadow = [t for t, _ in propose_slots(self.draft, items, policy.max_width)]
         t1 = time.perf_counter()
-        slots = SlotBatch([d.cache for d in ds])
-        if plan.tree:
-            tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+        alone = len(ds) == 1  # a batch of one verifies and rolls back as the solo loop: no slot bookkeeping
+        if alone:
+            verified = [ds[0].verify(props[0])]
         else:
-            tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
-        logits, feats = self.target.forward_slots(
-            tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
-        )
-        verified = [
-            d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
-        ]
+            slots = SlotBatch([d.cache for d in ds])
+            if plan.tree:
+                tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+            else:
+                tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
+            logits, feats = self.target.forward_slots(
+                tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
+            )
+            verified = [
+                d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
+            ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
         for (index, d), t in zip(self.active, shadow or ()):
             policy.shadows[index] = (d.pos, t.tolist())
-        if plan.width > 1:
+        if plan.width > 1 and not alone:
             slots.rollback([len(path) for path in paths], paths if plan.tree else None)
         events = []
         desc = policy.describe(self.max_batch) if ds[0].draft is not None else "batch, plain"
         if tree_budget and ds[0].draft is not None:
             desc = f"batch of up to {self.max_batch}, pinned (tree of {tree_budget} per slot)"
         for (index, d), p, v, path in zip(self.active, props, verified, paths):
-            out = d.commit(p, v, path, rolled_back=True)
+            out = d.commit(p, v, path, rolled_back=not alone)
             st = d.stats
             st.policy = desc
             st.draft_time += t1 - t0  # the batch's draft, verify and rollback time
