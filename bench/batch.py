@@ -258,13 +258,14 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
     runs = {
         "adaptive": lambda: run_one_at_a_time(engine, prompts[:1], max_tokens),
         "pinned": lambda: _pinned(mlx_dflash, engine, ids, max_tokens),
+        "batched pinned": lambda: run_batched(engine, prompts[:1], max_tokens, 1, block_size=W),
         "batched": lambda: run_batched(engine, prompts[:1], max_tokens, 1),
     }
     acc = {k: [] for k in ("draft_b", "draft_s", "verify_b", "verify_s", "rollback_b", "rollback_s", "cycle_ms")}
     for k in runs:  # warm-up
         runs[k]()
     # each rollback keeps what a cycle of the batch keeps on average (its tau)
-    keep = min(W, max(1, round(run_batched(engine, prompts, max_tokens, S)["tau"])))
+    keep = min(W, max(1, round(run_batched(engine, prompts, max_tokens, S, block_size=W)["tau"])))
     draft_batched(), draft_solo(), verify_batched(), verify_solo()
     for r in range(rounds):
         acc["draft_b"].append(timed(draft_batched))
@@ -272,7 +273,7 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
         (vb, rb), (vs, rs) = verify_batched(), verify_solo()
         acc["verify_b"].append(vb), acc["rollback_b"].append(rb)
         acc["verify_s"].append(vs), acc["rollback_s"].append(rs)
-        run = run_batched(engine, prompts, max_tokens, S)
+        run = run_batched(engine, prompts, max_tokens, S, block_size=W)  # pinned: the width timed above
         # the first step (every prefill and the first cycle) ends at the last first token
         acc["cycle_ms"].append((run["wall"] - max(run["ttft"])) / max(run["cycles"] - 1, 1) * 1e3)
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
@@ -281,7 +282,8 @@ def profile(engine, prompts, max_tokens: int, rounds: int, log=print) -> dict:
     med = statistics.median
     out = {k: med(v) for k, v in acc.items()}
     out.update(slots=S, width=W, kept=keep, prompt=name, tok_s_c1={k: med(v) for k, v in one.items()})
-    out["c1_batched_over_pinned"] = med(b / p for b, p in zip(one["batched"], one["pinned"]))
+    out["c1_batched_over_pinned"] = med(b / p for b, p in zip(one["batched pinned"], one["pinned"]))
+    out["c1_batched_over_adaptive"] = med(b / a for b, a in zip(one["batched"], one["adaptive"]))
     out["c1_pinned_over_adaptive"] = med(p / a for p, a in zip(one["pinned"], one["adaptive"]))
     log(f"profile: {out}")
     return out
@@ -369,13 +371,13 @@ def goals(res: dict) -> list:
     out = []
     if 1 in by_c:
         r = by_c[1]
-        # "within noise": the batched/one-at-a-time ratio's spread over rounds covers 1, or it is >= 0.95
+        # "within noise": the median batched/one-at-a-time ratio is >= 0.95
         ratios = [x["batched"]["tok_s"] / x["one-at-a-time"]["tok_s"] for x in r["rounds"]]
         out.append(
             (
                 f"concurrency 1: batched within noise of one-at-a-time (median ratio "
                 f"{r['batched_over_one_at_a_time']:.2f}, rounds {min(ratios):.2f}..{max(ratios):.2f})",
-                r["batched_over_one_at_a_time"] >= 0.95 or min(ratios) <= 1 <= max(ratios),
+                r["batched_over_one_at_a_time"] >= 0.95,
             )
         )
     if 4 in by_c:
@@ -515,15 +517,16 @@ def profile_markdown(p: dict, max_tokens: int) -> list:
             for name, k in (("draft block", "draft"), ("verify forward", "verify"), ("rollback", "rollback"))
         ),
         "",
-        f"The batch's real cycle ({S} slots, `max_tokens` {max_tokens}) took {p['cycle_ms']:.2f} ms; its isolated "
+        f"The batch's real cycle ({S} slots pinned to width {W}, `max_tokens` {max_tokens}) took {p['cycle_ms']:.2f} ms; its isolated "
         f"forwards {forwards:.2f} ms, so {p['cycle_ms'] - forwards:.2f} ms "
         f"({(p['cycle_ms'] - forwards) / p['cycle_ms']:.0%}) is host work beyond them (graph building, "
         f"per-slot judge/accept/commit, the stack and slicing of the DeltaNet states, the host sync).",
         "",
         f"Concurrency 1 (`{p['prompt']}`), tok/s: stream_generate adaptive {one['adaptive']:.1f}, pinned to width "
-        f"{W} (adaptive=False) {one['pinned']:.1f}, the batch of one {one['batched']:.1f}; batch / pinned "
-        f"{p['c1_batched_over_pinned']:.2f}, pinned / adaptive {p['c1_pinned_over_adaptive']:.2f} "
-        "(the batch verifies the draft's full width every cycle; the solo loop's width policy does not).",
+        f"{W} (adaptive=False) {one['pinned']:.1f}; a batch of one pinned to width {W} "
+        f"{one['batched pinned']:.1f}, adaptive {one['batched']:.1f}. Batch / solo: pinned "
+        f"{p['c1_batched_over_pinned']:.2f}, adaptive {p['c1_batched_over_adaptive']:.2f} "
+        f"(solo pinned / adaptive {p['c1_pinned_over_adaptive']:.2f}).",
         "",
     ]
 
