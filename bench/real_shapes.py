@@ -249,10 +249,12 @@ def main():
     t0 = time.perf_counter()
     paths = shapes.write_models(root, args.size, args.scale, bits=[4] if "4bit" in precisions else [])
     print(f"models in {root} ({time.perf_counter() - t0:.0f} s); BLAS: {blas.describe()}", flush=True)
-    results = [measure(p, paths[p], paths["draft"], args) for p in precisions]
-    text = report(results, args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    results = []
+    for p in precisions:  # the result file is rewritten after each, so a cut-short run keeps what it measured
+        results.append(measure(p, paths[p], paths["draft"], args))
+        text = report(results, args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
     print(text)
 
 
