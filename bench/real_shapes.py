@@ -71,11 +71,11 @@ def measure(name, folder, draft_folder, args):
     res = {"name": name, "params": params, "same": True}
 
     # Warm-up (compiles, first-touch of the weights).
-    short, _, _ = shapes.mlx_lm_generate(model, prompt[:32], 24)
-    engine_run(target, prompt[:32], 24)
     widths = [int(w) for w in args.widths.split(",")]
+    short, _, _ = shapes.mlx_lm_generate(model, prompt[:32], max(widths) + 1)
+    engine_run(target, prompt[:32], 4)
     for B in widths:
-        engine_run(target, prompt[:32], 24, shapes.OracleDraft(prompt[:32] + short, draft), B)
+        engine_run(target, prompt[:32], B + 1, shapes.OracleDraft(prompt[:32] + short, draft), B)
     ref, _, _ = shapes.mlx_lm_generate(model, prompt, n)
     seq = prompt + ref
 
