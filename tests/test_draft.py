@@ -181,3 +181,26 @@ def test_draft_folder_roundtrip_and_quantized_load(setup, tmp_path):
     assert isinstance(q.layers[0].mlp.up_proj, nn.QuantizedLinear)
     c = q(feats[:9], 5, 9, 8, q.make_cache())
     assert mx.abs(c - a).max().item() < 0.1 * mx.abs(a).max().item()
+
+
+def test_sliding_layer_attends_only_its_window(setup, monkeypatch):
+    """A sliding layer's attention reads the context rows in its window, not
+    all the rows a full layer keeps: its cost stays flat as the context grows
+    (and what it computes is the spec's, test_draft_matches_spec_reference_over_cycles)."""
+    import mlx_dflash.models.draft as draft_mod
+
+    target, draft, _, feats = setup
+    seen = []
+    real = draft_mod.attention
+
+    def spy(q, keys, values, scale, mask=None, **kw):
+        seen.append(keys.shape[2])
+        return real(q, keys, values, scale, mask, **kw)
+
+    monkeypatch.setattr(draft_mod, "attention", spy)
+    cache = draft.make_cache()
+    got = draft(feats[:50], 40, 50, 8, cache)
+    full, sliding, _ = seen  # layers: full, sliding (window 5), full
+    assert full == 50 + 8 and sliding == 5 - 1 + 8
+    want = draft_ref(draft, target, feats, 40, 50, 8, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)

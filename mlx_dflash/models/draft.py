@@ -11,6 +11,7 @@ positions so long generations stay cheap; RoPE is applied before caching, so
 dropping rows never changes the positions of the rows kept.
 """
 
+import bisect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -493,22 +494,21 @@ class DFlashDraft(nn.Module):
             window = (0, cfg.sliding_window - 1)
         return DraftCache([None] * n, [None] * n, window=window)
 
-    def _mask(self, i: int, cache: DraftCache, anchor_pos: int, B: int):
-        """Boolean [B, L_ctx + B] for sliding layers; None (attend all) otherwise."""
+    def _window(self, i: int, cache: DraftCache, anchor_pos: int, B: int, keys: mx.array, values: mx.array):
+        """The keys, values [.., L_ctx + B, D] and mask (bool [B, rows], or
+        None: attend all) layer i attends with. A sliding layer gets only the
+        context rows in its window (held positions ascend, so they are a
+        suffix): its cost is bounded by the window, not the context."""
         cfg = self.config
         if not cfg.is_sliding(i) or cfg.sliding_window is None:
-            return None
-        first = anchor_pos - (cfg.sliding_window - 1)
-        if not cfg.sliding_block_causal and (not cache.positions or cache.positions[0] >= first):
-            return None  # every cached row is in the window (a trimmed cache)
-        pos = mx.array(cache.positions) if cache.positions else mx.zeros((0,), mx.int32)
-        ctx_ok = pos >= first
-        ctx_ok = mx.broadcast_to(ctx_ok[None], (B, pos.shape[0]))
-        if cfg.sliding_block_causal:
-            blk = mx.tril(mx.ones((B, B), dtype=mx.bool_))
-        else:
-            blk = mx.ones((B, B), dtype=mx.bool_)
-        return mx.concatenate([ctx_ok, blk], axis=1)
+            return keys, values, None
+        s = bisect.bisect_left(cache.positions, anchor_pos - (cfg.sliding_window - 1))
+        if s:
+            keys, values = keys[:, :, s:], values[:, :, s:]
+        if not cfg.sliding_block_causal:
+            return keys, values, None
+        blk = mx.tril(mx.ones((B, B), dtype=mx.bool_))
+        return keys, values, mx.concatenate([mx.ones((B, cache.rows - s), dtype=mx.bool_), blk], axis=1)
 
     def add_context(self, features: mx.array, cache: DraftCache) -> None:
         """Append context rows for target features [S, N*H] of positions
@@ -580,7 +580,7 @@ class DFlashDraft(nn.Module):
             q, kb, vb, *carry = self._step(i, B, "pre", fused, compiled)(h, pos)
             # The block's rows go after the context's, as scratch (not held).
             keys, values = cache.write(i, cache.rows, kb, vb)
-            mask = self._mask(i, cache, anchor_pos, B)
+            keys, values, mask = self._window(i, cache, anchor_pos, B, keys, values)
             out = attention(q, keys, values, layer.self_attn.scale, mask, decode_block=True)
             h = self._step(i, B, "post", fused, compiled)(h, out, *carry)
         return self.norm(h[0])
@@ -653,7 +653,7 @@ class DFlashDraft(nn.Module):
             outs = []
             for b, (_, _, anchor_pos, cache) in enumerate(slots):
                 keys, values = cache.write(i, cache.rows, kb[b : b + 1], vb[b : b + 1])
-                mask = self._mask(i, cache, anchor_pos, B)
+                keys, values, mask = self._window(i, cache, anchor_pos, B, keys, values)
                 outs.append(attention(q[b : b + 1], keys, values, layer.self_attn.scale, mask, decode_block=True))
             h = self._step(i, B, "post", fused, compiled)(h, mx.concatenate(outs, axis=0), *carry)
         return self.norm(h)
