@@ -125,6 +125,9 @@ class CostModel:
     per_key_verify: float = 0.0  # seconds per verified row per context token beyond ``context``
     per_key_base: float = 0.0  # seconds per verify per context token beyond ``context``, whatever its rows
     per_key_plain: float = 0.0  # seconds per plain step per context token beyond ``context``
+    # What generations in this process observed of drafted cycles against plain
+    # steps (Policy.fixes; not stored in the file: another run, another load).
+    fixes: List[float] = field(default_factory=list, compare=False, repr=False)
 
     def plain_at(self, context: int = 0) -> float:
         return self.plain + self.per_key_plain * max(context - self.context, 0)
@@ -495,7 +498,12 @@ class Policy:
         self.warmup = 2  # first drafted cycles, taken even where one slow cycle would say plain
         self.plain_votes = 0
         self.loads: List[float] = []  # recent observed / modelled times, drafted ones over the correction
-        self.fixes: List[float] = []  # recent samples of (drafted observed / modelled) / (plain observed / modelled)
+        # Recent samples of (drafted observed / modelled) / (plain observed / modelled),
+        # carried from one generation to the next of the same cost curve in this
+        # process: each generation's calibration steps and first drafted cycles
+        # give one, so a curve that is off on this machine now is corrected even
+        # where a generation never switches between plain and drafting.
+        self.fixes: List[float] = costs.fixes if costs is not None else []
         self.prev: Optional[Tuple[str, float]] = None  # the last timed cycle's kind and observed / modelled
         # The first cycle at a width is not timed: in a fresh process it
         # includes tracing that width's compiled forwards (tens of ms).
@@ -667,7 +675,8 @@ class Policy:
         ratio = seconds / (committed if w == 1 else 1) / model
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
-            self.fixes = (self.fixes + [min(max(drafted / plain, 1 / 3), 3.0)])[-5:]
+            self.fixes.append(min(max(drafted / plain, 1 / 3), 3.0))
+            del self.fixes[:-5]
         self.prev = (kind, ratio)
         self.loads = (self.loads + [ratio / (self.correction() if kind == "draft" else 1.0)])[-5:]
 

@@ -482,6 +482,8 @@ def test_observed_costs_correct_the_model_apart_from_the_load():
         policy.timed(Plan(16, block=16), 5, 30 * c.cycle(16))
     assert policy.cost(16) / policy.cost(1) == pytest.approx(1.5 * c.cycle(16) / c.plain)
     assert policy.load() == pytest.approx(20.0)
+    # The next generation on the same curve starts from what this one saw; another curve does not.
+    assert Policy(16, c).correction() == pytest.approx(1.5) and Policy(16, synthetic_costs()).correction() == 1.0
 
 
 def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
