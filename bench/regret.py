@@ -1,7 +1,7 @@
 """The default width policy against every pinned width and plain decoding, in ONE process.
 
     python bench/regret.py [-n 128] [--reps 3] [--widths 2,4,8,16] [--load quiet,busy]
-                           [--draft DIR ...] [--out bench/results/regret.md]
+                           [--draft DIR ...] [--no-embedded] [--out bench/results/regret.md]
 
 For each pair (the embedded pair, then each ``--draft`` with the embedded
 target) and each of the six bench prompts, the modes take turns one
@@ -119,6 +119,7 @@ def main():
     ap.add_argument("--widths", default="2,4,8,16", help="pinned widths (those up to the draft's block run)")
     ap.add_argument("--load", default="quiet,busy", help="quiet, busy, or both (comma list)")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
+    ap.add_argument("--no-embedded", action="store_true", help="only the --draft pairs, not the embedded pair")
     ap.add_argument("--prompts", type=int, default=0, help="only the first N bench prompts (0: all)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "regret.md")
     args = ap.parse_args()
@@ -132,7 +133,7 @@ def main():
     widths = [int(w) for w in args.widths.split(",")]
     loads = [x.strip() for x in args.load.split(",")]
     engine = load(DEFAULT_MODEL, DEFAULT_DRAFT)
-    pairs = [("embedded pair", engine.draft)]
+    pairs = [] if args.no_embedded else [("embedded pair", engine.draft)]
     for d in args.draft:
         pairs.append((f"embedded target + {d}", load(DEFAULT_MODEL, d).draft))
     t0 = time.time()

@@ -442,7 +442,7 @@ class Decoder:
                 if self.finished or self.room() < 1 or stop:
                     break
             if shadows:
-                self.shadow_score(scored, final=True)
+                self.shadow_score(scored)
             return
         target, cache, sampler = self.target, self.cache, self.sampler
 
@@ -473,7 +473,7 @@ class Decoder:
                 left = 0  # drafting pays: the step already queued is the run's last
             yield out
         if shadows:
-            self.shadow_score(scored, final=True)
+            self.shadow_score(scored)
 
     # --- shadow drafts: evidence while decoding plainly ---------------------------------
     def shadow_step(self, scored) -> bool:
@@ -496,10 +496,10 @@ class Decoder:
                 self.shadow = (self.pos, drafted)
         return False
 
-    def shadow_score(self, scored, final: bool = False) -> bool:
+    def shadow_score(self, scored) -> bool:
         """Compare the shadow draft in flight with the tokens committed after
-        its anchor (``final``: as many as there are) and book it; True when
-        ``scored`` says the run should end."""
+        its anchor (at a run's end: as many as there are) and book it; True
+        when ``scored`` says the run should end."""
         if self.shadow is None:
             return False
         at, drafted = self.shadow

@@ -653,8 +653,9 @@ class Policy:
         seen = f"{self.acc.trials[1]:.1f} blocks' weight" + (f", {self.shadows} shadow" if self.shadows else "")
         frm = "start" if self.last == 0 else ("plain" if self.last == 1 else f"B{self.last}")
         to = "plain" if p.width == 1 else ("tree" if p.tree else f"B{p.width}")
+        why = self.reason + (f", {room} tokens left" if 1 < room < self.max_width else "")
         self.switches.append(
-            f"token {self.tokens}: {frm} -> {to} ({self.reason}); expected tok/s {rates}; "
+            f"token {self.tokens}: {frm} -> {to} ({why}); expected tok/s {rates}; "
             f"p1..: {probs} ({seen}); load x{load:.2f}"
         )
 
