@@ -454,8 +454,9 @@ class Policy:
     every ``tree_every`` drafted cycles while chains win).
 
     Evidence while plain: plain runs (``plain_run`` steps) carry shadow
-    drafts, one per ``shadow_every`` plain tokens, sooner while the last
-    one looked promising; ``shadowed`` books each and ends the run as soon
+    drafts: the first a block after the switch to plain, then twice as far
+    apart each time, up to one per ``shadow_every`` plain tokens (sooner
+    again while the last one looked promising); ``shadowed`` books each and ends the run as soon
     as drafting pays on that evidence.
 
     Costs under load: the measured curve already compares the widths under
@@ -511,6 +512,7 @@ class Policy:
         self.context = 0  # tokens in the target cache now (set by plan)
         self.tokens = 0  # committed so far
         self.shadows = 0  # shadow drafts scored
+        self.shadow_gap = max_width  # plain tokens from one shadow draft to the next (doubles while they fail)
         self.last = 0  # the width of the last plan (0: none yet)
         self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
         self.switches: List[str] = []  # one line per change of width: from, to and why
@@ -616,7 +618,9 @@ class Policy:
             if self.plain_votes >= 2 or room < self.max_width or self.last == 1:
                 self.plain_votes = 0
                 self.reason = "evidence"
-                return Plan(1, steps=min(self.plain_run, room), shadow=self.shadow_every)
+                if self.last != 1:  # a new plain stretch: the first shadow comes a block in
+                    self.shadow_gap = self.max_width
+                return Plan(1, steps=min(self.plain_run, room), shadow=self.shadow_gap)
             self.reason = "evidence (a first vote for plain)"
             return self._chain(self.best_width(room, drafted=True))
         self.plain_votes = 0
@@ -707,8 +711,14 @@ class Policy:
         best = max(r.values()) if r else 0.0
         if best > plain:
             return 0
-        # Counted from now: the next one starts ``shadow_every`` tokens after this one did.
-        return 1 if best > self.promising * plain else max(self.shadow_every - drafted, 1)
+        if best > self.promising * plain:
+            return 1
+        # Soon after a switch to plain the text may turn at any time (an early
+        # bad stretch must not cost a short generation); the longer shadows
+        # fail, the rarer they get. Counted from now: the next one starts
+        # ``shadow_gap`` tokens after this one did.
+        self.shadow_gap = min(2 * self.shadow_gap, self.shadow_every)
+        return max(self.shadow_gap - drafted, 1)
 
     def describe(self) -> str:
         if not self.adaptive:

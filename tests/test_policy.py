@@ -505,6 +505,29 @@ def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
     assert all(p.width == 16 for p in plans[-5:])
 
 
+@pytest.mark.parametrize("turn", [20, 40])
+def test_an_early_bad_stretch_costs_little_of_a_short_generation(turn):
+    """A draft as dear as a plain step (the embedded pair's: shadow drafts
+    60 tokens apart once settled), wrong until token ``turn``, then right:
+    the first shadow draft comes a block after the switch to plain and the
+    spacing doubles from there (16, 32, then 60), so a turn in the first
+    40 tokens is seen within 48 (with a fixed spacing of 60 the draft was
+    not looked at again before token 67)."""
+    c = synthetic_costs()
+    c.draft = {16: 0.012}
+    policy = Policy(16, c)
+    assert policy.shadow_every == 60
+    kept = []
+    plans = drive(policy, lambda B, at: 0 if at < turn else B - 1, 0, tokens=120, committed=kept)
+    done, back = 0, None
+    for p, n in zip(plans, kept):
+        if p.width > 1 and done >= turn and back is None:
+            back = done
+        done += n
+    assert any(p.width == 1 and p.steps > 4 for p in plans)  # it went plain
+    assert back is not None and back - turn <= 48, (back, [p.width for p in plans])
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_low_acceptance_costs_at_most_3_percent_over_plain_decoding(seed):
     """Each draft right with probability 0.25: drafting never pays on the
