@@ -406,7 +406,8 @@ def test_shadow_drafts_leave_plain_decodings_tokens(pair, sampling):
     out, stats = run(target, N, draft=wrong, policy=policy, sampler=Sampler(**sampling), **rule)
     assert out == base
     drafted = sum(w > 1 for w in stats.tree_sizes)
-    assert stats.shadow_drafts >= 3 and len(wrong.calls) == drafted + stats.shadow_drafts
+    # Every draft call is a drafted cycle or a shadow (the last one maybe launched too late to score).
+    assert stats.shadow_drafts >= 3 and 0 <= len(wrong.calls) - drafted - stats.shadow_drafts <= 1
 
 
 def test_verbose_says_why_each_switch_happened(capsys):
