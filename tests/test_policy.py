@@ -410,16 +410,24 @@ def test_shadow_drafts_leave_plain_decodings_tokens(pair, sampling):
     assert stats.shadow_drafts >= 3 and 0 <= len(wrong.calls) - drafted - stats.shadow_drafts <= 1
 
 
-def test_verbose_says_why_each_switch_happened(capsys):
-    from test_cli import cli
+def test_verbose_says_why_each_switch_happened(pair):
+    """``--verbose``'s table ends with a line per change of width: from, to,
+    why, the candidates' expected tok/s, the acceptance evidence, the load."""
+    from mlx_dflash.cli import _stats_table
 
-    code, _, err = cli(capsys, "generate", "def f(x):", "-n", "48", "--verbose")
-    assert code in (0, None), err
-    lines = err.split("width switches:\n", 1)[1].splitlines()
-    assert lines[0].strip().startswith("token 0: start -> plain (calibration); expected tok/s plain:")
-    assert lines[1].strip().startswith("token 4: plain -> B")
+    model, target, _ = pair
+    ref = reference_greedy(model, PROMPT, 120)
+    draft = LateDraft(PROMPT, ref, target.vocab_size, good_from=len(PROMPT) + 40)
+    _, stats = run(target, 120, draft=draft, policy=FrozenClock(16, synthetic_costs()))
+    table = _stats_table(stats, "dflash")
+    lines = [x.strip() for x in table.split("width switches:\n", 1)[1].splitlines()]
+    assert lines == stats.switches and len(lines) >= 4
+    assert lines[0].startswith("token 0: start -> plain (calibration); expected tok/s plain:100 2:")
+    assert lines[1].startswith("token 4: plain -> B")
+    assert any(" -> plain (evidence)" in x for x in lines) and any("(shadow evidence)" in x for x in lines)
     for line in lines:
-        assert " -> " in line and "expected tok/s plain:" in line and "p1..:" in line and "load x" in line, line
+        assert "expected tok/s plain:" in line and "p1..:" in line and "load x" in line, line
+    assert "shadow drafts" in table
 
 
 def test_default_generation_is_adaptive_and_reports_widths(pair):
