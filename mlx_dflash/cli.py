@@ -272,6 +272,7 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
         ("forwards", "compiled (mx.compile)" if compiled else "plain ops (--no-compile)"),
         ("width policy", s.policy),
         ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
+        ("shadow drafts", f"{s.shadow_drafts} (proposed during plain steps, scored, never verified)"),
         ("prompt tokens", f"{s.prompt_tokens}"),
         ("cached tokens", f"{s.cached_tokens} (restored from the prefix cache, not prefilled)"),
         ("generated tokens", f"{s.generated_tokens}"),
@@ -298,7 +299,8 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
         )
     rows.append(("peak memory", f"{s.peak_memory:.3f} GB"))
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    switches = [f"  {line}" for line in s.switches]  # the width policy's reasons, one line per change
+    return "\n".join([f"{k:<{w}}  {v}" for k, v in rows] + (["width switches:"] + switches if switches else []))
 
 
 @app.command()
@@ -362,7 +364,11 @@ def generate(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", help="Print a stats table (tau, acceptance, tok/s) to stderr."
+        False,
+        "--verbose",
+        "-v",
+        help="Print a stats table (tau, acceptance, tok/s) to stderr, and a line per change "
+        "of verify width saying why (the candidates' expected tok/s, the acceptance evidence).",
     ),
     pipeline: bool = typer.Option(
         False,

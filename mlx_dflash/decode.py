@@ -39,6 +39,8 @@ class GenerationStats:
     peak_memory: float = 0.0  # GB
     finish_reason: Optional[str] = None
     policy: str = ""  # how widths were chosen (Policy.describe)
+    switches: List[str] = field(default_factory=list)  # adaptive: why each change of width happened
+    shadow_drafts: int = 0  # drafts proposed during plain steps and scored, never verified
 
     @property
     def tau(self) -> float:
@@ -186,6 +188,8 @@ class Decoder:
         self.committed = self.verified = 0  # tokens kept / verified by the last cycle
         self.prefix_run = None  # a prefix cache's run for this generation
         self.tic = 0.0
+        self.shadow = None  # a shadow draft in flight: (anchor position, drafted tokens)
+        self.shadow_in: Optional[int] = None  # plain steps before the next shadow draft (None: not set)
 
     # --- bookkeeping -------------------------------------------------------------
     @property
@@ -411,19 +415,34 @@ class Decoder:
         st.verify_time += t2 - t1
         st.rollback_time += t3 - t2
         self.committed, self.verified = len(path), len(v.block)
+        if plan.width > 1:
+            self.shadow_in = None  # a new plain stretch starts its shadow count afresh
         return out
 
-    def plain_steps(self, n: int) -> Iterator[List[int]]:
+    def plain_steps(self, n: int, shadow: int = 0, scored=None) -> Iterator[List[int]]:
         """Up to ``n`` plain steps, each queued before the host reads the one
         before it (as mlx-lm's ``generate_step``), so the device never waits
-        on Python. A step queued past EOS is undone from a cache snapshot."""
+        on Python. A step queued past EOS is undone from a cache snapshot.
+
+        ``shadow``: every so many steps the draft proposes a block from the
+        committed state (a shadow draft: never verified or emitted, so the
+        output is plain decoding's), queued behind the next step; once plain
+        decoding has committed the tokens it guessed, ``scored(compared,
+        matched)`` books it and returns the steps to the next one, or 0 to end
+        the run (no further step is queued)."""
+        shadows = shadow > 0 and self.draft is not None and scored is not None
+        if shadows and self.shadow_in is None:
+            self.shadow_in = shadow
         if self.sampler.needs_context or self.profile:
             for _ in range(n):
                 out = self.cycle(Plan(1))
                 self.stats.add_cycle(1, 1, self.tic)
+                stop = shadows and self.shadow_step(scored)
                 yield out
-                if self.finished or self.room() < 1:
-                    return
+                if self.finished or self.room() < 1 or stop:
+                    break
+            if shadows:
+                self.shadow_score(scored)
             return
         target, cache, sampler = self.target, self.cache, self.sampler
 
@@ -450,7 +469,49 @@ class Decoder:
                 cache.restore(queued[0])
                 queued = None
             self.stats.add_cycle(1, 1, self.tic)
+            if shadows and not self.finished and self.shadow_step(scored):
+                left = 0  # drafting pays: the step already queued is the run's last
             yield out
+        if shadows:
+            self.shadow_score(scored)
+
+    # --- shadow drafts: evidence while decoding plainly ---------------------------------
+    def shadow_step(self, scored) -> bool:
+        """After a plain step: score the shadow draft in flight if plain
+        decoding has committed all it guessed, launch the next when due.
+        True when ``scored`` says the run should end."""
+        if self.shadow is not None and self.pos - self.shadow[0] >= self.shadow[1].shape[0]:
+            if self.shadow_score(scored):
+                return True
+        if self.shadow is None and self.shadow_in is not None:
+            self.shadow_in -= 1
+            if self.shadow_in <= 0 and self.room() > 1:
+                # The draft reads the committed rows' features and proposes its
+                # full block from the anchor, as a drafted cycle would; queued
+                # behind the next plain step, read only once it is scored.
+                drafted, _ = draft_propose(
+                    self.draft, self.draft_context(), self.anchor, self.pos, self.draft.block_size, self.dcache
+                )
+                mx.async_eval(drafted)
+                self.shadow = (self.pos, drafted)
+        return False
+
+    def shadow_score(self, scored) -> bool:
+        """Compare the shadow draft in flight with the tokens committed after
+        its anchor (at a run's end: as many as there are) and book it; True
+        when ``scored`` says the run should end."""
+        if self.shadow is None:
+            return False
+        at, drafted = self.shadow
+        committed = self.history[at + 1 : at + 1 + drafted.shape[0]]
+        self.shadow = None
+        if not committed:
+            return False
+        guess = drafted.tolist()[: len(committed)]
+        self.stats.shadow_drafts += 1
+        gap = scored(len(committed), self.acceptance(guess, committed))
+        self.shadow_in = gap if gap > 0 else None
+        return gap == 0
 
 
 @dataclass
@@ -653,7 +714,7 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
             break
         if plan.width == 1:
             n, t1 = 0, t0
-            for out in d.plain_steps(plan.steps):
+            for out in d.plain_steps(plan.steps, plan.shadow, policy.shadowed):
                 n += 1
                 if n == 1:
                     t1 = time.perf_counter()
@@ -678,3 +739,4 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
         plan = policy.plan(d.room(), d.pos)
     stats.decode_time = time.perf_counter() - d.tic
     stats.peak_memory = mx.get_peak_memory() / 1e9
+    stats.switches = policy.switches

@@ -5,12 +5,14 @@ A cycle that verifies B tokens (the anchor and B-1 drafts) costs
 prod_{d<=k} p_d`` tokens on average, where ``p_d`` is the probability that
 the draft at depth d is accepted given depth d-1 was. A plain step (B = 1)
 costs ``T_plain`` and commits one token. The policy picks the width with the
-most expected tokens per second; when that is 1 it decodes plainly (no draft
-forward at all) and re-probes with one drafted cycle (as wide as pays
-under the prior acceptance) after a run of plain steps that doubles each
-time the probe does not pay. Verify costs grow with the context (each row
-attends over it), so the same acceptance gives narrower blocks deep in a
-long context.
+most expected tokens per second. While it decodes plainly the draft still
+proposes now and then (a shadow draft, scored against the tokens plain
+decoding commits), so the way back to drafting rests on measured acceptance.
+Observed cycle times correct the measured costs only as far as they differ
+from what the machine's current load explains, so a stall that slows every
+width alike does not change the choice. Verify costs grow with the context
+(each row attends over it), so the same acceptance gives narrower blocks
+deep in a long context.
 
 The costs are measured once per (model, machine, mlx version, KV format) in
 a few forwards and cached as JSON in the user's cache folder; see
@@ -123,6 +125,9 @@ class CostModel:
     per_key_verify: float = 0.0  # seconds per verified row per context token beyond ``context``
     per_key_base: float = 0.0  # seconds per verify per context token beyond ``context``, whatever its rows
     per_key_plain: float = 0.0  # seconds per plain step per context token beyond ``context``
+    # What generations in this process observed of drafted cycles against plain
+    # steps (Policy.fixes; not stored in the file: another run, another load).
+    fixes: List[float] = field(default_factory=list, compare=False, repr=False)
 
     def plain_at(self, context: int = 0) -> float:
         return self.plain + self.per_key_plain * max(context - self.context, 0)
@@ -295,9 +300,11 @@ class CostModel:
         )
 
 
-def _recent_median(xs: List[float]) -> float:
-    """The middle of a few recent samples (the upper one of an even count)."""
-    return sorted(xs)[len(xs) // 2]
+def _median5(xs: List[float]) -> float:
+    """The middle of the last 5 samples, missing ones counted as 1 (no
+    correction): two odd samples never move it, three in a row do."""
+    xs = (list(xs[-5:]) + [1.0] * 5)[:5]
+    return sorted(xs)[2]
 
 
 def _monotone(t: Dict[int, float]) -> Dict[int, float]:
@@ -393,11 +400,12 @@ class Plan:
     steps: int = 1
     tree: bool = False
     block: int = 0  # the draft block the proposals come from (0: the width; trees: their candidates)
+    shadow: int = 0  # plain steps: a shadow draft per this many of them (0: none)
 
 
 class Acceptance:
     """Per-depth conditional acceptance p_d from counts decayed by ``decay``
-    per drafted cycle, shrunk by ``weight`` pseudo-observations toward the
+    per observed block, shrunk by ``weight`` pseudo-observations toward the
     estimate one depth up (``prior`` at depth 1): a depth never tried is
     expected to do as the deepest one seen, so an oracle draft is widened
     step by step and a useless one is not."""
@@ -407,10 +415,8 @@ class Acceptance:
         self.trials = [0.0] * (depths + 1)
         self.prior, self.weight, self.decay = prior, weight, decay
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        for d in range(1, len(self.hits)):
-            self.hits[d] *= self.decay
-            self.trials[d] *= self.decay
+    def observe(self, drafted: int, accepted: int, decay: Optional[float] = None) -> None:
+        self.forget(self.decay if decay is None else decay)
         for d in range(1, min(accepted + 1, drafted) + 1):
             self.trials[d] += 1
             self.hits[d] += d <= accepted
@@ -445,13 +451,30 @@ class Policy:
     of that many draft nodes, priced by its measured cost (``costs.tree``
     must hold ``auto_tree + 1`` nodes) and judged by the tokens tree cycles
     have committed (a moving average; tried once after the warm-up and again
-    every ``tree_every`` drafted cycles while chains win)."""
+    every ``tree_every`` drafted cycles while chains win).
 
-    first_plain_run = 16
-    longest_plain_run = 256
+    Evidence while plain: plain runs (``plain_run`` steps) carry shadow
+    drafts: the first a block after the switch to plain, then twice as far
+    apart each time, up to one per ``shadow_every`` plain tokens (sooner
+    again while the last one looked promising); ``shadowed`` books each and ends the run as soon
+    as drafting pays on that evidence.
+
+    Costs under load: the measured curve already compares the widths under
+    the same conditions (its parts take turns). Observed cycle times correct
+    it only by what they compare alike: at each change between plain steps
+    and drafted cycles, the two neighbouring observations (each over its
+    modelled cost) give one sample of how far drafted cycles are off
+    relative to plain steps, and the median of the last 5 such samples
+    scales every drafted width. A stretch of inflated timings slows both
+    sides of a pair alike, except the one pair that straddles its start or
+    end, so it moves the machine's load (reported) and not the choice."""
+
+    plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
-    stale_after = 64  # committed tokens after which a drafted width's last times no longer count
+    shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
+    shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
+    promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked at once
 
     def __init__(
         self,
@@ -473,47 +496,53 @@ class Policy:
         # A few plain steps first: they time this machine's plain step now
         # (busy or idle) at the cost of nothing but a few undrafted tokens.
         self.plain_left = self.calibration_steps
-        self.plain_run = self.first_plain_run
-        self.probing = False
         self.warmup = 2  # first drafted cycles, taken even where one slow cycle would say plain
         self.plain_votes = 0
-        # Costs measured at load are the prior; each width's real cycle time
-        # (and the plain step's) replaces it as it is observed, and widths not
-        # yet seen are scaled by how far the observed ones were off, so a
-        # machine busier or idler than at measurement time still compares right.
-        self.seen: Dict[object, List[float]] = {}  # width (or "tree") -> its last few cycle times
-        # A width timed during a stall of the machine would look dear until it
-        # ran again, and might never run again: its times expire once
-        # ``stale_after`` tokens are committed without it, and the width is
-        # priced from the measured curve (scaled as recent cycles ran) again.
-        self.tokens = 0  # committed so far
-        self.seen_at: Dict[object, int] = {}  # width (or "tree") -> ``tokens`` at its last time
+        self.loads: List[float] = []  # recent observed / modelled times, drafted ones over the correction
+        # Recent samples of (drafted observed / modelled) / (plain observed / modelled),
+        # carried from one generation to the next of the same cost curve in this
+        # process: each generation's calibration steps and first drafted cycles
+        # give one, so a curve that is off on this machine now is corrected even
+        # where a generation never switches between plain and drafting.
+        self.fixes: List[float] = costs.fixes if costs is not None else []
+        self.prev: Optional[Tuple[str, float]] = None  # the last timed cycle's kind and observed / modelled
         # The first cycle at a width is not timed: in a fresh process it
         # includes tracing that width's compiled forwards (tens of ms).
         self.warm_widths = set()  # widths whose first, untimed cycle has run
-        self.ratios: Dict[str, List[float]] = {"plain": [], "draft": []}  # observed / modelled, recent
         self.context = 0  # tokens in the target cache now (set by plan)
+        self.tokens = 0  # committed so far
+        self.shadows = 0  # shadow drafts scored
+        self.shadow_gap = max_width  # plain tokens from one shadow draft to the next (doubles while they fail)
+        self.last = 0  # the width of the last plan (0: none yet)
+        self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
+        self.switches: List[str] = []  # one line per change of width: from, to and why
 
     @property
     def adaptive(self) -> bool:
         return self.costs is not None
 
-    def cost(self, width: int) -> float:
-        """Seconds per cycle of ``width``: the median of its last 5 observed
-        times (a stall of the machine moves it little), else the measured
-        cost scaled as the observed ones were off."""
-        ts = self.seen.get(width)
-        if ts:
-            t = _recent_median(ts)
-            # A plain step never counts as dearer than measured at load:
-            # erring toward plain decoding is the safe side.
-            return min(t, self.costs.cycle(1, self.context)) if width == 1 else t
-        return self.costs.cycle(width, self.context) * self.scale("plain" if width == 1 else "draft")
+    @property
+    def shadow_every(self) -> int:
+        """Plain tokens between two shadow drafts: as many as keep their cost
+        under ``shadow_share`` of plain decoding's, at least a block apart
+        (one in flight at a time) and at most ``plain_run``."""
+        c = self.costs
+        n = _interp(c.draft, max(c.draft)) / (self.shadow_share * c.plain)
+        return int(min(max(n, self.max_width), self.plain_run))
 
-    def scale(self, kind: str) -> float:
-        """How far observed cycle times ran from the model's (median of the last 5; 1 before any)."""
-        r = self.ratios[kind]
-        return _recent_median(r) if r else 1.0
+    def correction(self) -> float:
+        """How much dearer drafted cycles run than the measured curve says, relative to plain steps."""
+        return _median5(self.fixes)
+
+    def load(self) -> float:
+        """How much slower the machine runs now than when the curve was measured (1: as measured)."""
+        return _median5(self.loads)
+
+    def cost(self, width: int) -> float:
+        """Seconds per cycle of ``width`` (1: a plain step) under the conditions
+        the curve was measured in, drafted widths corrected by what observed
+        times said about them relative to plain steps."""
+        return self.costs.cycle(width, self.context) * (1.0 if width == 1 else self.correction())
 
     def ladder(self, room: int) -> List[int]:
         """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
@@ -531,36 +560,47 @@ class Policy:
             w *= 2
         return sorted(x for x in out if x >= 2)
 
-    def best_width(self, room: int, drafted: bool = False) -> int:
-        """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B)."""
-        best, rate = 1, (0.0 if drafted else 1.0 / self.cost(1))
+    def rates(self, room: int) -> Dict[int, float]:
+        """Expected committed tokens per second (load-free) of B = 1 and each ladder width."""
+        out = {1: 1.0 / self.cost(1)}
         top = min(self.max_width, room)
         if top < 2:
-            return best
+            return out
         ladder = set(self.ladder(room))
         e, reach = 1.0, 1.0
         for B, p in enumerate(self.acc.probs(top - 1), start=2):
             reach *= p
             e += reach
             if B in ladder:
-                r = e / self.cost(B)
-                if r > rate:
-                    best, rate = B, r
-        return best
+                out[B] = e / self.cost(B)
+        return out
+
+    def best_width(self, room: int, drafted: bool = False) -> int:
+        """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B)."""
+        r = self.rates(room)
+        if drafted and len(r) > 1:
+            del r[1]
+        return max(r, key=lambda B: (r[B], -B))
 
     def plan(self, room: int, context: int = 0) -> Plan:
         """The next cycle, given ``room`` tokens left (before max_tokens or the
         context end) and ``context`` tokens already in the target's cache."""
         self.context = context
-        for w in [w for w, at in self.seen_at.items() if self.tokens - at > self.stale_after]:
-            del self.seen[w], self.seen_at[w]
+        p = self._plan(room)
+        if self.adaptive and p.width != self.last:
+            self._switched(p, room)
+        self.last = p.width
+        return p
+
+    def _plan(self, room: int) -> Plan:
         if room <= 1 or self.max_width <= 1:
+            self.reason = "one token left"
             return Plan(1, steps=max(room, 1))
         if not self.adaptive:
             if self.tree_budget > 0:
                 return Plan(self.tree_budget + 1, tree=True, block=min(self.fixed or self.max_width, room))
             return Plan(min(self.fixed or self.max_width, room))
-        if self.plain_left > 0:
+        if self.plain_left > 0:  # the calibration steps (no shadow: they time plain steps alone)
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
             # Drafted whatever plain steps would do, to see the draft at work,
@@ -568,27 +608,23 @@ class Policy:
             # (the prior at first): where verifies are dear (a slow BLAS, a big
             # target, a long context) a full-width cycle costs many plain steps,
             # and a draft that keeps all its tokens is widened at once.
-            return self._chain(self.best_width(room, drafted=True))
-        if self.probing:
-            # A fresh look at the draft, once per plain run (which doubles
-            # while probes fail); old evidence is dropped so the probe alone
-            # decides. Its width is the best under the prior alone: where
-            # wide verifies are dear (deep in a long context) a failed probe
-            # then costs little more than a plain step, and a probe that is
-            # all accepted widens the next cycles step by step.
-            self.acc.forget(0.0)
+            self.reason = "warm-up"
             return self._chain(self.best_width(room, drafted=True))
         B = self.best_width(room)
         if B == 1:
-            # Two such verdicts in a row before a plain run: one slow cycle
-            # on a busy machine does not switch the draft off.
+            # Two such verdicts in a row before a plain run: one unlucky cycle
+            # does not switch the draft off.
             self.plain_votes += 1
-            if self.plain_votes >= 2 or room < self.max_width:
+            if self.plain_votes >= 2 or room < self.max_width or self.last == 1:
                 self.plain_votes = 0
-                self.plain_left = self.plain_run
-                return Plan(1, steps=min(self.plain_left, room))
+                self.reason = "evidence"
+                if self.last != 1:  # a new plain stretch: the first shadow comes a block in
+                    self.shadow_gap = self.max_width
+                return Plan(1, steps=min(self.plain_run, room), shadow=self.shadow_gap)
+            self.reason = "evidence (a first vote for plain)"
             return self._chain(self.best_width(room, drafted=True))
         self.plain_votes = 0
+        self.reason = "shadow evidence" if self.last == 1 and self.shadows else "evidence"
         if self.auto_tree and room >= self.max_width:
             self.since_tree += 1
             chain = self.acc.expected(B) / self.cost(B)
@@ -599,11 +635,9 @@ class Policy:
 
     def tree_rate(self) -> float:
         """Expected tokens per second of a tree cycle: its committed tokens so
-        far (before any: as the widest chain) over its observed cost (before
-        any: the measured one, scaled as drafted cycles were off)."""
-        ts = self.seen.get("tree")
-        n = self.auto_tree + 1
-        cost = _recent_median(ts) if ts else self.costs.tree_cycle(n, self.context) * self.scale("draft")
+        far (before any: as the widest chain) over its cost (measured, corrected
+        as drafted cycles are)."""
+        cost = self.costs.tree_cycle(self.auto_tree + 1, self.context) * self.correction()
         kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
         return kept / cost
 
@@ -614,6 +648,21 @@ class Policy:
         acceptance measured at one width would not hold at another."""
         return Plan(width, block=self.max_width)
 
+    def _switched(self, p: Plan, room: int) -> None:
+        """A line for ``--verbose``: the change of width, why, the candidates'
+        expected tokens per second at the current load, and the acceptance evidence."""
+        load = self.load()
+        rates = " ".join(f"{'plain' if B == 1 else B}:{r / load:.0f}" for B, r in self.rates(room).items())
+        probs = " ".join(f"{x:.2f}" for x in self.acc.probs(min(4, self.max_width - 1)))
+        seen = f"{self.acc.trials[1]:.1f} blocks' weight" + (f", {self.shadows} shadow" if self.shadows else "")
+        frm = "start" if self.last == 0 else ("plain" if self.last == 1 else f"B{self.last}")
+        to = "plain" if p.width == 1 else ("tree" if p.tree else f"B{p.width}")
+        why = self.reason + (f", {room} tokens left" if 1 < room < self.max_width else "")
+        self.switches.append(
+            f"token {self.tokens}: {frm} -> {to} ({why}); expected tok/s {rates}; "
+            f"p1..: {probs} ({seen}); load x{load:.2f}"
+        )
+
     def timed(self, plan: Plan, committed: int, seconds: float) -> None:
         """Recalibrate from the wall time of a cycle (or a run of plain steps,
         ``committed`` tokens) up to the start of the next."""
@@ -623,17 +672,18 @@ class Policy:
         if w != 1 and w not in self.warm_widths:
             self.warm_widths.add(w)
             return
-        if w != 1:
-            self.seen_at[w] = self.tokens
-        if plan.tree:
-            self.seen["tree"] = (self.seen.get("tree", []) + [seconds])[-5:]
-            return
-        t = seconds / (committed if w == 1 else 1)
-        old = self.cost(w)
-        t = min(max(t, old / 3), old * 3)
-        self.seen[w] = (self.seen.get(w, []) + [t])[-5:]
         kind = "plain" if w == 1 else "draft"
-        self.ratios[kind] = (self.ratios[kind] + [t / self.costs.cycle(w, self.context)])[-5:]
+        if plan.tree:
+            model = self.costs.tree_cycle(plan.width, self.context)
+        else:
+            model = self.costs.cycle(plan.width, self.context)
+        ratio = seconds / (committed if w == 1 else 1) / model
+        if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
+            drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
+            self.fixes.append(min(max(drafted / plain, 1 / 3), 3.0))
+            del self.fixes[:-5]
+        self.prev = (kind, ratio)
+        self.loads = (self.loads + [ratio / (self.correction() if kind == "draft" else 1.0)])[-5:]
 
     def observe(self, plan: Plan, committed: int) -> None:
         """Book a cycle: ``committed`` tokens (plain steps: one each)."""
@@ -645,20 +695,30 @@ class Policy:
             return
         if plan.width == 1:
             self.plain_left = max(self.plain_left - committed, 0)
-            if self.plain_left == 0 and self.warmup <= 0:
-                self.probing = True
             return
         self.acc.observe(plan.width - 1, committed - 1)
         self.warmup -= 1
-        if self.probing:
-            # Drafting resumes if, on this probe's evidence, it pays; if not,
-            # plain decoding resumes for twice as long before the next probe.
-            self.probing = False
-            if self.best_width(self.max_width) > 1:
-                self.plain_run = self.first_plain_run
-            else:
-                self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
-                self.plain_left = self.plain_run
+
+    def shadowed(self, drafted: int, accepted: int) -> int:
+        """Book a shadow draft (``drafted`` tokens compared with what plain
+        decoding committed, ``accepted`` of them matching before the first
+        miss); returns the plain steps before the next one, or 0 when, on
+        this evidence, drafting pays (the plain run ends)."""
+        self.acc.observe(drafted, accepted, decay=self.shadow_decay)
+        self.shadows += 1
+        r = self.rates(self.max_width)
+        plain = r.pop(1)
+        best = max(r.values()) if r else 0.0
+        if best > plain:
+            return 0
+        if best > self.promising * plain:
+            return 1
+        # Soon after a switch to plain the text may turn at any time (an early
+        # bad stretch must not cost a short generation); the longer shadows
+        # fail, the rarer they get. Counted from now: the next one starts
+        # ``shadow_gap`` tokens after this one did.
+        self.shadow_gap = min(2 * self.shadow_gap, self.shadow_every)
+        return max(self.shadow_gap - drafted, 1)
 
     def describe(self) -> str:
         if not self.adaptive:
@@ -666,4 +726,7 @@ class Policy:
         c = self.costs
         ratios = " ".join(f"B{B}:{c.cycle(B) / c.plain:.2f}" for B in sorted(c.verify))
         tree = f"; chains or a tree of {self.auto_tree}" if self.auto_tree else ""
-        return f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms{tree})"
+        return (
+            f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms; "
+            f"a shadow draft per {self.shadow_every} plain tokens{tree})"
+        )

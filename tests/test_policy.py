@@ -27,40 +27,81 @@ def synthetic_costs():
     )
 
 
-def drive(policy, accept, cycles, room=10_000, tokens=None, context=0):
+def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=None, committed=None):
     """Run the policy against a draft whose first ``accept(width)`` drafts are
-    right, for ``cycles`` plans (or until ``tokens`` are committed) at about
-    ``context`` tokens of cache; returns the plans."""
+    right (or ``accept(width, tokens committed before it)``), for ``cycles`` plans (or until ``tokens`` are committed) at about
+    ``context`` tokens of cache; returns the plans. Plain runs carry shadow
+    drafts as the decoder's do (the first after ``plan.shadow`` steps, the
+    next after the steps ``policy.shadowed`` returns; a 0 ends the run after
+    the step already queued), each right for ``accept(block)`` tokens.
+    ``clock(plan, committed)``: the seconds the cycle took, for ``policy.timed``;
+    ``committed``: a list to append each plan's committed tokens to."""
+    if accept.__code__.co_argcount == 1:  # a draft as good everywhere in the text
+        accept = (lambda f: lambda B, at: f(B))(accept)
     plans = []
     done = 0
+    shadow_in, shadow = None, None  # the decoder's countdown and the shadow in flight: (at, right)
+    block = policy.max_width
     while (len(plans) < cycles) if tokens is None else (done < tokens):
         plan = policy.plan(room, context)
         plans.append(plan)
         if plan.width == 1:
-            policy.observe(plan, plan.steps)
-            done += plan.steps
-        else:
-            n = 1 + min(accept(plan.width), plan.width - 1)
+            n, last = 0, False
+            if plan.shadow and shadow_in is None:
+                shadow_in = plan.shadow
+            while n < plan.steps:
+                n += 1
+                done += 1
+                if last:
+                    break
+                if shadow is not None and done - shadow[0] >= block - 1:
+                    gap = policy.shadowed(block - 1, shadow[1])
+                    shadow, shadow_in = None, (gap or None)
+                    last = gap == 0  # drafting pays: the step already queued is the run's last
+                if not last and plan.shadow and shadow is None and shadow_in is not None:
+                    shadow_in -= 1
+                    if shadow_in <= 0:
+                        shadow = (done, min(accept(block, done), block - 1))
+            if shadow is not None:  # the run ended before the block was scored
+                seen = done - shadow[0]
+                if seen:
+                    gap = policy.shadowed(seen, min(shadow[1], seen))
+                    shadow_in = gap or None
+                shadow = None
             policy.observe(plan, n)
+            if clock:
+                policy.timed(plan, n, clock(plan, n))
+            done_by = n
+        else:
+            n = 1 + min(accept(plan.width, done), plan.width - 1)
+            policy.observe(plan, n)
+            if clock:
+                policy.timed(plan, n, clock(plan, n))
             done += n
+            shadow_in = None
+            done_by = n
+        if committed is not None:
+            committed.append(done_by)
     return plans
 
 
-def test_useless_draft_goes_plain_and_probes_ever_more_rarely():
+def test_useless_draft_goes_plain_and_looks_only_by_shadow_drafts():
+    """Once plain, a useless draft is looked at by shadow drafts alone (no
+    verify), one per ``shadow_every`` plain tokens: their cost stays under
+    the policy's share of plain decoding's time."""
     policy = Policy(16, synthetic_costs())
     plans = drive(policy, lambda B: 0, 0, tokens=3000)
     assert plans[0] == Plan(1, steps=Policy.calibration_steps)
-    drafted = [i for i, p in enumerate(plans) if p.width > 1]
     first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
     assert first_plain <= 6  # a few cycles to learn the draft is wrong
-    # After that, only probes: one drafted cycle after each run of plain steps,
-    # the runs doubling (16, 32, 64, ...) up to the cap.
-    probes = [i for i in drafted if i > first_plain]
-    runs = [plans[i + 1].steps for i in probes if i + 1 < len(plans)]
-    assert runs == sorted(runs) and runs[-1] == Policy.longest_plain_run
+    assert all(p.width == 1 for p in plans[first_plain:]), [p.width for p in plans]
     plain_tokens = sum(p.steps for p in plans if p.width == 1)
-    assert plain_tokens > 2900
-    assert len(probes) <= 5 + 3000 // Policy.longest_plain_run  # 16..256 doubling, then every 256
+    assert plain_tokens > 2950
+    every = policy.shadow_every
+    assert 16 <= every <= Policy.plain_run
+    assert policy.shadows == pytest.approx(plain_tokens / every, abs=len(plans))
+    c = synthetic_costs()
+    assert policy.shadows * c.draft[16] <= 1.1 * Policy.shadow_share * plain_tokens * c.plain
 
 
 def test_oracle_draft_gets_the_widest_block():
@@ -70,30 +111,49 @@ def test_oracle_draft_gets_the_widest_block():
     assert all(p.width > 1 for p in plans[1:])  # after the calibration steps
 
 
-def test_a_width_timed_in_a_stall_is_tried_again():
-    """The full block timed only during a stall of the machine (three times
-    its cost), then a narrower width timed after it (at its normal cost):
-    the block looks dear and the narrower width is taken, but once the
-    block's times are stale it is priced from the curve again, tried, and
-    (running at its normal cost) kept."""
-    costs = synthetic_costs()
-    policy = Policy(16, costs)
+def accept_each_with(p, seed=0):
+    """A draft whose every token is right with probability ``p``, independently."""
+    rng = random.Random(seed)
 
-    def cycle(plan, stall=1.0):
-        n = plan.steps if plan.width == 1 else plan.width  # an oracle draft
-        policy.observe(plan, n)
-        policy.timed(plan, n, stall * (n * costs.plain if plan.width == 1 else costs.cycle(plan.width)))
-        return plan.width
+    def accept(B):
+        n = 0
+        while n < B - 1 and rng.random() < p:
+            n += 1
+        return n
 
-    for _ in range(3):  # calibration steps and warm-up
-        cycle(policy.plan(10_000))
-    for _ in range(5):
-        cycle(Plan(16, block=16), stall=3.0)
-    for _ in range(4):  # 48 tokens: the block's times are not stale yet
-        cycle(Plan(12, block=16))
-    widths = [cycle(policy.plan(10_000)) for _ in range(20)]
-    assert widths[0] == 12, widths  # the stall is believed for a while
-    assert widths[-10:] == [16] * 10, widths  # then the block runs again, at its cost
+    return accept
+
+
+def stalled_clock(policy, stall_from, stall_to, factor=3.0):
+    """Cycle times: a plain step at 0.9 and a drafted cycle at 1.2 of the
+    measured costs (the model is off, differently for each kind), and every
+    cycle from the ``stall_from``-th to the ``stall_to``-th ``factor`` times
+    slower (a stall of the machine, alike for every width)."""
+    n = [0]
+
+    def clock(plan, committed):
+        n[0] += 1
+        slow = factor if stall_from <= n[0] < stall_to else 1.0
+        if plan.width == 1:
+            return slow * 0.9 * committed * policy.costs.cycle(1)
+        return slow * 1.2 * policy.costs.cycle(plan.width)
+
+    return clock
+
+
+@pytest.mark.parametrize("p", [0.85, 0.6, 0.45])
+def test_a_stall_that_slows_every_width_alike_changes_no_choice(p):
+    """The same draft, the same machine, with and without a stretch of 30
+    cycles timed 3x slow: the same widths, cycle for cycle. (Acceptance 0.85:
+    wide blocks; 0.6: narrow ones; 0.45: plain runs and drafting in turn.)"""
+    runs = []
+    for stall in ((0, 0), (40, 70)):
+        policy = Policy(16, synthetic_costs())
+        clock = stalled_clock(policy, *stall)
+        plans = drive(policy, accept_each_with(p), 200, clock=clock)
+        runs.append([(q.width, q.steps) for q in plans])
+    assert runs[0] == runs[1]
+    assert len({w for w, _ in runs[0][40:]}) > 1 or p > 0.8  # the choice is live, not stuck
 
 
 def test_first_drafted_cycles_are_narrow_where_verifies_are_dear():
@@ -151,13 +211,12 @@ def test_a_good_draft_drafts_narrower_deep_in_a_long_context():
     assert mean_width[4000] < 0.6 * mean_width[100]  # dear verifies: narrower
 
 
-def test_probes_are_cheap_where_wide_verifies_are_dear():
+def test_a_useless_draft_costs_no_verify_deep_in_a_long_context():
     policy = Policy(16, long_context_costs())
     plans = drive(policy, lambda B: 0, 0, tokens=1500, context=4000)
     first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
-    probes = [p.width for p in plans[first_plain:] if p.width > 1]
-    assert probes and max(probes) <= 4, probes
-    assert sum(p.steps for p in plans if p.width == 1) > 1400
+    assert all(p.width == 1 for p in plans[first_plain:])
+    assert sum(p.steps for p in plans if p.width == 1) > 1450
 
 
 def test_pinned_width_and_tree_ignore_the_costs():
@@ -278,15 +337,97 @@ def test_oracle_draft_decodes_at_the_widest_block(pair):
 
 def test_cycle_times_reach_the_policy(pair, tmp_path):
     """The real loop times each cycle for the policy (the tests above freeze
-    that clock): plain runs and drafted widths both get times."""
+    that clock): plain runs and drafted cycles both give load samples, and
+    their neighbours a correction of the drafted widths."""
     model, target, real = pair
     costs, _ = load_costs(target, real, cache_dir=tmp_path)
     ref = reference_greedy(model, PROMPT, 100)
     policy = Policy(16, costs)
     out, stats = run(target, 100, draft=ScriptedDraft(PROMPT, ref, target.vocab_size), policy=policy)
     assert out == ref
-    drafted = [w for w in policy.seen if w != 1]
-    assert 1 in policy.seen and drafted and all(w in stats.widths for w in drafted), (policy.seen, stats.tree_sizes)
+    assert len(policy.loads) >= 2 and len(policy.fixes) >= 1, (policy.loads, policy.fixes, stats.tree_sizes)
+
+
+class LateDraft(ScriptedDraft):
+    """Wrong until position ``good_from``, then right (an oracle)."""
+
+    def __init__(self, prompt, reference, vocab, good_from):
+        super().__init__(prompt, reference, vocab)
+        self.good_from = good_from
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        self.accept = 0 if anchor_pos < self.good_from else None
+        return super().__call__(features, anchor, anchor_pos, B, cache)
+
+
+def test_shadow_drafts_bring_the_loop_back_to_drafting(pair):
+    """A draft wrong for the first 60 tokens, then right: the loop goes plain,
+    its shadow drafts see the draft turn right, and it drafts again within a
+    shadow spacing and a block; the tokens are plain decoding's."""
+    model, target, _ = pair
+    N = 200
+    ref = reference_greedy(model, PROMPT, N)
+    good_from = len(PROMPT) + 60
+    draft = LateDraft(PROMPT, ref, target.vocab_size, good_from)
+    policy = FrozenClock(16, synthetic_costs())
+    out, stats = run(target, N, draft=draft, policy=policy)
+    assert out == ref
+    done, back = len(PROMPT) + 1, None
+    for w, n in zip(stats.tree_sizes, stats.cycle_commits):
+        if w > 1 and done >= good_from and back is None:
+            back = done
+        done += n
+    widths = stats.tree_sizes
+    assert 1 in widths[Policy.calibration_steps : Policy.calibration_steps + 12]  # it went plain
+    assert back is not None and back - good_from <= policy.shadow_every + 16, (back, widths)
+    assert stats.shadow_drafts >= 2 and any("plain -> B16 (shadow evidence)" in x for x in stats.switches)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{}, {"temperature": 0.9, "seed": 3}, {"temperature": 0.9, "seed": 3, "repetition_penalty": 1.2}],
+    ids=["greedy", "sampled", "repetition-penalty"],
+)
+def test_shadow_drafts_leave_plain_decodings_tokens(pair, sampling):
+    """Shadow drafts run (the draft is called more often than cycles were
+    drafted) and the text is plain decoding's, greedy or sampled (the
+    repetition penalty takes the unpipelined plain steps)."""
+    from mlx_dflash.sampling import Sampler
+
+    model, target, _ = pair
+    N = 120
+    ref = reference_greedy(model, PROMPT, N)
+    base, _ = run(target, N, baseline=True, sampler=Sampler(**sampling))
+    if not sampling:
+        assert base == ref
+    wrong = ScriptedDraft(PROMPT, base, target.vocab_size, accept=0)  # wrong about the text to come
+    rule = {"accept_rule": "equality"}  # the rule whose text is plain decoding's (the speculative one pins the block)
+    policy = FrozenClock(16, synthetic_costs())
+    out, stats = run(target, N, draft=wrong, policy=policy, sampler=Sampler(**sampling), **rule)
+    assert out == base
+    drafted = sum(w > 1 for w in stats.tree_sizes)
+    # Every draft call is a drafted cycle or a shadow (the last one maybe launched too late to score).
+    assert stats.shadow_drafts >= 3 and 0 <= len(wrong.calls) - drafted - stats.shadow_drafts <= 1
+
+
+def test_verbose_says_why_each_switch_happened(pair):
+    """``--verbose``'s table ends with a line per change of width: from, to,
+    why, the candidates' expected tok/s, the acceptance evidence, the load."""
+    from mlx_dflash.cli import _stats_table
+
+    model, target, _ = pair
+    ref = reference_greedy(model, PROMPT, 120)
+    draft = LateDraft(PROMPT, ref, target.vocab_size, good_from=len(PROMPT) + 40)
+    _, stats = run(target, 120, draft=draft, policy=FrozenClock(16, synthetic_costs()))
+    table = _stats_table(stats, "dflash")
+    lines = [x.strip() for x in table.split("width switches:\n", 1)[1].splitlines()]
+    assert lines == stats.switches and len(lines) >= 4
+    assert lines[0].startswith("token 0: start -> plain (calibration); expected tok/s plain:100 2:")
+    assert lines[1].startswith("token 4: plain -> B")
+    assert any(" -> plain (evidence)" in x for x in lines) and any("(shadow evidence)" in x for x in lines)
+    for line in lines:
+        assert "expected tok/s plain:" in line and "p1..:" in line and "load x" in line, line
+    assert "shadow drafts" in table
 
 
 def test_default_generation_is_adaptive_and_reports_widths(pair):
@@ -327,18 +468,88 @@ def test_speculative_sampling_keeps_the_full_block(pair):
     assert st.policy.startswith("adaptive")
 
 
-def test_observed_costs_are_the_median_of_recent_runs_and_plain_never_dearer_than_measured():
+def test_observed_costs_correct_the_model_apart_from_the_load():
     policy = Policy(16, synthetic_costs())  # plain 10 ms, a 16-wide cycle 25 ms
-    for seconds in (0.0095, 0.0085, 0.0150):  # 16-step plain runs, a stall in the last
-        policy.timed(Plan(1, steps=16), 16, seconds * 16)
-    assert policy.cost(1) == pytest.approx(0.0095)
-    for seconds in (0.020, 0.020, 0.020):  # a slower machine: capped at the measured 10 ms
-        policy.timed(Plan(1, steps=16), 16, seconds * 16)
-    assert policy.cost(1) == pytest.approx(0.010)
+    c = policy.costs
     # The first cycle at a width is not timed (in a fresh process it traces the width's forwards).
-    for seconds in (0.200, 0.024, 0.022, 0.040):
-        policy.timed(Plan(16, block=16), 5, seconds)
-    assert policy.cost(16) == pytest.approx(0.024)
+    policy.timed(Plan(16, block=16), 5, 0.200)
+    assert policy.cost(16) == pytest.approx(c.cycle(16)) and policy.load() == 1.0
+    # A machine twice as slow as at measurement, for every width: the load, not the costs.
+    for _ in range(5):
+        policy.timed(Plan(1, steps=16), 16, 16 * 2 * c.plain)
+        policy.timed(Plan(16, block=16), 5, 2 * c.cycle(16))
+    assert policy.load() == pytest.approx(2.0)
+    assert policy.cost(1) == pytest.approx(c.plain) and policy.cost(16) == pytest.approx(c.cycle(16))
+    # Drafted cycles dearer than the curve says next to plain steps that are not: that counts.
+    for _ in range(5):
+        policy.timed(Plan(1, steps=16), 16, 16 * 2 * c.plain)
+        policy.timed(Plan(16, block=16), 5, 3 * c.cycle(16))
+    assert policy.cost(16) / policy.cost(1) == pytest.approx(1.5 * c.cycle(16) / c.plain)
+    # Drafted cycles alone, ten times slower (a stall, or anything else no
+    # plain step was timed beside): the load moves, the costs do not.
+    for _ in range(5):
+        policy.timed(Plan(16, block=16), 5, 30 * c.cycle(16))
+    assert policy.cost(16) / policy.cost(1) == pytest.approx(1.5 * c.cycle(16) / c.plain)
+    assert policy.load() == pytest.approx(20.0)
+    # The next generation on the same curve starts from what this one saw; another curve does not.
+    assert Policy(16, c).correction() == pytest.approx(1.5) and Policy(16, synthetic_costs()).correction() == 1.0
+
+
+def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
+    """A draft wrong for the first 300 tokens, then right: the policy goes
+    plain, and shadow drafts bring it back to drafting soon after the text
+    turns predictable (before, it came back only on a probe schedule that
+    doubled while probes failed)."""
+    policy = Policy(16, synthetic_costs())
+    kept = []
+    plans = drive(policy, lambda B, at: 0 if at < 300 else B - 1, 0, tokens=600, committed=kept)
+    done, back = 0, None
+    for p, n in zip(plans, kept):
+        if p.width > 1 and done >= 300 and back is None:
+            back = done
+        done += n
+    assert any(p.width == 1 for p in plans[:20])  # it did go plain
+    # Within a shadow draft's spacing and its block (and the plain step queued when it is scored).
+    assert back is not None and back - 300 <= policy.shadow_every + 16, (back, [p.width for p in plans])
+    assert all(p.width == 16 for p in plans[-5:])
+
+
+@pytest.mark.parametrize("turn", [20, 40])
+def test_an_early_bad_stretch_costs_little_of_a_short_generation(turn):
+    """A draft as dear as a plain step (the embedded pair's: shadow drafts
+    60 tokens apart once settled), wrong until token ``turn``, then right:
+    the first shadow draft comes a block after the switch to plain and the
+    spacing doubles from there (16, 32, then 60), so a turn in the first
+    40 tokens is seen within 48 (with a fixed spacing of 60 the draft was
+    not looked at again before token 67)."""
+    c = synthetic_costs()
+    c.draft = {16: 0.012}
+    policy = Policy(16, c)
+    assert policy.shadow_every == 60
+    kept = []
+    plans = drive(policy, lambda B, at: 0 if at < turn else B - 1, 0, tokens=120, committed=kept)
+    done, back = 0, None
+    for p, n in zip(plans, kept):
+        if p.width > 1 and done >= turn and back is None:
+            back = done
+        done += n
+    assert any(p.width == 1 and p.steps > 4 for p in plans)  # it went plain
+    assert back is not None and back - turn <= 48, (back, [p.width for p in plans])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_low_acceptance_costs_at_most_3_percent_over_plain_decoding(seed):
+    """Each draft right with probability 0.25: drafting never pays on the
+    synthetic costs. Priced by those costs, the policy's decoding (its
+    drafted cycles, plain steps and shadow drafts) takes at most 3% longer
+    than plain decoding of the same tokens."""
+    policy = Policy(16, synthetic_costs())
+    c = policy.costs
+    kept = []
+    plans = drive(policy, accept_each_with(0.25, seed=seed), 0, tokens=2000, committed=kept)
+    seconds = sum(n * c.plain if p.width == 1 else c.cycle(p.width) for p, n in zip(plans, kept))
+    seconds += policy.shadows * c.draft[16]
+    assert seconds / (sum(kept) * c.plain) < 1.03, [p.width for p in plans if p.width > 1]
 
 
 def test_widths_come_from_a_ladder_so_few_widths_are_ever_traced():

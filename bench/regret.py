@@ -1,0 +1,183 @@
+"""The default width policy against every pinned width and plain decoding, in ONE process.
+
+    python bench/regret.py [-n 128] [--reps 3] [--widths 2,4,8,16] [--load quiet,busy]
+                           [--draft DIR ...] [--no-embedded] [--out bench/results/regret.md]
+
+For each pair (the embedded pair, then each ``--draft`` with the embedded
+target) and each of the six bench prompts, the modes take turns one
+generation at a time (after a warm-up each): ``default`` (the adaptive
+policy), ``pinned B`` for each width up to the draft's block, and ``plain``
+(``--baseline``). Per prompt: each mode's median tok/s and the regret ratio,
+the median over repeats of default's tok/s over the better of (the best
+pinned width, plain) in the same repeat (goal: >= 0.97 on every prompt, and
+default's median over prompts above both). ``busy``: the same, while a
+subprocess this script starts keeps one core busy (a pure-Python loop,
+pinned to core 0 where the OS allows), as a browser and an editor would.
+Greedy: every mode's tokens must equal plain decoding's.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlx_dflash import blas  # noqa: E402
+
+BURN = "import os\nif hasattr(os, 'sched_setaffinity'):\n    os.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"
+
+
+def busy_core():
+    """A subprocess that keeps one core busy until killed."""
+    return subprocess.Popen([sys.executable, "-c", BURN])
+
+
+def run_mode(engine, draft, ids, n, mode):
+    from mlx_dflash.benchmark import _run_engine
+
+    if mode == "plain":
+        return _run_engine(engine, ids, n, None, None)
+    if mode == "default":
+        return _run_engine(engine, ids, n, draft, None)
+    return _run_engine(engine, ids, n, draft, int(mode.split()[1]))
+
+
+def measure(engine, draft, prompts, n, reps, widths):
+    """Per prompt: per mode the tok/s of each repeat, the stats of its median run, and the tokens."""
+    from mlx_dflash.benchmark import first_difference
+
+    modes = ["default"] + [f"pinned {w}" for w in widths if w <= draft.block_size] + ["plain"]
+    rows = {}
+    for name, text in prompts.items():
+        ids = engine.encode(text)
+        runs = {m: [] for m in modes}
+        for m in modes:  # warm-up (traces, cost curve)
+            run_mode(engine, draft, ids, n, m)
+        for _ in range(reps):
+            for m in modes:
+                runs[m].append(run_mode(engine, draft, ids, n, m))
+        ref = runs["plain"][0][0]
+        for m, rs in runs.items():
+            for toks, _ in rs:
+                if toks != ref:
+                    raise SystemExit(f"{name}: {m} differs from plain decoding at token {first_difference(toks, ref)}")
+        row = {}
+        for m, rs in runs.items():
+            tps = [st["decode_tps"] for _, st in rs]
+            mid = sorted(rs, key=lambda r: r[1]["decode_tps"])[reps // 2][1]
+            row[m] = {"tps": tps, "median": statistics.median(tps), "widths": mid["widths"], "tau": mid["tau"]}
+        pinned = [m for m in modes if m.startswith("pinned")]
+        best = max(pinned, key=lambda m: row[m]["median"])
+        other = best if row[best]["median"] >= row["plain"]["median"] else "plain"
+        row["best"] = other
+        row["best_pinned"] = best
+        row["regret"] = statistics.median(a / b for a, b in zip(row["default"]["tps"], row[other]["tps"]))
+        rows[name] = row
+        print(
+            f"  {name:18s} default {row['default']['median']:6.1f}  best pinned ({best}) "
+            f"{row[best]['median']:6.1f}  plain {row['plain']['median']:6.1f}  regret {row['regret']:.3f}",
+            flush=True,
+        )
+    return modes, rows
+
+
+def table(modes, rows) -> list:
+    head = "| prompt | " + " | ".join(f"{m} tok/s" for m in modes) + " | better of pinned/plain | default / better |"
+    lines = [head, "|---|" + "---:|" * (len(modes) + 2)]
+    for name, row in rows.items():
+        cells = [f"{row[m]['median']:.1f}" for m in modes]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['best']} | {row['regret']:.3f} |")
+    med = {m: statistics.median(r[m]["median"] for r in rows.values()) for m in modes}
+    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | |")
+    worst = min(r["regret"] for r in rows.values())
+    above = med["default"] > max(v for m, v in med.items() if m != "default")
+    lines += [
+        "",
+        f"Worst regret ratio {worst:.3f} (goal >= 0.97: {'met' if worst >= 0.97 else 'not met'}); "
+        f"default's median over prompts {'above' if above else 'NOT above'} every pinned width's and plain's.",
+        "",
+        "Default's widths (width:cycles, 1 = plain steps) and tau, median run:",
+        "",
+    ]
+    for name, row in rows.items():
+        w = " ".join(f"{k}:{v}" for k, v in row["default"]["widths"].items())
+        lines.append(f"- {name}: {w} (tau {row['default']['tau']:.2f})")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--max-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--widths", default="2,4,8,16", help="pinned widths (those up to the draft's block run)")
+    ap.add_argument("--load", default="quiet,busy", help="quiet, busy, or both (comma list)")
+    ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
+    ap.add_argument("--no-embedded", action="store_true", help="only the --draft pairs, not the embedded pair")
+    ap.add_argument("--prompts", type=int, default=0, help="only the first N bench prompts (0: all)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "regret.md")
+    args = ap.parse_args()
+    blas.ensure_openblas("auto")
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL, load
+    from mlx_dflash.benchmark import read_prompts
+
+    prompts = read_prompts()
+    if args.prompts:
+        prompts = dict(list(prompts.items())[: args.prompts])
+    widths = [int(w) for w in args.widths.split(",")]
+    loads = [x.strip() for x in args.load.split(",")]
+    engine = load(DEFAULT_MODEL, DEFAULT_DRAFT)
+    pairs = [] if args.no_embedded else [("embedded pair", engine.draft)]
+    for d in args.draft:
+        pairs.append((f"embedded target + {d}", load(DEFAULT_MODEL, d).draft))
+    t0 = time.time()
+    lines = [
+        "# Width policy regret: default vs pinned widths vs plain",
+        "",
+        f"- command: `python bench/regret.py {' '.join(sys.argv[1:])}`",
+        f"- machine: {platform.platform()} ({platform.machine()}, {os.cpu_count()} cores), shared with other "
+        "engineers' jobs during the run (their load is not controlled: read ratios, not absolute tok/s)",
+        f"- BLAS: {blas.describe()}",
+        f"- {args.max_tokens} tokens per generation, greedy; modes take turns one generation at a time "
+        f"within each of {args.reps} repeats (after a warm-up each), in one process; every mode's tokens equal "
+        "plain decoding's",
+        "- default = the adaptive policy (shadow drafts while plain, costs corrected only by what plain and "
+        "drafted cycles show side by side; docs/policy.md); pinned B = `--block-size B`; plain = `--baseline`",
+        "- regret ratio = median over repeats of default's tok/s / the better mode's (best pinned width or "
+        "plain, by median) tok/s in the same repeat",
+        "",
+    ]
+    data = {}
+    for pair_name, draft in pairs:
+        for ld in loads:
+            burner = busy_core() if ld == "busy" else None
+            try:
+                print(f"{pair_name}, {ld}:", flush=True)
+                modes, rows = measure(engine, draft, prompts, args.max_tokens, args.reps, widths)
+            finally:
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
+            what = (
+                "one core kept busy by a CPU-burning subprocess this script started (a pure-Python loop, pinned "
+                "to core 0)"
+                if ld == "busy"
+                else "no load of this script's own"
+            )
+            lines += [f"## {pair_name} (block {draft.block_size}), {ld}: {what}", ""] + table(modes, rows) + [""]
+            data[f"{pair_name} / {ld}"] = rows
+    lines.append(f"Run took {(time.time() - t0) / 60:.1f} min.")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
