@@ -40,7 +40,7 @@ from .config import GenerationConfig
 from .decode import Decoder, GenerationStats, Hooks, Proposal, check_prompt, open_decoder
 from .errors import DFlashError
 from .models.draft import propose_slots
-from .policy import Acceptance, Plan, Policy, _interp, _recent_median, cost_key, default_cache_dir, machine_id
+from .policy import Acceptance, Plan, Policy, _interp, cost_key, default_cache_dir, machine_id
 from .sampling import Sampler
 
 
@@ -103,7 +103,7 @@ class BatchCosts:
 
     def cycle(self, S: int, W: int) -> float:
         ts = self.seen.get((S, W))
-        return _recent_median(ts) if ts else self.prior(S, W)
+        return sorted(ts)[len(ts) // 2] if ts else self.prior(S, W)  # the middle of the recent ones
 
     def observed(self, S: int, W: int, seconds: float) -> None:
         """A cycle of S slots at width W took ``seconds``."""
