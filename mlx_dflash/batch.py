@@ -667,9 +667,10 @@ def batch_generate(
     return results
 
 
-# `serve --max-batch` when not given (provisional: bench/batch.py measures
-# concurrency 1, 2, 4 and 8); the server lowers it to what memory holds.
-DEFAULT_MAX_BATCH = 4
+# `serve --max-batch` when not given: bench/batch.py's pick (best aggregate
+# tok/s, slowest request not later; bench/results/batch.md); the server
+# lowers it to what memory holds.
+DEFAULT_MAX_BATCH = 8
 
 
 def slot_bytes(target, draft=None, *, context: Optional[int] = None, kv_bits=None, draft_window=None) -> int:
