@@ -231,6 +231,7 @@ def _bench_script(name):
     return module
 
 
+@pytest.mark.slow  # 30-40 s: three systems, a profile and a memory pass
 def test_batch_bench_smoke(tmp_path):
     """bench/batch.py end to end at concurrency 2, 4 tokens, one round: the
     three systems run, batched gives each request the one-at-a-time tokens,
