@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_dflash import blas  # noqa: E402
 from mlx_dflash.cache import DeltaNetState  # noqa: E402
 from mlx_dflash.config import GenerationConfig  # noqa: E402
-from mlx_dflash.decode import Hooks, _loop, open_decoder  # noqa: E402
+from mlx_dflash.decode import Hooks, decode_loop, open_decoder  # noqa: E402
 from mlx_dflash.policy import Policy  # noqa: E402
 from tools import shapes  # noqa: E402
 
@@ -70,7 +70,7 @@ def oracle_decode(target, prompt, cache, dcache, oracle, anchor: int, n: int):
     d.emit([anchor])
     out = []
     d.tic = t0 = time.perf_counter()
-    for toks in _loop(d, Policy(BLOCK, None, fixed=BLOCK), False):
+    for toks in decode_loop(d, Policy(BLOCK, None, fixed=BLOCK), False):
         out.extend(toks)
     return out, time.perf_counter() - t0, d.stats
 

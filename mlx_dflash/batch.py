@@ -12,7 +12,9 @@ context on its own), verifies all slots' chains (or, with ``tree_budget``,
 a DDTree per slot) in one :meth:`Target.forward_slots` of one width W, and
 accepts, commits and rolls back per slot
 (:class:`~mlx_dflash.cache.SlotBatch`). A slot leaves the moment it hits
-EOS, ``max_tokens`` or the context end.
+EOS, ``max_tokens`` or the context end. While one slot alone is decoding,
+it runs the solo loop (:meth:`BatchDecoder._alone`): a batch of one is a
+solo generation, its widths, pipelined plain steps and speed included.
 
 W is chosen per cycle for the whole batch by :class:`BatchPolicy`: the
 width with the most expected committed tokens, summed over the slots, per
@@ -30,14 +32,23 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
 from .api import GenerationResult
 from .cache import SlotBatch
 from .config import GenerationConfig
-from .decode import Decoder, GenerationStats, Hooks, Proposal, check_prompt, open_decoder
+from .decode import (
+    Decoder,
+    GenerationStats,
+    Hooks,
+    Proposal,
+    check_prompt,
+    decode_loop,
+    make_policy,
+    open_decoder,
+)
 from .errors import DFlashError
 from .models.draft import propose_slots
 from .policy import Acceptance, Plan, Policy, _interp, cost_key, default_cache_dir, machine_id
@@ -368,8 +379,9 @@ class BatchDecoder:
     batch's verify, ``block_size``, ``baseline``, ``adaptive`` and
     ``tree_budget``, must be the same for all); ``step`` admits queued requests while slots are free, then runs
     one cycle for the active slots, and returns what each request committed.
-    ``policy``: the batch's widths (a :class:`BatchPolicy`; default: made at
-    the first cycle from the requests' options).
+    ``policy``: the batch's widths (a :class:`BatchPolicy`, which then also
+    runs a batch of one; default: made at the first cycle from the
+    requests' options, a lone slot running its solo loop).
     """
 
     def __init__(
@@ -399,6 +411,10 @@ class BatchDecoder:
         self.count = 0
         self.shape = None  # (block_size, baseline, adaptive, tree_budget) shared by every request
         self.policy = policy  # the batch's widths (None: made at the first cycle, see _width_policy)
+        self.given_policy = policy is not None  # it then rules every cycle, a batch of one's too
+        self.configs: Dict[int, GenerationConfig] = {}  # request index -> its options, while it runs
+        self.solo: Dict[int, Policy] = {}  # request index -> its solo width policy, once it decoded alone
+        self.lone: Optional[Tuple[int, Iterator[List[int]]]] = None  # the slot decoding alone: its solo loop
         mx.reset_peak_memory()  # each request's stats.peak_memory: the batch's
 
     @property
@@ -451,7 +467,7 @@ class BatchDecoder:
                 if j == index:
                     del slots[i]
                     d.stats.finish_reason = "cancelled"
-                    self._leave(d)
+                    self._leave(index, d)
                     return SlotEvent(index, [], "cancelled", d.stats)
         return None
 
@@ -473,10 +489,11 @@ class BatchDecoder:
                 events.append(ev)
         if self.active:
             running = dict(self.active)
-            cycled = self._cycle()
+            alone = len(self.active) == 1 and not self.given_policy
+            cycled = self._alone() if alone else self._cycle()
             for ev in cycled:
                 if ev.finish_reason is not None:
-                    self._leave(running[ev.index])
+                    self._leave(ev.index, running[ev.index])
             events += cycled
         return events
 
@@ -486,10 +503,16 @@ class BatchDecoder:
         d.stats.policy = f"batch of up to {self.max_batch}, chain of {d.stats.block_size}" if draft else "batch, plain"
         steps = d.prefill_steps(c.prefill_chunk, self.prefix_cache, prefix_boundary)
         self.prefilling.append((index, d, steps))
+        self.configs[index] = c
 
-    def _leave(self, d: Decoder) -> None:
+    def _leave(self, index: int, d: Decoder) -> None:
         """A slot that finished or was cancelled: snapshot its committed
         tokens into the prefix cache (as a solo generation does at its end)."""
+        self.configs.pop(index, None)
+        self.solo.pop(index, None)
+        if self.lone is not None and self.lone[0] == index:
+            self.lone[1].close()
+            self.lone = None
         if d.prefix_run is not None:
             d.prefix_run.finish(d.history, d.pending_features())
 
@@ -505,7 +528,7 @@ class BatchDecoder:
         if not d.finished:
             self.active.append((index, d))
         else:
-            self._leave(d)
+            self._leave(index, d)
         return SlotEvent(index, out, d.stats.finish_reason, d.stats)
 
     def _width_policy(self, ds: List[Decoder]) -> BatchPolicy:
@@ -526,9 +549,45 @@ class BatchDecoder:
             return BatchPolicy(self.policy.max_width)  # the adaptive one resumes once they leave
         return self.policy
 
+    def _alone(self) -> List[SlotEvent]:
+        """The one decoding slot runs as a solo generation does: its own
+        loop and width policy (:func:`~mlx_dflash.decode.make_policy`), one
+        of the loop's yields per step (a drafted cycle, or a pipelined plain
+        step), so a batch of one is the solo loop. A second slot joining
+        pauses that loop between two yields (:meth:`Decoder.pause`); the
+        request's acceptance evidence is the same object in both policies."""
+        index, d = self.active[0]
+        if self.lone is None:
+            c = self.configs[index]
+            policy = self.solo.get(index)
+            if policy is None:
+                draft = None if c.baseline else self.draft
+                policy = self.solo[index] = make_policy(self.target, draft, c, d.sampler, d.cache.kv_bits)
+                batch = self.policy
+                if batch is not None and batch.adaptive and policy.adaptive and index in batch.acc:
+                    policy.acc = batch.acc[index]  # evidence from its batched cycles
+            if d.draft is not None:
+                d.stats.policy = f"batch of up to {self.max_batch}, alone: {policy.describe()}"
+            self.lone = (index, decode_loop(d, policy, c.profile))
+        out = next(self.lone[1], None)
+        if d.finished:
+            next(self.lone[1], None)  # the loop's end: its timing and switch lines in the stats
+            self.lone = None
+            self.active = []
+        return [SlotEvent(index, out or [], d.stats.finish_reason, d.stats)]
+
     def _cycle(self) -> List[SlotEvent]:
+        if self.lone is not None:  # another slot joined the one decoding alone
+            self.lone[1].close()
+            self.lone = None
+        for _, d in self.active:
+            d.pause()
         ds: List[Decoder] = [d for _, d in self.active]
         policy = self._width_policy(ds)
+        if policy.adaptive:
+            for index, solo in self.solo.items():
+                if solo.adaptive:
+                    policy.acc.setdefault(index, solo.acc)  # one request, one acceptance record
         # A slot's context end bounds every slot's width; its max_tokens does
         # not: rows past it are verified and not emitted (emit stops there).
         room = min(d.max_context - d.pos for d in ds)
@@ -561,33 +620,29 @@ class BatchDecoder:
             items = [(d.draft_context(), d.anchor, d.pos, d.dcache, d.sampler, False) for d in ds]
             shadow = [t for t, _ in propose_slots(self.draft, items, policy.max_width)]
         t1 = time.perf_counter()
-        alone = len(ds) == 1  # a batch of one verifies and rolls back as the solo loop: no slot bookkeeping
-        if alone:
-            verified = [ds[0].verify(props[0])]
+        slots = SlotBatch([d.cache for d in ds])
+        if plan.tree:
+            tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
         else:
-            slots = SlotBatch([d.cache for d in ds])
-            if plan.tree:
-                tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
-            else:
-                tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
-            logits, feats = self.target.forward_slots(
-                tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
-            )
-            verified = [
-                d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
-            ]
+            tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
+        logits, feats = self.target.forward_slots(
+            tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
+        )
+        verified = [
+            d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
+        ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
         for (index, d), t in zip(self.active, shadow or ()):
             policy.shadows[index] = (d.pos, t.tolist())
-        if plan.width > 1 and not alone:
+        if plan.width > 1:
             slots.rollback([len(path) for path in paths], paths if plan.tree else None)
         events = []
         desc = policy.describe(self.max_batch) if ds[0].draft is not None else "batch, plain"
         if tree_budget and ds[0].draft is not None:
             desc = f"batch of up to {self.max_batch}, pinned (tree of {tree_budget} per slot)"
         for (index, d), p, v, path in zip(self.active, props, verified, paths):
-            out = d.commit(p, v, path, rolled_back=not alone)
+            out = d.commit(p, v, path, rolled_back=True)
             st = d.stats
             st.policy = desc
             st.draft_time += t1 - t0  # the batch's draft, verify and rollback time

@@ -7,6 +7,7 @@ phase; ``generate_tokens`` is the loop that asks the policy and runs them.
 """
 
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -455,25 +456,38 @@ class Decoder:
 
         left = min(n, self.room())
         queued = step(mx.array([self.anchor], dtype=mx.int32), self.pos) if left > 0 else None
-        while queued is not None:
-            _, cur, f = queued
-            queued = None
-            left -= 1
-            if left > 0:
-                queued = step(cur, self.pos + 1)
-            self.anchor = cur.item()
-            self.add_features(f)
-            self.pos += 1
-            out = self.emit([self.anchor])
-            if self.finished and queued is not None:
-                cache.restore(queued[0])
+        try:
+            while queued is not None:
+                _, cur, f = queued
                 queued = None
-            self.stats.add_cycle(1, 1, self.tic)
-            if shadows and not self.finished and self.shadow_step(scored):
-                left = 0  # drafting pays: the step already queued is the run's last
-            yield out
+                left -= 1
+                if left > 0:
+                    queued = step(cur, self.pos + 1)
+                self.anchor = cur.item()
+                self.add_features(f)
+                self.pos += 1
+                out = self.emit([self.anchor])
+                if self.finished and queued is not None:
+                    cache.restore(queued[0])
+                    queued = None
+                self.stats.add_cycle(1, 1, self.tic)
+                if shadows and not self.finished and self.shadow_step(scored):
+                    left = 0  # drafting pays: the step already queued is the run's last
+                yield out
+        finally:
+            if queued is not None:  # closed early: the step queued past the last yield is undone
+                cache.restore(queued[0])
         if shadows:
             self.shadow_score(scored)
+
+    def pause(self) -> None:
+        """Leave the solo loop between two of its yields (a batch takes the
+        slot over): the draft launched early and a shadow draft in flight are
+        dropped. Their context rows are already in the draft's cache, and the
+        target's cache holds exactly the committed tokens."""
+        self.pending = None
+        self.shadow = None
+        self.shadow_in = None
 
     # --- shadow drafts: evidence while decoding plainly ---------------------------------
     def shadow_step(self, scored) -> bool:
@@ -637,6 +651,24 @@ def open_decoder(
     return d
 
 
+def make_policy(target, draft, c: GenerationConfig, sampler: Sampler, kv_bits: Optional[int] = None) -> Policy:
+    """The width policy a solo generation under ``c`` runs with: pinned by
+    ``block_size``, ``tree_budget``, ``adaptive=False`` or the speculative
+    rule, else adaptive on the pair's measured costs (``kv_bits``: the
+    cache's KV format); plain steps without a draft."""
+    if draft is None:
+        return Policy(1)
+    # The speculative rule's text depends on what was drafted, so widths
+    # chosen from timings would make a seed's text vary run to run: it keeps
+    # the full block (greedy and the equality rule do not depend on it).
+    pinned = c.block_size is not None or c.tree_budget > 0 or not c.adaptive or speculative(c, sampler)
+    # Measured (once per machine and model) before this generation's cache
+    # exists: a pipeline-split target has one live cache at a time.
+    trees = (c.auto_tree + 1,) if c.auto_tree else ()
+    costs = None if pinned else load_costs(target, draft, kv_bits=kv_bits, tree_sizes=trees)[0]
+    return Policy(draft.block_size, costs, fixed=c.block_size, tree_budget=c.tree_budget, auto_tree=c.auto_tree)
+
+
 def _generate_tokens(
     target,
     prompt,
@@ -659,25 +691,11 @@ def _generate_tokens(
     c.validate(draft)
     prompt = list(prompt)
     check_prompt(target, prompt, c)
-    policy = hooks.policy
-    block_size, tree_budget, auto_tree = c.block_size, c.tree_budget, c.auto_tree
     sampler = hooks.sampler or c.sampler()
-    spec = speculative(c, sampler)
-    if draft is not None:
-        limit = draft.block_size
-        if policy is None:
-            # The speculative rule's text depends on what was drafted, so widths
-            # chosen from timings would make a seed's text vary run to run: it
-            # keeps the full block (greedy and the equality rule do not depend on it).
-            pinned = block_size is not None or tree_budget > 0 or not c.adaptive or spec
-            # Measured (once per machine and model) before this generation's
-            # cache exists: a pipeline-split target has one live cache at a time.
-            bits = getattr(cache, "kv_bits", None) if cache is not None else c.kv_bits
-            trees = (auto_tree + 1,) if auto_tree else ()
-            costs = None if pinned else load_costs(target, draft, kv_bits=bits, tree_sizes=trees)[0]
-            policy = Policy(limit, costs, fixed=block_size, tree_budget=tree_budget, auto_tree=auto_tree)
-    else:
-        policy = Policy(1)
+    bits = getattr(cache, "kv_bits", None) if cache is not None else c.kv_bits
+    policy = (
+        hooks.policy if hooks.policy is not None and draft is not None else make_policy(target, draft, c, sampler, bits)
+    )
     d = open_decoder(
         target, prompt, c, hooks, sampler, draft=draft, eos_token_ids=eos_token_ids, stats=stats, cache=cache
     )
@@ -689,7 +707,7 @@ def _generate_tokens(
         return
     d.tic = time.perf_counter()
     try:
-        yield from _loop(d, policy, c.profile)
+        yield from decode_loop(d, policy, c.profile)
     except GeneratorExit:  # closed early: snapshot what is committed
         if prefix_run is not None:
             prefix_run.finish(d.history, d.pending_features())
@@ -698,9 +716,10 @@ def _generate_tokens(
         prefix_run.finish(d.history, d.pending_features())
 
 
-def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
+def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[List[int]]:
     """Cycles until done: ask the policy, run plain steps or one drafted
-    cycle (propose, verify, accept, commit), book it, yield its tokens."""
+    cycle (propose, verify, accept, commit), book it, yield its tokens.
+    Closed early, it leaves ``d`` at its last yield (see :meth:`Decoder.pause`)."""
     stats = d.stats
 
     plan = policy.plan(d.room(), d.pos)
@@ -714,11 +733,12 @@ def _loop(d: Decoder, policy: Policy, profile: bool) -> Iterator[List[int]]:
             break
         if plan.width == 1:
             n, t1 = 0, t0
-            for out in d.plain_steps(plan.steps, plan.shadow, policy.shadowed):
-                n += 1
-                if n == 1:
-                    t1 = time.perf_counter()
-                yield out
+            with closing(d.plain_steps(plan.steps, plan.shadow, policy.shadowed)) as steps:
+                for out in steps:
+                    n += 1
+                    if n == 1:
+                        t1 = time.perf_counter()
+                    yield out
             policy.observe(plan, n)
             # Timed from the first step's token being read: the first step
             # fills the pipeline (and after a prefill pays warm-up), the rest
