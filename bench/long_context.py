@@ -24,6 +24,7 @@ what it measured. Writes bench/results/long-context.md (``--out``).
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import sys
@@ -141,8 +142,8 @@ def report(rows, args, name, params) -> str:
         f" --tokens {args.tokens} --rounds {args.rounds} --reps {args.reps}`",
         "",
         f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        "2 cores shared with other engineers' jobs (load varies); mlx-lm and the engine take turns in this "
-        "one process",
+        "2 cores; load average %.1f %.1f %.1f when this context ended (this run alone is about 1); "
+        "mlx-lm and the engine take turns in this one process" % os.getloadavg(),
         f"- BLAS: {blas.describe()}",
         f"- target: random weights, the published Qwen3.5-0.8B config.json, {params:.3f} B parameters ({name}); "
         "draft: random weights, the published 0.8B DFlash draft's shape (5 full-attention layers); "

@@ -491,12 +491,17 @@ class Decoder:
 
     # --- shadow drafts: evidence while decoding plainly ---------------------------------
     def shadow_step(self, scored) -> bool:
-        """After a plain step: score the shadow draft in flight if plain
-        decoding has committed all it guessed, launch the next when due.
-        True when ``scored`` says the run should end."""
-        if self.shadow is not None and self.pos - self.shadow[0] >= self.shadow[1].shape[0]:
-            if self.shadow_score(scored):
-                return True
+        """After a plain step: score the shadow draft in flight once plain
+        decoding has committed all it guessed or a miss shows, launch the
+        next when due. True when ``scored`` says the run should end."""
+        if self.shadow is not None:
+            at, drafted = self.shadow
+            n = self.pos - at  # tokens committed after its anchor
+            # From the second step on the draft has surely run (a step queued
+            # after it has been read), so looking costs no wait.
+            if n >= len(drafted) or (n >= 2 and self.acceptance(self._shadow_guess()[:n], self.history[at + 1 :]) < n):
+                if self.shadow_score(scored):
+                    return True
         if self.shadow is None and self.shadow_in is not None:
             self.shadow_in -= 1
             if self.shadow_in <= 0 and self.room() > 1:
@@ -510,6 +515,14 @@ class Decoder:
                 self.shadow = (self.pos, drafted)
         return False
 
+    def _shadow_guess(self) -> List[int]:
+        """The shadow draft's tokens, read from the device once."""
+        at, drafted = self.shadow
+        if not isinstance(drafted, list):
+            drafted = drafted.tolist()
+            self.shadow = (at, drafted)
+        return drafted
+
     def shadow_score(self, scored) -> bool:
         """Compare the shadow draft in flight with the tokens committed after
         its anchor (at a run's end: as many as there are) and book it; True
@@ -517,11 +530,11 @@ class Decoder:
         if self.shadow is None:
             return False
         at, drafted = self.shadow
-        committed = self.history[at + 1 : at + 1 + drafted.shape[0]]
+        committed = self.history[at + 1 : at + 1 + len(drafted)]
+        guess = self._shadow_guess()[: len(committed)]
         self.shadow = None
         if not committed:
             return False
-        guess = drafted.tolist()[: len(committed)]
         self.stats.shadow_drafts += 1
         gap = scored(len(committed), self.acceptance(guess, committed))
         self.shadow_in = gap if gap > 0 else None

@@ -698,6 +698,10 @@ class Policy:
             return
         self.acc.observe(plan.width - 1, committed - 1)
         self.warmup -= 1
+        if self.warmup == 0:
+            # The warm-up's cycles are evidence already: a first verdict for
+            # plain after them is not one unlucky cycle.
+            self.plain_votes = 1
 
     def shadowed(self, drafted: int, accepted: int) -> int:
         """Book a shadow draft (``drafted`` tokens compared with what plain

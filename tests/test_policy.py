@@ -316,6 +316,37 @@ def test_always_wrong_draft_decodes_plainly_with_identical_tokens(pair):
     assert stats.widths[1] >= N - 20
 
 
+class Booking(FrozenClock):
+    """Records each shadow draft as booked: (tokens compared, accepted)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.booked = []
+
+    def shadowed(self, drafted, accepted):
+        self.booked.append((drafted, accepted))
+        return super().shadowed(drafted, accepted)
+
+
+def test_a_useless_draft_costs_its_warm_up_and_early_scored_shadows(pair):
+    """A draft wrong from its first token: the two warm-up cycles are the only
+    drafted ones before plain decoding (a verdict for plain right after them
+    is not one unlucky cycle: the warm-up was evidence), and each shadow
+    draft is booked as soon as its miss shows, two plain steps after it, not
+    after its whole block of 15 (which would delay the next look)."""
+    model, target, _ = pair
+    N = 120
+    ref = reference_greedy(model, PROMPT, N)
+    wrong = ScriptedDraft(PROMPT, ref, target.vocab_size, accept=0)
+    policy = Booking(16, synthetic_costs())
+    out, stats = run(target, N, draft=wrong, policy=policy)
+    assert out == ref
+    widths = stats.tree_sizes
+    calib = Policy.calibration_steps
+    assert sum(w > 1 for w in widths[: widths.index(1, calib)]) == 2, widths
+    assert len(policy.booked) >= 3 and all(b == (2, 0) for b in policy.booked[:-1]), policy.booked
+
+
 def test_oracle_draft_decodes_at_the_widest_block(pair):
     model, target, real = pair
     N = 80
