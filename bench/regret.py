@@ -124,7 +124,9 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "regret.md")
     args = ap.parse_args()
     blas.ensure_openblas("auto")
-    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL, load
+    import mlx.core as mx
+
+    from mlx_dflash.api import DEFAULT_MODEL, load
     from mlx_dflash.benchmark import read_prompts
 
     prompts = read_prompts()
@@ -132,10 +134,12 @@ def main():
         prompts = dict(list(prompts.items())[: args.prompts])
     widths = [int(w) for w in args.widths.split(",")]
     loads = [x.strip() for x in args.load.split(",")]
-    engine = load(DEFAULT_MODEL, DEFAULT_DRAFT)
+    # As users run the embedded pair (mlx_dflash.load() casts it to float32;
+    # its folders store float16, slow and not what runs on a CPU).
+    engine = load()
     pairs = [] if args.no_embedded else [("embedded pair", engine.draft)]
     for d in args.draft:
-        pairs.append((f"embedded target + {d}", load(DEFAULT_MODEL, d).draft))
+        pairs.append((f"embedded target + {d}", load(DEFAULT_MODEL, d, dtype=mx.float32).draft))
     t0 = time.time()
     lines = [
         "# Width policy regret: default vs pinned widths vs plain",

@@ -410,16 +410,23 @@ class Acceptance:
     expected to do as the deepest one seen, so an oracle draft is widened
     step by step and a useless one is not."""
 
-    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.95):
+    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.95, stale: float = 0.8):
         self.hits = [0.0] * (depths + 1)
         self.trials = [0.0] * (depths + 1)
-        self.prior, self.weight, self.decay = prior, weight, decay
+        self.prior, self.weight, self.decay, self.stale = prior, weight, decay, stale
 
     def observe(self, drafted: int, accepted: int, decay: Optional[float] = None) -> None:
         self.forget(self.decay if decay is None else decay)
-        for d in range(1, min(accepted + 1, drafted) + 1):
+        tested = min(accepted + 1, drafted)
+        for d in range(1, tested + 1):
             self.trials[d] += 1
             self.hits[d] += d <= accepted
+        # Depths this block did not reach go stale faster: a width kept narrow
+        # after one early miss deeper down would otherwise never look again,
+        # so their estimate drifts back to the one a depth up.
+        for d in range(tested + 1, len(self.hits)):
+            self.hits[d] *= self.stale
+            self.trials[d] *= self.stale
 
     def forget(self, keep: float) -> None:
         self.hits = [h * keep for h in self.hits]
@@ -470,6 +477,8 @@ class Policy:
     end, so it moves the machine's load (reported) and not the choice."""
 
     plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
+    warmup_cycles = 2
+    full_look = 4.0  # the first warm-up cycle drafts the full block if it costs at most this many plain steps
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
     shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
@@ -496,7 +505,7 @@ class Policy:
         # A few plain steps first: they time this machine's plain step now
         # (busy or idle) at the cost of nothing but a few undrafted tokens.
         self.plain_left = self.calibration_steps
-        self.warmup = 2  # first drafted cycles, taken even where one slow cycle would say plain
+        self.warmup = self.warmup_cycles  # first drafted cycles, taken even where one slow cycle would say plain
         self.plain_votes = 0
         self.loads: List[float] = []  # recent observed / modelled times, drafted ones over the correction
         # Recent samples of (drafted observed / modelled) / (plain observed / modelled),
@@ -603,12 +612,18 @@ class Policy:
         if self.plain_left > 0:  # the calibration steps (no shadow: they time plain steps alone)
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
-            # Drafted whatever plain steps would do, to see the draft at work,
-            # but only as wide as pays best under the acceptance known so far
-            # (the prior at first): where verifies are dear (a slow BLAS, a big
-            # target, a long context) a full-width cycle costs many plain steps,
-            # and a draft that keeps all its tokens is widened at once.
+            # Drafted whatever plain steps would do, to see the draft at work.
+            # The first look is at the full block where that costs at most
+            # ``full_look`` plain steps: evidence at every depth at once, so a
+            # draft right for whole blocks is drafted at full width from the
+            # next cycle instead of widened a step at a time (on 128 tokens of
+            # an easy text that cost a fifth of the speed). Where verifies are
+            # dear (a slow BLAS, a big target, a long context), only as wide
+            # as pays best under the acceptance known so far (the prior at first).
             self.reason = "warm-up"
+            top = min(self.max_width, room)
+            if self.warmup == self.warmup_cycles and self.cost(top) <= self.full_look * self.cost(1):
+                return self._chain(top)
             return self._chain(self.best_width(room, drafted=True))
         B = self.best_width(room)
         if B == 1:

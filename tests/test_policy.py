@@ -355,15 +355,40 @@ def test_oracle_draft_decodes_at_the_widest_block(pair):
     out, stats = run(target, N, draft=oracle, policy=FrozenClock(16, synthetic_costs()))
     assert out == ref
     # Replay the cycles: an oracle's cycle of width w commits w tokens (a
-    # plain step one). After the calibration steps and the first drafted
-    # cycle (as wide as the prior pays), every cycle is the full block while
-    # one fits.
+    # plain step one). After the calibration steps every cycle is the full
+    # block while one fits: the first look at the draft is at its full block
+    # (2.5 plain steps here), and an oracle keeps it there.
     done, wide_room = 1, []
     for i, w in enumerate(stats.tree_sizes):
-        if i > Policy.calibration_steps and N - done >= 16:
+        if i >= Policy.calibration_steps and N - done >= 16:
             wide_room.append(w)
         done += w
     assert done == N and len(wide_room) >= 4 and set(wide_room) == {16}, stats.tree_sizes
+
+
+def test_depths_a_narrow_width_never_reaches_go_stale():
+    """One early miss at depth 4, then blocks of 3 drafts all right: the
+    estimate at depth 4 drifts back toward depth 3's within a few blocks
+    (those depths go stale faster), so the width is looked at again instead
+    of staying at 4 for the rest of the text (seen on an easy prompt)."""
+    a = Acceptance(16)
+    a.observe(15, 3)
+    for _ in range(6):
+        a.observe(3, 3)
+    assert a.p(4) >= 0.8 * a.p(3), (a.p(3), a.p(4))
+    assert a.p(2) > 0.85  # tested depths keep their evidence
+
+
+def test_first_look_is_the_full_block_unless_it_is_dear():
+    """The first warm-up cycle drafts the full block where it costs at most
+    ``full_look`` plain steps; where verifies are dear, as wide as the prior
+    pays (here: a 16-wide cycle at 10 plain steps)."""
+    plans = drive(Policy(16, synthetic_costs()), lambda B: B - 1, 6)
+    assert [p.width for p in plans if p.width > 1][0] == 16
+    dear = synthetic_costs()
+    dear.verify = {2: 0.012, 4: 0.016, 8: 0.040, 16: 0.095}
+    plans = drive(Policy(16, dear), lambda B: B - 1, 6)
+    assert 1 < [p.width for p in plans if p.width > 1][0] < 16
 
 
 def test_cycle_times_reach_the_policy(pair, tmp_path):
