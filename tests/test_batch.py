@@ -991,8 +991,9 @@ def test_lone_slot_runs_its_solo_loop_and_hands_over(engines, kw):
     ahead is undone and the early draft dropped, so from the first batched
     cycle on every slot's cache is a plain forward over its tokens, and both
     requests keep their solo tokens."""
-    from mlx_dflash import BatchDecoder
     from support.reference import assert_cache_is_plain_forward
+
+    from mlx_dflash import BatchDecoder
 
     engine = engines["dense"]
     configs = [c.update(**kw) for c in adaptive_configs(30)[:2]]
