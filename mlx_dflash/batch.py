@@ -51,7 +51,7 @@ from .decode import (
 )
 from .errors import DFlashError
 from .models.draft import propose_slots
-from .policy import Acceptance, Plan, Policy, _interp, cost_key, default_cache_dir, machine_id
+from .policy import Acceptance, Plan, Policy, cost_key, default_cache_dir, interpolate, machine_id
 from .sampling import Sampler
 
 
@@ -131,7 +131,7 @@ class BatchCosts:
     def prior(self, S: int, W: int) -> float:
         """The measured cost (interpolated between measured S and W)."""
         lo, hi = _pow2_brackets(S)
-        a, b = _interp(self.table(lo), W), _interp(self.table(hi), W)
+        a, b = interpolate(self.table(lo), W), interpolate(self.table(hi), W)
         return a if hi == lo else a + (b - a) * (S - lo) / (hi - lo)
 
     def table(self, S: int) -> Dict[int, float]:
@@ -577,11 +577,11 @@ class BatchDecoder:
         return [SlotEvent(index, out or [], d.stats.finish_reason, d.stats)]
 
     def _cycle(self) -> List[SlotEvent]:
-        if self.lone is not None:  # another slot joined the one decoding alone
-            self.lone[1].close()
+        if self.lone is not None:  # another slot joined the one decoding alone: pause its loop
+            index, loop = self.lone
+            loop.close()
+            dict(self.active)[index].pause()
             self.lone = None
-        for _, d in self.active:
-            d.pause()
         ds: List[Decoder] = [d for _, d in self.active]
         policy = self._width_policy(ds)
         if policy.adaptive:

@@ -95,7 +95,7 @@ def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
 # --- the cost model ----------------------------------------------------------------
 
 
-def _interp(table: Dict[int, float], x: int) -> float:
+def interpolate(table: Dict[int, float], x: int) -> float:
     """Piecewise-linear in x through the measured points (flat beyond them)."""
     xs = sorted(table)
     if x <= xs[0]:
@@ -139,16 +139,16 @@ class CostModel:
         # The draft always runs at its full block (see Policy.plan), so its cost
         # does not shrink with the width; only the verify does.
         return (
-            _interp(self.draft, max(self.draft))
-            + _interp(self.verify, width)
+            interpolate(self.draft, max(self.draft))
+            + interpolate(self.verify, width)
             + self.rollback
             + self._deeper(width, context)
         )
 
     def tree_cycle(self, nodes: int, context: int = 0) -> float:
         return (
-            _interp(self.draft, max(self.draft))
-            + _interp(self.tree, nodes)
+            interpolate(self.draft, max(self.draft))
+            + interpolate(self.tree, nodes)
             + self.rollback
             + self._deeper(nodes, context)
         )
@@ -536,7 +536,7 @@ class Policy:
         under ``shadow_share`` of plain decoding's, at least a block apart
         (one in flight at a time) and at most ``plain_run``."""
         c = self.costs
-        n = _interp(c.draft, max(c.draft)) / (self.shadow_share * c.plain)
+        n = interpolate(c.draft, max(c.draft)) / (self.shadow_share * c.plain)
         return int(min(max(n, self.max_width), self.plain_run))
 
     def correction(self) -> float:
