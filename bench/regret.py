@@ -31,12 +31,16 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_dflash import blas  # noqa: E402
 
-BURN = "import os\nif hasattr(os, 'sched_setaffinity'):\n    os.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"
+# Burns core 0 until killed, or until this script is gone (its parent changes).
+BURN = (
+    "import os, sys\nparent = int(sys.argv[1])\nif hasattr(os, 'sched_setaffinity'):\n"
+    "    os.sched_setaffinity(0, {0})\nwhile os.getppid() == parent:\n    for _ in range(1000000):\n        pass\n"
+)
 
 
 def busy_core():
     """A subprocess that keeps one core busy until killed."""
-    return subprocess.Popen([sys.executable, "-c", BURN])
+    return subprocess.Popen([sys.executable, "-c", BURN, str(os.getpid())])
 
 
 def run_mode(engine, draft, ids, n, mode):
@@ -145,8 +149,8 @@ def main():
         "# Width policy regret: default vs pinned widths vs plain",
         "",
         f"- command: `python bench/regret.py {' '.join(sys.argv[1:])}`",
-        f"- machine: {platform.platform()} ({platform.machine()}, {os.cpu_count()} cores), shared with other "
-        "engineers' jobs during the run (their load is not controlled: read ratios, not absolute tok/s)",
+        f"- machine: {platform.platform()} ({platform.machine()}, {os.cpu_count()} cores); load average "
+        "%.1f %.1f %.1f at the start (ratios are within one process, the modes taking turns)" % os.getloadavg(),
         f"- BLAS: {blas.describe()}",
         f"- {args.max_tokens} tokens per generation, greedy; modes take turns one generation at a time "
         f"within each of {args.reps} repeats (after a warm-up each), in one process; every mode's tokens equal "
@@ -176,7 +180,9 @@ def main():
             )
             lines += [f"## {pair_name} (block {draft.block_size}), {ld}: {what}", ""] + table(modes, rows) + [""]
             data[f"{pair_name} / {ld}"] = rows
-    lines.append(f"Run took {(time.time() - t0) / 60:.1f} min.")
+    lines.append(
+        f"Run took {(time.time() - t0) / 60:.1f} min; load average %.1f %.1f %.1f at the end." % os.getloadavg()
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     args.out.with_suffix(".json").write_text(json.dumps(data, indent=1))

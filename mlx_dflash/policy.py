@@ -21,6 +21,7 @@ docs/policy.md.
 
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -477,13 +478,14 @@ class Policy:
     end, so it moves the machine's load (reported) and not the choice."""
 
     plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
-    warmup_cycles = 2
+    warmup_cycles = 1
     full_look = 4.0  # the first warm-up cycle drafts the full block if it costs at most this many plain steps
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
     shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
     shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
-    promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked at once
+    promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked again soon
+    shadow_bank = 2.0  # shadow drafts that may be spent ahead of their share (the first ones of a plain stretch)
 
     def __init__(
         self,
@@ -522,6 +524,11 @@ class Policy:
         self.tokens = 0  # committed so far
         self.shadows = 0  # shadow drafts scored
         self.shadow_gap = max_width  # plain tokens from one shadow draft to the next (doubles while they fail)
+        # The shadows' budget, in shadow drafts: each plain token earns 1 / shadow_every of
+        # one, each shadow spends one, at most ``shadow_bank`` saved. However soon a
+        # promising one asks to look again, they cost at most their share.
+        self.shadow_credit = self.shadow_bank
+        self.waited = 0  # plain tokens before the next (or in-flight) shadow draft starts
         self.last = 0  # the width of the last plan (0: none yet)
         self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
         self.switches: List[str] = []  # one line per change of width: from, to and why
@@ -635,7 +642,8 @@ class Policy:
                 self.reason = "evidence"
                 if self.last != 1:  # a new plain stretch: the first shadow comes a block in
                     self.shadow_gap = self.max_width
-                return Plan(1, steps=min(self.plain_run, room), shadow=self.shadow_gap)
+                    self._next_shadow(self.shadow_gap)
+                return Plan(1, steps=min(self.plain_run, room), shadow=self.waited)
             self.reason = "evidence (a first vote for plain)"
             return self._chain(self.best_width(room, drafted=True))
         self.plain_votes = 0
@@ -725,19 +733,33 @@ class Policy:
         this evidence, drafting pays (the plain run ends)."""
         self.acc.observe(drafted, accepted, decay=self.shadow_decay)
         self.shadows += 1
+        # Its budget: the plain steps before it earned, it spent one, the steps it ran earned.
+        self.shadow_credit = min(self.shadow_credit + self.waited / self.shadow_every, self.shadow_bank) - 1
+        self.shadow_credit = min(self.shadow_credit + drafted / self.shadow_every, self.shadow_bank)
         r = self.rates(self.max_width)
         plain = r.pop(1)
         best = max(r.values()) if r else 0.0
         if best > plain:
             return 0
         if best > self.promising * plain:
-            return 1
+            return self._next_shadow(1, counted=1)
         # Soon after a switch to plain the text may turn at any time (an early
         # bad stretch must not cost a short generation); the longer shadows
         # fail, the rarer they get. Counted from now: the next one starts
         # ``shadow_gap`` tokens after this one did.
         self.shadow_gap = min(2 * self.shadow_gap, self.shadow_every)
-        return max(self.shadow_gap - drafted, 1)
+        return self._next_shadow(max(self.shadow_gap - drafted, 1), counted=1)
+
+    def _next_shadow(self, steps: int, counted: int = 0) -> int:
+        """The countdown to the next shadow draft: at least ``steps``, and
+        as many as the budget needs to afford it. ``counted``: steps of the
+        countdown that are not plain tokens yet (the decoder counts the step
+        a shadow is scored in as the first)."""
+        short = 1.0 - self.shadow_credit
+        if short > 0:
+            steps = max(steps, math.ceil(short * self.shadow_every - 1e-9) + counted)
+        self.waited = steps - counted
+        return steps
 
     def describe(self) -> str:
         if not self.adaptive:

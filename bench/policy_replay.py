@@ -1,0 +1,118 @@
+"""The width policy's regret without timing noise: replayed acceptance, modelled costs.
+
+    python bench/policy_replay.py [-n 128] [--widths 4,8,16] [--draft DIR ...]
+                                  [--out bench/results/policy-replay.md]
+
+For each pair (the embedded pair in float32, then each ``--draft`` with the
+embedded target) and each bench prompt: one plain greedy decoding with the
+draft proposing from every anchor (tools/replay.record: a greedy draft's
+proposal depends only on the committed tokens, so this is what any policy
+would see), then the default policy replayed against it
+(tools/replay.drive, shadow drafts included) and every pinned width and
+plain decoding priced by the pair's measured cost model
+(``mlx_dflash.policy.load_costs``, as the policy itself prices widths).
+Regret ratio = the better of (best pinned width, plain) seconds / default's
+seconds (tokens per second alike). This isolates what the policy's choices
+cost from the noise of a shared machine; ``bench/regret.py`` measures the
+real thing (timed, quiet and busy).
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlx_dflash import blas  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per generation")
+    ap.add_argument("--widths", default="4,8,16", help="pinned widths compared (up to each draft's block)")
+    ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
+    args = ap.parse_args()
+    blas.ensure_openblas("auto")
+    import mlx.core as mx
+
+    from mlx_dflash.api import DEFAULT_MODEL, load
+    from mlx_dflash.benchmark import read_prompts
+    from mlx_dflash.policy import Policy, load_costs
+    from tools.replay import record, regret_row, widths_used
+
+    t0 = time.time()
+    engine = load()
+    pairs = [("embedded pair", engine.draft)]
+    for d in args.draft:
+        pairs.append((f"embedded target + {d}", load(DEFAULT_MODEL, d, dtype=mx.float32).draft))
+    prompts = read_prompts()
+    lines = [
+        "# Width policy regret, replayed: recorded acceptance, modelled costs",
+        "",
+        f"- command: `python bench/policy_replay.py {' '.join(sys.argv[1:])}`",
+        f"- machine: {platform.platform()} ({platform.machine()}, {os.cpu_count()} cores); BLAS: {blas.describe()}",
+        f"- {args.max_tokens} tokens per prompt, greedy; each prompt decoded once with the draft proposing from "
+        "every anchor, every mode replayed against that record and priced by the pair's cost model (no timing)",
+        "- regret ratio = seconds of the better of (best pinned width, plain) / seconds of the default policy",
+        "",
+    ]
+    for name, draft in pairs:
+        costs, _ = load_costs(engine.target, draft)
+        widths = [w for w in (int(x) for x in args.widths.split(",")) if 2 <= w <= draft.block_size]
+        ratios = " ".join(f"B{B}:{costs.cycle(B) / costs.plain:.2f}" for B in sorted(costs.verify))
+        lines += [
+            f"## {name} (block {draft.block_size})",
+            "",
+            f"Cost model: plain step {costs.plain * 1e3:.2f} ms; cycle / plain step {ratios}; a shadow draft "
+            f"{max(costs.draft.values()) / costs.plain:.2f} plain steps.",
+            "",
+            "| prompt | default tok/s | " + " | ".join(f"pinned {w}" for w in widths) + " | plain | better | "
+            "default / better | shadows | default's widths |",
+            "|---|" + "---:|" * (len(widths) + 2) + "---|---:|---:|---|",
+        ]
+        worst, tps = [], {"default": [], "plain": [], **{f"pinned {w}": [] for w in widths}}
+        for prompt, text in prompts.items():
+            ids = engine.encode(text)
+            blocks = sorted(set(widths) | {draft.block_size})
+            _, right = record(engine.target, draft, ids, args.max_tokens, blocks, engine.tokenizer.eos_token_ids)
+            row = regret_row(lambda: Policy(draft.block_size, costs), right, args.max_tokens, costs, widths)
+            n = args.max_tokens - 1
+            modes = [f"pinned {w}" for w in widths] + ["plain"]
+            better = min(modes, key=lambda m: row[m])
+            ratio = row[better] / row["default"]
+            worst.append(ratio)
+            for m in tps:
+                tps[m].append(n / row[m])
+            cells = " | ".join(f"{n / row[m]:.1f}" for m in modes)
+            lines.append(
+                f"| {prompt} | {n / row['default']:.1f} | {cells} | {better} | {ratio:.3f} | {row['shadows']} | "
+                f"{widths_used(row['plans'], row['kept'])} |"
+            )
+            print(f"{name} {prompt}: default/better {ratio:.3f}", flush=True)
+        med = {m: statistics.median(v) for m, v in tps.items()}
+        lines.append(
+            "| **median** | "
+            + " | ".join(f"{med[m]:.1f}" for m in ["default"] + [f"pinned {w}" for w in widths] + ["plain"])
+            + " | | | | |"
+        )
+        lines += [
+            "",
+            f"Worst ratio {min(worst):.3f} (goal >= 0.97); default's median "
+            + ("above" if all(med["default"] > v for m, v in med.items() if m != "default") else "NOT above")
+            + " every pinned width's and plain's.",
+            "",
+        ]
+    lines.append(f"Run took {(time.time() - t0) / 60:.1f} min.")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Replaying a width policy against recorded (or scripted) acceptance.
+
+A greedy DFlash draft's proposal from an anchor depends only on the committed
+tokens before it, not on the widths chosen earlier: the draft always runs its
+full block (``Policy._chain``) and a verified chain of width W keeps
+min(right, W - 1) of it. So one plain decoding, with the draft proposing from
+every position, records what every policy would see (``record``), and a
+policy can be replayed against it (``drive``) and priced by a cost model
+(``seconds``) without timing noise: regret at the modelled costs.
+"""
+
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from mlx_dflash.config import GenerationConfig
+from mlx_dflash.decode import Hooks, open_decoder
+from mlx_dflash.models.draft import propose
+from mlx_dflash.policy import CostModel, Plan, interpolate
+
+
+def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=None, committed=None):
+    """Run the policy against a draft whose first ``accept(width)`` drafts are
+    right (or ``accept(width, tokens committed before it)``), for ``cycles`` plans (or until ``tokens`` are committed) at about
+    ``context`` tokens of cache; returns the plans. Plain runs carry shadow
+    drafts as the decoder's do (the first after ``plan.shadow`` steps, the
+    next after the steps ``policy.shadowed`` returns; scored once the block's
+    tokens are committed or, from the second step on, once a miss shows; a 0
+    ends the run after the step already queued), each right for
+    ``accept(block)`` tokens.
+    ``clock(plan, committed)``: the seconds the cycle took, for ``policy.timed``;
+    ``committed``: a list to append each plan's committed tokens to."""
+    if accept.__code__.co_argcount == 1:  # a draft as good everywhere in the text
+        accept = (lambda f: lambda B, at: f(B))(accept)
+    plans = []
+    done = 0
+    shadow_in, shadow = None, None  # the decoder's countdown and the shadow in flight: (at, right)
+    block = policy.max_width
+    while (len(plans) < cycles) if tokens is None else (done < tokens):
+        left = room if tokens is None else min(room, tokens - done)
+        plan = policy.plan(left, context)
+        plans.append(plan)
+        if plan.width == 1:
+            n, last = 0, False
+            if plan.shadow and shadow_in is None:
+                shadow_in = plan.shadow
+            while n < plan.steps:
+                n += 1
+                done += 1
+                if last:
+                    break
+                if shadow is not None:
+                    seen = done - shadow[0]
+                    if seen >= block - 1 or (seen >= 2 and shadow[1] < seen):
+                        seen = min(seen, block - 1)
+                        gap = policy.shadowed(seen, min(shadow[1], seen))
+                        shadow, shadow_in = None, (gap or None)
+                        last = gap == 0  # drafting pays: the step already queued is the run's last
+                if not last and plan.shadow and shadow is None and shadow_in is not None:
+                    shadow_in -= 1
+                    if shadow_in <= 0 and (tokens is None or tokens - done > 1):
+                        shadow = (done, min(accept(block, done), block - 1))
+            if shadow is not None:  # the run ended before the block was scored
+                seen = done - shadow[0]
+                if seen:
+                    gap = policy.shadowed(seen, min(shadow[1], seen))
+                    shadow_in = gap or None
+                shadow = None
+            policy.observe(plan, n)
+            if clock:
+                policy.timed(plan, n, clock(plan, n))
+            done_by = n
+        else:
+            n = 1 + min(accept(plan.width, done), plan.width - 1)
+            policy.observe(plan, n)
+            if clock:
+                policy.timed(plan, n, clock(plan, n))
+            done += n
+            shadow_in = None
+            done_by = n
+        if committed is not None:
+            committed.append(done_by)
+    return plans
+
+
+def seconds(plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadows: int = 0, context: int = 0) -> float:
+    """What a replayed run costs under ``costs``: its plain steps, drafted
+    cycles (each drafting the full block) and ``shadows`` shadow drafts."""
+    total, done = 0.0, 0
+    for p, n in zip(plans, kept):
+        if p.width == 1:
+            total += n * costs.cycle(1, context + done)
+        else:
+            total += costs.cycle(p.width, context + done)
+        done += n
+    return total + shadows * interpolate(costs.draft, max(costs.draft))
+
+
+def pinned_seconds(right: Sequence[int], width: int, tokens: int, costs: CostModel) -> Tuple[float, List[int]]:
+    """A pinned width drafting a block of ``width`` (``right``: recorded at
+    that block): its run of ``tokens`` tokens priced by ``costs``; returns
+    the seconds and the tokens each cycle committed."""
+    total, done, kept = 0.0, 0, []
+    per_cycle = interpolate(costs.draft, width) + interpolate(costs.verify, width) + costs.rollback
+    while done < tokens:
+        w = min(width, tokens - done)
+        n = 1 + min(right[done], w - 1) if w > 1 else 1
+        total += per_cycle if w > 1 else costs.plain
+        kept.append(n)
+        done += n
+    return total, kept
+
+
+def record(
+    target, draft, prompt: Sequence[int], tokens: int, blocks: Sequence[int], eos_token_ids=()
+) -> Tuple[List[int], Dict[int, List[int]]]:
+    """Plain greedy decoding of ``tokens`` tokens after ``prompt``, the draft
+    proposing a block of each of ``blocks`` from every anchor. Returns the
+    tokens and, per block B, ``right[k]``: how many of the B - 1 drafts from
+    the anchor at committed token k match the tokens decoding then commits
+    (the first miss ends the count)."""
+    c = GenerationConfig.build(None, max_tokens=tokens)
+    d = open_decoder(target, list(prompt), c, Hooks(), c.sampler(), draft=draft, eos_token_ids=eos_token_ids)
+    d.prefill(c.prefill_chunk)
+    out = [d.anchor]
+    guesses: Dict[int, List[List[int]]] = {B: [] for B in blocks}
+    while len(out) < tokens and not d.finished:
+        context = d.draft_context()
+        for B in blocks:
+            drafted, _ = propose(draft, context, d.anchor, d.pos, B, d.dcache)
+            guesses[B].append(drafted.tolist())
+            context = None  # the rows are in the draft's cache now
+        out += d.cycle(Plan(1))
+    right = {}
+    for B, gs in guesses.items():
+        right[B] = []
+        for k, g in enumerate(gs):
+            follow = out[k + 1 : k + 1 + len(g)]
+            n = 0
+            while n < len(follow) and g[n] == follow[n]:
+                n += 1
+            right[B].append(n)
+    return out, right
+
+
+def replayed(right: Sequence[int]) -> Callable[[int, int], int]:
+    """``accept`` for :func:`drive` from a recorded ``right`` list (past its end: no draft right)."""
+    return lambda width, at: right[at] if at < len(right) else 0
+
+
+def regret_row(
+    make_policy: Callable[[], object], right: Dict[int, List[int]], tokens: int, costs: CostModel, widths: Sequence[int]
+) -> Dict[str, object]:
+    """Seconds of the default policy, each pinned width and plain decoding on
+    one recorded prompt (``right`` per block; the policy's block is the widest)."""
+    B = max(right)
+    policy = make_policy()
+    kept: List[int] = []
+    plans = drive(policy, replayed(right[B]), 0, tokens=tokens - 1, committed=kept)
+    row = {"default": seconds(plans, kept, costs, policy.shadows), "plans": plans, "kept": kept}
+    row["shadows"] = policy.shadows
+    for w in widths:
+        row[f"pinned {w}"] = pinned_seconds(right[w], w, tokens - 1, costs)[0]
+    row["plain"] = (tokens - 1) * costs.plain
+    return row
+
+
+def widths_used(plans: Sequence[Plan], kept: Sequence[int]) -> str:
+    """``width:cycles`` as the regret bench prints them (1 = plain steps)."""
+    out: Dict[int, int] = {}
+    for p, n in zip(plans, kept):
+        out[p.width] = out.get(p.width, 0) + (n if p.width == 1 else 1)
+    return " ".join(f"{w}:{c}" for w, c in sorted(out.items()))
