@@ -1,6 +1,6 @@
 """The width policy's regret without timing noise: replayed acceptance, modelled costs.
 
-    python bench/policy_replay.py [-n 128] [--widths 4,8,16] [--draft DIR ...]
+    python bench/policy_replay.py [-n 128,512] [--widths 4,8,16] [--draft DIR ...]
                                   [--out bench/results/policy-replay.md]
 
 For each pair (the embedded pair in float32, then each ``--draft`` with the
@@ -33,7 +33,7 @@ from mlx_dflash import blas  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per generation")
+    ap.add_argument("-n", "--max-tokens", default="128,512", help="tokens per generation (comma list)")
     ap.add_argument("--widths", default="4,8,16", help="pinned widths compared (up to each draft's block)")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
@@ -43,8 +43,6 @@ def main():
 
     from mlx_dflash.api import DEFAULT_MODEL, load
     from mlx_dflash.benchmark import read_prompts
-    from mlx_dflash.policy import Policy, load_costs
-    from tools.replay import record, regret_row, widths_used
 
     t0 = time.time()
     engine = load()
@@ -57,61 +55,75 @@ def main():
         "",
         f"- command: `python bench/policy_replay.py {' '.join(sys.argv[1:])}`",
         f"- machine: {platform.platform()} ({platform.machine()}, {os.cpu_count()} cores); BLAS: {blas.describe()}",
-        f"- {args.max_tokens} tokens per prompt, greedy; each prompt decoded once with the draft proposing from "
+        f"- {args.max_tokens} tokens per prompt (each length its own tables), greedy; each prompt decoded once with the draft proposing from "
         "every anchor, every mode replayed against that record and priced by the pair's cost model (no timing)",
         "- regret ratio = seconds of the better of (best pinned width, plain) / seconds of the default policy",
         "",
     ]
-    for name, draft in pairs:
-        costs, _ = load_costs(engine.target, draft)
-        widths = [w for w in (int(x) for x in args.widths.split(",")) if 2 <= w <= draft.block_size]
-        ratios = " ".join(f"B{B}:{costs.cycle(B) / costs.plain:.2f}" for B in sorted(costs.verify))
-        lines += [
-            f"## {name} (block {draft.block_size})",
-            "",
-            f"Cost model: plain step {costs.plain * 1e3:.2f} ms; cycle / plain step {ratios}; a shadow draft "
-            f"{max(costs.draft.values()) / costs.plain:.2f} plain steps.",
-            "",
-            "| prompt | default tok/s | " + " | ".join(f"pinned {w}" for w in widths) + " | plain | better | "
-            "default / better | shadows | default's widths |",
-            "|---|" + "---:|" * (len(widths) + 2) + "---|---:|---:|---|",
-        ]
-        worst, tps = [], {"default": [], "plain": [], **{f"pinned {w}": [] for w in widths}}
-        for prompt, text in prompts.items():
-            ids = engine.encode(text)
-            blocks = sorted(set(widths) | {draft.block_size})
-            _, right = record(engine.target, draft, ids, args.max_tokens, blocks, engine.tokenizer.eos_token_ids)
-            row = regret_row(lambda: Policy(draft.block_size, costs), right, args.max_tokens, costs, widths)
-            n = args.max_tokens - 1
-            modes = [f"pinned {w}" for w in widths] + ["plain"]
-            better = min(modes, key=lambda m: row[m])
-            ratio = row[better] / row["default"]
-            worst.append(ratio)
-            for m in tps:
-                tps[m].append(n / row[m])
-            cells = " | ".join(f"{n / row[m]:.1f}" for m in modes)
-            lines.append(
-                f"| {prompt} | {n / row['default']:.1f} | {cells} | {better} | {ratio:.3f} | {row['shadows']} | "
-                f"{widths_used(row['plans'], row['kept'])} |"
-            )
-            print(f"{name} {prompt}: default/better {ratio:.3f}", flush=True)
-        med = {m: statistics.median(v) for m, v in tps.items()}
-        lines.append(
-            "| **median** | "
-            + " | ".join(f"{med[m]:.1f}" for m in ["default"] + [f"pinned {w}" for w in widths] + ["plain"])
-            + " | | | | |"
-        )
-        lines += [
-            "",
-            f"Worst ratio {min(worst):.3f} (goal >= 0.97); default's median "
-            + ("above" if all(med["default"] > v for m, v in med.items() if m != "default") else "NOT above")
-            + " every pinned width's and plain's.",
-            "",
-        ]
+    lengths = [int(x) for x in args.max_tokens.split(",")]
+    records = {}  # (pair, prompt) -> right per block, recorded once at the longest length
+    for n_tokens in lengths:
+        for name, draft in pairs:
+            lines += section(engine, name, draft, prompts, n_tokens, max(lengths), args.widths, records)
     lines.append(f"Run took {(time.time() - t0) / 60:.1f} min.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
+
+
+def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records):
+    """One pair at one generation length: its table's lines. Each prompt is
+    recorded once, at the ``longest`` length, and shorter runs replay its start."""
+    from mlx_dflash.policy import Policy, load_costs
+    from tools.replay import record, regret_row, widths_used
+
+    costs, _ = load_costs(engine.target, draft)
+    widths = [w for w in (int(x) for x in widths_arg.split(",")) if 2 <= w <= draft.block_size]
+    ratios = " ".join(f"B{B}:{costs.cycle(B) / costs.plain:.2f}" for B in sorted(costs.verify))
+    lines = [
+        f"## {name} (block {draft.block_size}), {n_tokens} tokens",
+        "",
+        f"Cost model: plain step {costs.plain * 1e3:.2f} ms; cycle / plain step {ratios}; a shadow draft "
+        f"{max(costs.draft.values()) / costs.plain:.2f} plain steps.",
+        "",
+        "| prompt | default tok/s | " + " | ".join(f"pinned {w}" for w in widths) + " | plain | better | "
+        "default / better | shadows | default's widths |",
+        "|---|" + "---:|" * (len(widths) + 2) + "---|---:|---:|---|",
+    ]
+    modes = [f"pinned {w}" for w in widths] + ["plain"]
+    worst, tps = [], {m: [] for m in ["default"] + modes}
+    for prompt, text in prompts.items():
+        key = (name, prompt)
+        if key not in records:
+            blocks = sorted(set(widths) | {draft.block_size})
+            ids = engine.encode(text)
+            records[key] = record(engine.target, draft, ids, longest, blocks, engine.tokenizer.eos_token_ids)
+        out, right = records[key]
+        total = min(n_tokens, len(out))  # an EOS may end the text sooner
+        right = {B: r[:total] for B, r in right.items()}
+        row = regret_row(lambda: Policy(draft.block_size, costs), right, total, costs, widths)
+        n = total - 1  # the first token comes from the prefill in every mode
+        better = min(modes, key=lambda m: row[m])
+        ratio = row[better] / row["default"]
+        worst.append(ratio)
+        for m in tps:
+            tps[m].append(n / row[m])
+        cells = " | ".join(f"{n / row[m]:.1f}" for m in modes)
+        lines.append(
+            f"| {prompt} | {n / row['default']:.1f} | {cells} | {better} | {ratio:.3f} | {row['shadows']} | "
+            f"{widths_used(row['plans'], row['kept'])} |"
+        )
+        print(f"{name}, {n_tokens} tokens, {prompt}: default / better {ratio:.3f}", flush=True)
+    med = {m: statistics.median(v) for m, v in tps.items()}
+    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in ["default"] + modes) + " | | | | |")
+    above = all(med["default"] > v for m, v in med.items() if m != "default")
+    lines += [
+        "",
+        f"Worst ratio {min(worst):.3f} (goal >= 0.97); default's median {'above' if above else 'NOT above'} every "
+        "pinned width's and plain's.",
+        "",
+    ]
+    return lines
 
 
 if __name__ == "__main__":

@@ -745,20 +745,20 @@ def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[L
             stats.finish_reason = "length"  # context full
             break
         if plan.width == 1:
-            n, t1 = 0, t0
+            n = 0
             with closing(d.plain_steps(plan.steps, plan.shadow, policy.shadowed)) as steps:
                 for out in steps:
                     n += 1
-                    if n == 1:
-                        t1 = time.perf_counter()
                     yield out
             policy.observe(plan, n)
-            # Timed from the first step's token being read: the first step
-            # fills the pipeline (and after a prefill pays warm-up), the rest
-            # are what a plain step costs here. (Timed after the caller took
-            # that token instead, the second step would run unseen during the
-            # caller's work: a 4-step run then looked a third cheaper.)
-            timed = (plan, n - 1, t1) if n > 1 else None
+            # Timed from the run's start to the next cycle's, as a drafted
+            # cycle is: each side then pays its own fill and host work. (Timed
+            # from the first token read, a 4-step calibration run came out at
+            # 0.6-0.7 of a plain step, as the host's work after that read
+            # overlapped the next step, and every generation carried a
+            # correction of 1.6-1.8 against drafting: a 16-wide look then
+            # seemed to cost 4.7 plain steps where it costs 3.)
+            timed = (plan, n, t0) if n > 0 else None
         else:
             out = d.cycle(plan)
             policy.observe(plan, d.committed)

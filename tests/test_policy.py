@@ -347,6 +347,44 @@ def test_cycle_times_reach_the_policy(pair, tmp_path):
     assert len(policy.loads) >= 2 and len(policy.fixes) >= 1, (policy.loads, policy.fixes, stats.tree_sizes)
 
 
+class Timings(FrozenClock):
+    """Records what the loop times: (width, tokens, seconds) per cycle or plain run."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.times, self.plans = [], []
+
+    def plan(self, room, context=0):
+        p = super().plan(room, context)
+        self.plans.append(p)
+        return p
+
+    def timed(self, plan, committed, seconds):
+        self.times.append((plan.width, committed, seconds))
+
+
+def test_plain_runs_are_timed_whole_as_drafted_cycles_are(pair):
+    """Each timed span runs from one cycle's start to the next's, plain runs
+    included: every token committed before the last cycle lies in one, and
+    the spans tile the decode. (Timed from a plain run's first token read,
+    the run's first step was left out, and a 4-step calibration run looked
+    0.6-0.7 of a plain step: the correction then read drafted cycles as
+    1.6-1.8x their price.)"""
+    model, target, _ = pair
+    N = 150
+    ref = reference_greedy(model, PROMPT, N)
+    wrong = ScriptedDraft(PROMPT, ref, target.vocab_size, accept=0)  # mostly plain runs
+    policy = Timings(16, synthetic_costs())
+    out, stats = run(target, N, draft=wrong, policy=policy)
+    assert out == ref
+    # A useless draft's plain runs go their planned length (no shadow ends them).
+    runs = [p.steps for p in policy.plans if p.width == 1]
+    plain = [n for w, n, _ in policy.times if w == 1]
+    assert len(plain) >= 2 and plain == runs[: len(plain)], (plain, runs)
+    assert plain[0] == Policy.calibration_steps
+    assert sum(sec for _, _, sec in policy.times) <= stats.decode_time
+
+
 class LateDraft(ScriptedDraft):
     """Wrong until position ``good_from``, then right (an oracle)."""
 
