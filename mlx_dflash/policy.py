@@ -464,8 +464,9 @@ class Policy:
     Evidence while plain: plain runs (``plain_run`` steps) carry shadow
     drafts: the first a block after the switch to plain, then twice as far
     apart each time, up to one per ``shadow_every`` plain tokens (sooner
-    again while the last one looked promising); ``shadowed`` books each and ends the run as soon
-    as drafting pays on that evidence.
+    again while the last one looked promising, as far as their budget of
+    ``shadow_share`` of plain decoding's time allows); ``shadowed`` books
+    each and ends the run as soon as drafting pays on that evidence.
 
     Costs under load: the measured curve already compares the widths under
     the same conditions (its parts take turns). Observed cycle times correct
