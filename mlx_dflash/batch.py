@@ -238,10 +238,10 @@ class BatchPolicy:
     emitted, so they earn nothing). ``T(S, W)``: ``costs.cycle(S, W)``
     (:class:`BatchCosts`, told each cycle's time by ``costs.observed``).
 
-    As the solo policy: two drafted warm-up cycles, two plain verdicts in a
-    row before a plain run of 16, 32, ... up to 256 plain cycles. Where the
-    solo policy then probes with a drafted cycle, the batch's last plain
-    cycle of a run also drafts (``shadow``), unverified: the target's next
+    Its own schedule, the solo policy's older one: two drafted warm-up
+    cycles, two plain verdicts in a row before a plain run of 16, 32, ... up
+    to 256 plain cycles. The batch's last plain cycle of a run also drafts
+    (``shadow``), unverified: the target's next
     plain tokens score each slot's draft (its old counts dropped first), so
     a look at a useless draft costs a draft forward, not a wide verify. If
     drafting then pays, it resumes; else the next run is twice as long.
