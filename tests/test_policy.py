@@ -688,3 +688,49 @@ def test_auto_tree_decodes_plain_greedy_tokens(pair, tmp_path):
     assert out == ref and 7 in stats.widths, stats.widths
     with pytest.raises(DFlashError, match="not both"):
         next(generate_tokens(target, PROMPT, draft=draft, max_tokens=4, auto_tree=6, tree_budget=6))
+
+
+def embedded_costs():
+    """The embedded pair's curve as measured on the project's CPU (OpenBLAS, one
+    thread; bench/results/policy-replay.md): a plain step 8.7 ms, a 16-wide
+    cycle 2.9 plain steps, a shadow draft 0.6."""
+    return CostModel(
+        plain=0.00872,
+        verify={2: 0.0125, 4: 0.0127, 8: 0.0176, 16: 0.0196},
+        draft={4: 0.0040, 16: 0.0052},
+        rollback=0.0007,
+    )
+
+
+@pytest.fixture(scope="module")
+def embedded_records():
+    """What the embedded draft proposes from every anchor of two shipped bench
+    prompts, 128 tokens each (tools/replay.record), at its block and at 4."""
+    import mlx_dflash
+    from mlx_dflash.benchmark import read_prompts
+    from tools.replay import record
+
+    eng = mlx_dflash.load()
+    prompts = read_prompts()
+    out = {}
+    for name in ("code_parse", "prose_module_doc"):
+        ids = eng.encode(prompts[name])
+        out[name] = record(eng.target, eng.draft, ids, 128, [4, eng.draft.block_size], eng.tokenizer.eos_token_ids)[1]
+    return out
+
+
+@pytest.mark.parametrize("name", ["code_parse", "prose_module_doc"])
+def test_replayed_on_the_embedded_draft_the_default_loses_nothing(embedded_records, name):
+    """The real embedded draft's acceptance, replayed (no timing): on a prompt
+    where the draft misses early and then turns good (code_parse) and on one
+    where whole blocks are right (prose_module_doc), the default's modelled
+    time is within 3% of the better of the pinned widths and plain decoding.
+    It guards the policy as a whole on a real draft's acceptance; timing
+    noise is what the replay leaves out (bench/regret.py measures it)."""
+    from tools.replay import regret_row
+
+    costs = embedded_costs()
+    right = embedded_records[name]
+    row = regret_row(lambda: Policy(16, costs), right, 128, costs, [4, 16])
+    better = min(row["pinned 4"], row["pinned 16"], row["plain"])
+    assert better / row["default"] >= 0.97, (name, {k: v for k, v in row.items() if k not in ("plans", "kept")})
