@@ -44,6 +44,7 @@ from .decode import (
     GenerationStats,
     Hooks,
     Proposal,
+    Verified,
     check_prompt,
     decode_loop,
     make_policy,
@@ -415,6 +416,9 @@ class BatchDecoder:
         self.configs: Dict[int, GenerationConfig] = {}  # request index -> its options, while it runs
         self.solo: Dict[int, Policy] = {}  # request index -> its solo width policy, once it decoded alone
         self.lone: Optional[Tuple[int, Iterator[List[int]]]] = None  # the slot decoding alone: its solo loop
+        # The next plain batch step, queued before the host read the last one:
+        # ([(Decoder, its cache snapshot before the step)], logits, features).
+        self.queued: Optional[tuple] = None
         mx.reset_peak_memory()  # each request's stats.peak_memory: the batch's
 
     @property
@@ -465,6 +469,8 @@ class BatchDecoder:
         for slots in (self.prefilling, self.active):
             for i, (j, d, *_) in enumerate(slots):
                 if j == index:
+                    if slots is self.active:
+                        self._undo_queued()
                     del slots[i]
                     d.stats.finish_reason = "cancelled"
                     self._leave(index, d)
@@ -490,6 +496,8 @@ class BatchDecoder:
         if self.active:
             running = dict(self.active)
             alone = len(self.active) == 1 and not self.given_policy
+            if alone:
+                self._undo_queued()
             cycled = self._alone() if alone else self._cycle()
             for ev in cycled:
                 if ev.finish_reason is not None:
@@ -576,6 +584,38 @@ class BatchDecoder:
             self.active = []
         return [SlotEvent(index, out or [], d.stats.finish_reason, d.stats)]
 
+    def _undo_queued(self) -> None:
+        """Take back the queued plain step: every slot's cache returns to its
+        snapshot (only that slot's arrays: siblings are untouched)."""
+        if self.queued is not None:
+            for d, snap in self.queued[0]:
+                d.cache.restore(snap)
+            self.queued = None
+
+    def _take_queued(self, ds: List[Decoder]) -> Optional[Tuple[mx.array, Optional[mx.array]]]:
+        """The queued step's logits and features for ``ds`` if it ran for
+        exactly them or a superset (slots that left were undone as they
+        finished), in order; else undo it."""
+        if self.queued is None:
+            return None
+        pairs, logits, feats = self.queued
+        rows = {id(d): b for b, (d, _) in enumerate(pairs)}
+        if len(ds) > len(pairs) or any(id(d) not in rows for d in ds):
+            self._undo_queued()
+            return None
+        self.queued = None
+        if len(ds) < len(pairs):
+            idx = mx.array([rows[id(d)] for d in ds])
+            logits, feats = logits[idx], (None if feats is None else feats[idx])
+        return logits, feats
+
+    def _next_is_plain(self, policy) -> bool:
+        """Whether the batch's next cycle is surely a plain step: no draft
+        (or a width of 1), or a plain run with more than this cycle left."""
+        if getattr(policy, "max_width", 2) <= 1:
+            return True
+        return getattr(policy, "adaptive", False) and getattr(policy, "plain_left", 0) >= 2
+
     def _cycle(self) -> List[SlotEvent]:
         if self.lone is not None:  # another slot joined the one decoding alone: pause its loop
             index, loop = self.lone
@@ -599,6 +639,12 @@ class BatchDecoder:
         tree_budget = self.shape[3]
         if tree_budget and W > 1:  # a tree per slot, of the same node count, drafted from a block of W
             plan = Plan(tree_budget + 1, tree=True, block=W)
+        # A plain step queued last cycle is used if this one is plain for the
+        # same slots; any other cycle first takes it back.
+        pipelined = plan.width == 1 and not any(d.sampler.needs_context or d.profile for d in ds)
+        queued = self._take_queued(ds) if pipelined else None
+        if not pipelined:
+            self._undo_queued()
         t0 = time.perf_counter()
         parents = None
         if plan.tree:
@@ -621,16 +667,31 @@ class BatchDecoder:
             shadow = [t for t, _ in propose_slots(self.draft, items, policy.max_width)]
         t1 = time.perf_counter()
         slots = SlotBatch([d.cache for d in ds])
-        if plan.tree:
-            tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+        if queued is not None:
+            logits, feats = queued
         else:
-            tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
-        logits, feats = self.target.forward_slots(
-            tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
-        )
-        verified = [
-            d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
-        ]
+            if plan.tree:
+                tokens = mx.array([p.tree.tokens for p in props], dtype=mx.int32)
+            else:
+                tokens = mx.stack([d.block_input(p) for d, p in zip(ds, props)])
+            logits, feats = self.target.forward_slots(
+                tokens, slots, capture=ds[0].capture, record=plan.width > 1, parents=parents
+            )
+        if pipelined:
+            # Each slot's pick, as judge makes it; the next plain step is queued
+            # on them before the host reads them (as the solo plain steps are).
+            picks = mx.stack([d.sampler(logits[b], [d.pos + 1]).astype(mx.int32) for b, d in enumerate(ds)])
+            if self._next_is_plain(policy):
+                snaps = [d.cache.snapshot() for d in ds]
+                nxt = self.target.forward_slots(picks, SlotBatch([d.cache for d in ds]), capture=ds[0].capture)
+                mx.async_eval(*(a for a in nxt if a is not None))
+                self.queued = (list(zip(ds, snaps)), *nxt)
+            rows = picks.tolist()
+            verified = [Verified([d.anchor], rows[b], None if feats is None else feats[b]) for b, d in enumerate(ds)]
+        else:
+            verified = [
+                d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
+            ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]
         for (index, d), t in zip(self.active, shadow or ()):
@@ -651,6 +712,9 @@ class BatchDecoder:
             st.add_cycle(len(path), plan.width, d.tic)
             if not d.finished and d.room() < 1:
                 st.finish_reason = "length"  # context full
+            if d.finished and self.queued is not None:  # its queued row is undone; the others' stand
+                snap = next(sn for q, sn in self.queued[0] if q is d)
+                d.cache.restore(snap)
             events.append(SlotEvent(index, out, st.finish_reason, st))
         booked = [(i, n, len(path)) for (i, n), path in zip(left, paths)]
         policy.observe(booked, 0.0 if shadow else time.perf_counter() - t0)  # a plain cycle's time: without the draft
@@ -659,6 +723,8 @@ class BatchDecoder:
                 [(i, d.max_tokens - d.stats.generated_tokens, d.history) for i, d in self.active], room
             )
         self.active = [(i, d) for i, d in self.active if not d.finished]
+        if not self.active:
+            self.queued = None  # every slot's row was undone as it finished
         return events
 
 

@@ -989,8 +989,9 @@ def test_lone_slot_runs_its_solo_loop_and_hands_over(engines, kw):
     drafted cycles with the next draft launched early); a second request
     joining mid-run pauses it between two yields: the plain step queued
     ahead is undone and the early draft dropped, so from the first batched
-    cycle on every slot's cache is a plain forward over its tokens, and both
-    requests keep their solo tokens."""
+    cycle on every slot's cache is a plain forward over its tokens (one
+    ahead while a plain batch step is queued), and both requests keep their
+    solo tokens."""
     from support.reference import assert_cache_is_plain_forward
 
     from mlx_dflash import BatchDecoder
@@ -1010,10 +1011,50 @@ def test_lone_slot_runs_its_solo_loop_and_hands_over(engines, kw):
         for ev in batch.step():
             out[ev.index] += ev.tokens
         for _, d in batch.active if len(batch.active) == 2 else ():
-            assert d.cache.offset == len(d.history) - 1  # the anchor is not in the cache yet
-            if kw.get("baseline"):  # (rolled-back caches match to rounding: the tests above)
+            # The anchor is not in the cache yet, unless a plain batch step is
+            # queued on it (test_plain_batch_steps_run_one_ahead_and_undo_at_the_end).
+            ahead = batch.queued is not None and any(q is d for q, _ in batch.queued[0])
+            assert d.cache.offset == len(d.history) - 1 + ahead
+            if kw.get("baseline") and not ahead:  # (rolled-back caches match to rounding: the tests above)
                 assert_cache_is_plain_forward(engine.target, d.cache, d.history[:-1])
     assert out == [r.tokens for r in want]
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_plain_batch_steps_run_one_ahead_and_undo_at_the_end(engines, which):
+    """Plain batch steps are pipelined: the next is queued on each slot's
+    pick before the host reads it, so between steps a slot's cache holds its
+    anchor too (the queued snapshot: exactly the committed tokens). A slot
+    that ends (max_tokens, at different steps) has its queued row undone at
+    once: its cache is then a plain forward over its committed tokens, and
+    the other slots' queued rows stand. Tokens equal each request's solo run."""
+    from support.reference import assert_cache_is_plain_forward
+
+    from mlx_dflash import BatchDecoder, GenerationConfig
+
+    engine = engines[which]
+    configs = [GenerationConfig(max_tokens=m, baseline=True) for m in (7, 12, 20)]
+    want = solo(engine, BATCH_PROMPTS[:3], configs)
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=engine.tokenizer.eos_token_ids)
+    for p, c in zip(BATCH_PROMPTS, configs):
+        batch.add(p, c)
+    out, ahead, ended = [[], [], []], 0, []
+    while not batch.done:
+        running = dict(batch.active)
+        for ev in batch.step():
+            out[ev.index] += ev.tokens
+            d = running.get(ev.index)
+            if ev.finish_reason is not None and d is not None:
+                ended.append(ev.index)
+                assert d.cache.offset == len(d.history) - 1
+                assert_cache_is_plain_forward(engine.target, d.cache, d.history[:-1])
+        if batch.queued is not None and len(batch.active) > 1:
+            for q, snap in batch.queued[0]:
+                if any(q is d for _, d in batch.active):
+                    ahead += 1
+                    assert q.cache.offset == len(q.history) and snap[0] == len(q.history) - 1
+    assert out == [r.tokens for r in want]
+    assert ahead >= 10 and len(ended) >= 2, (ahead, ended)
 
 
 def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
