@@ -160,8 +160,8 @@ def report(results, args) -> str:
         "## Plain decoding and prefill (engine / mlx-lm)",
         "",
         "| model | params | mlx-lm tok/s | engine plain tok/s | plain ratio | "
-        + " | ".join(f"prefill {L} mlx-lm / engine tok/s | ratio" for L in results[0]["prefill"])
-        + " | tokens = mlx-lm |",
+        + "".join(f"prefill {L} mlx-lm / engine tok/s | ratio | " for L in results[0]["prefill"])
+        + "tokens = mlx-lm |",
         "|---|---:|---:|---:|---:|" + "---:|---:|" * len(results[0]["prefill"]) + "---|",
     ]
     for r in results:
