@@ -1057,6 +1057,24 @@ def test_plain_batch_steps_run_one_ahead_and_undo_at_the_end(engines, which):
     assert ahead >= 10 and len(ended) >= 2, (ahead, ended)
 
 
+def test_pipelined_plain_batch_steps_sample_as_solo(engines):
+    """Sampled requests (a seed each, their own options) through pipelined
+    plain batch steps: each pick is queued on before it is read, and equals
+    the request's solo plain decoding."""
+    import mlx_dflash
+    from mlx_dflash import GenerationConfig
+
+    engine = engines["dense"]
+    configs = [
+        GenerationConfig(max_tokens=m, baseline=True, temperature=0.9, top_p=0.95, seed=7 + i)
+        for i, m in enumerate((9, 14, 20))
+    ]
+    configs[2] = configs[2].update(temperature=0.7, min_p=0.05, top_k=30)
+    want = solo(engine, BATCH_PROMPTS[:3], configs)
+    assert len({tuple(r.tokens[:5]) for r in want}) > 1
+    assert_same_results(mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:3], configs=configs, max_batch=3), want)
+
+
 def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
     """Observed cycle times replace the measured prior per (S, W): the first
     at each shape untimed (it traces), then the median of the last 5, each
