@@ -609,12 +609,11 @@ class BatchDecoder:
             logits, feats = logits[idx], (None if feats is None else feats[idx])
         return logits, feats
 
-    def _next_is_plain(self, policy) -> bool:
+    @staticmethod
+    def _next_is_plain(policy: BatchPolicy) -> bool:
         """Whether the batch's next cycle is surely a plain step: no draft
         (or a width of 1), or a plain run with more than this cycle left."""
-        if getattr(policy, "max_width", 2) <= 1:
-            return True
-        return getattr(policy, "adaptive", False) and getattr(policy, "plain_left", 0) >= 2
+        return policy.max_width <= 1 or (policy.adaptive and policy.plain_left >= 2)
 
     def _cycle(self) -> List[SlotEvent]:
         if self.lone is not None:  # another slot joined the one decoding alone: pause its loop

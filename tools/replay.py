@@ -12,7 +12,7 @@ policy can be replayed against it (``drive``) and priced by a cost model
 from typing import Callable, Dict, List, Sequence, Tuple
 
 from mlx_dflash.config import GenerationConfig
-from mlx_dflash.decode import Hooks, open_decoder
+from mlx_dflash.decode import Hooks, longest_match, open_decoder
 from mlx_dflash.models.draft import propose
 from mlx_dflash.policy import CostModel, Plan, interpolate
 
@@ -129,15 +129,11 @@ def record(
             guesses[B].append(drafted.tolist())
             context = None  # the rows are in the draft's cache now
         out += d.cycle(Plan(1))
-    right = {}
-    for B, gs in guesses.items():
-        right[B] = []
-        for k, g in enumerate(gs):
-            follow = out[k + 1 : k + 1 + len(g)]
-            n = 0
-            while n < len(follow) and g[n] == follow[n]:
-                n += 1
-            right[B].append(n)
+    # The chain rule the decoder verifies with, against the tokens that followed each anchor.
+    right = {
+        B: [longest_match(g[: len(out) - k - 1], out[k + 1 : k + 1 + len(g)]) for k, g in enumerate(gs)]
+        for B, gs in guesses.items()
+    }
     return out, right
 
 
