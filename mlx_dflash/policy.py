@@ -483,10 +483,14 @@ class Policy:
     full_look = 4.0  # the first warm-up cycle drafts the full block if it costs at most this many plain steps
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
-    shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
+    shadow_share = 0.01  # at most this share of plain decoding's time goes to shadow drafts
     shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
     promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked again soon
     shadow_bank = 2.0  # shadow drafts that may be spent ahead of their share (the first ones of a plain stretch)
+    # Leaving plain decoding needs drafting to beat it by this over the square root of
+    # the blocks of evidence: a few lucky shadows must not start cycles that cost
+    # three plain steps each where the draft only nearly pays.
+    switch_margin = 0.3
 
     def __init__(
         self,
@@ -524,6 +528,7 @@ class Policy:
         self.context = 0  # tokens in the target cache now (set by plan)
         self.tokens = 0  # committed so far
         self.shadows = 0  # shadow drafts scored
+        self.run_shadows = 0  # of them, in the plain run not yet timed (its time includes theirs)
         self.shadow_gap = max_width  # plain tokens from one shadow draft to the next (doubles while they fail)
         # The shadows' budget, in shadow drafts: each plain token earns 1 / shadow_every of
         # one, each shadow spends one, at most ``shadow_bank`` saved. However soon a
@@ -593,11 +598,20 @@ class Policy:
         return out
 
     def best_width(self, room: int, drafted: bool = False) -> int:
-        """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B)."""
+        """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B),
+        plain's rate raised by :meth:`margin` while decoding plainly."""
         r = self.rates(room)
         if drafted and len(r) > 1:
             del r[1]
+        elif self.last == 1:
+            r[1] *= self.margin()
         return max(r, key=lambda B: (r[B], -B))
+
+    def margin(self) -> float:
+        """How much better than plain decoding drafting must look to leave it:
+        ``1 + switch_margin / sqrt(blocks of evidence)`` (a shadow or a cycle
+        weighs one block, less as it ages)."""
+        return 1.0 + self.switch_margin / math.sqrt(max(self.acc.trials[1], 0.5))
 
     def plan(self, room: int, context: int = 0) -> Plan:
         """The next cycle, given ``room`` tokens left (before max_tokens or the
@@ -690,6 +704,7 @@ class Policy:
     def timed(self, plan: Plan, committed: int, seconds: float) -> None:
         """Recalibrate from the wall time of a cycle (or a run of plain steps,
         ``committed`` tokens) up to the start of the next."""
+        shadows, self.run_shadows = self.run_shadows, 0
         if not self.adaptive or seconds <= 0:
             return
         w = "tree" if plan.tree else plan.width
@@ -701,7 +716,9 @@ class Policy:
             model = self.costs.tree_cycle(plan.width, self.context)
         else:
             model = self.costs.cycle(plan.width, self.context)
-        ratio = seconds / (committed if w == 1 else 1) / model
+        if w == 1:  # a run of plain steps, and the shadow drafts it carried
+            model = committed * model + shadows * interpolate(self.costs.draft, max(self.costs.draft))
+        ratio = seconds / model
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
             self.fixes.append(min(max(drafted / plain, 1 / 3), 3.0))
@@ -734,11 +751,12 @@ class Policy:
         this evidence, drafting pays (the plain run ends)."""
         self.acc.observe(drafted, accepted, decay=self.shadow_decay)
         self.shadows += 1
+        self.run_shadows += 1
         # Its budget: the plain steps before it earned, it spent one, the steps it ran earned.
         self.shadow_credit = min(self.shadow_credit + self.waited / self.shadow_every, self.shadow_bank) - 1
         self.shadow_credit = min(self.shadow_credit + drafted / self.shadow_every, self.shadow_bank)
         r = self.rates(self.max_width)
-        plain = r.pop(1)
+        plain = r.pop(1) * self.margin()
         best = max(r.values()) if r else 0.0
         if best > plain:
             return 0

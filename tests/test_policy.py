@@ -3,6 +3,7 @@ for an oracle, and a cost curve measured once per model and machine."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 from support.reference import reference_greedy
@@ -14,6 +15,8 @@ from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
 from tools import tiny
 from tools.replay import drive
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT = [1, 10, 20, 30, 40]
 
@@ -385,6 +388,30 @@ def test_plain_runs_are_timed_whole_as_drafted_cycles_are(pair):
     assert sum(sec for _, _, sec in policy.times) <= stats.decode_time
 
 
+def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
+    """A plain run's time includes the shadow drafts it carried, so its
+    modelled time does too: on a clock that takes exactly the modelled
+    times, every plain run and drafted cycle reads as the curve says (load
+    1, correction 1). (Priced as plain steps alone, a run with shadows read
+    up to 18% slow, and the correction took drafted cycles for cheaper.)"""
+    c = synthetic_costs()
+    policy = Policy(16, c)
+    seen = [0]
+
+    def clock(plan, n):
+        if plan.width > 1:
+            return c.cycle(plan.width)
+        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
+        return n * c.plain + shadows * c.draft[16]
+
+    rng = random.Random(1)
+    # Stretches where drafting pays and where it does not: switches both ways, shadows in the plain runs.
+    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
+    assert len(policy.fixes) >= 2
+    assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
+
+
 class LateDraft(ScriptedDraft):
     """Wrong until position ``good_from``, then right (an oracle)."""
 
@@ -554,14 +581,14 @@ def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
 
 @pytest.mark.parametrize("turn", [20, 40])
 def test_an_early_bad_stretch_costs_little_of_a_short_generation(turn):
-    """A draft as dear as a plain step (the embedded pair's: shadow drafts
-    60 tokens apart once settled), wrong until token ``turn``, then right:
+    """A draft costing 0.6 of a plain step (the embedded pair's: shadow
+    drafts 60 tokens apart once settled), wrong until token ``turn``, then right:
     the first shadow draft comes a block after the switch to plain and the
     spacing doubles from there (16, 32, then 60), so a turn in the first
     40 tokens is seen within 48 (with a fixed spacing of 60 the draft was
     not looked at again before token 67)."""
     c = synthetic_costs()
-    c.draft = {16: 0.012}
+    c.draft = {16: 0.006}
     policy = Policy(16, c)
     assert policy.shadow_every == 60
     kept = []
@@ -734,3 +761,50 @@ def test_replayed_on_the_embedded_draft_the_default_loses_nothing(embedded_recor
     row = regret_row(lambda: Policy(16, costs), right, 128, costs, [4, 16])
     better = min(row["pinned 4"], row["pinned 16"], row["plain"])
     assert better / row["default"] >= 0.97, (name, {k: v for k, v in row.items() if k not in ("plans", "kept")})
+
+
+def block8_costs():
+    """The block-8 DFlash 2 draft's curve with the embedded target on the
+    project's CPU (bench/results/policy-replay.md): a plain step 8.8 ms, an
+    8-wide cycle 3.2 plain steps, a shadow draft 0.7."""
+    return CostModel(
+        plain=0.00878,
+        verify={2: 0.0163, 4: 0.0179, 8: 0.0211},
+        draft={2: 0.0056, 8: 0.0062},
+        rollback=0.0010,
+    )
+
+
+@pytest.fixture(scope="module")
+def block8_record():
+    """What bench/drafts/dflash2-b8 proposes from every anchor of code_class
+    (128 tokens), at its block and at 4."""
+    import mlx.core as mx
+
+    import mlx_dflash
+    from mlx_dflash.api import DEFAULT_MODEL
+    from mlx_dflash.benchmark import read_prompts
+    from tools.replay import record
+
+    eng = mlx_dflash.load()
+    draft = mlx_dflash.load(DEFAULT_MODEL, str(ROOT / "bench" / "drafts" / "dflash2-b8"), dtype=mx.float32).draft
+    ids = eng.encode(read_prompts()["code_class"])
+    return record(eng.target, draft, ids, 128, [4, 8], eng.tokenizer.eos_token_ids)[1]
+
+
+def test_a_draft_that_nearly_pays_is_not_restarted_on_a_few_lucky_shadows(block8_record):
+    """The block-8 draft on code_class: plain decoding is best (a cycle costs
+    3.2 plain steps and the draft keeps about 2 tokens), but some shadow
+    drafts are right for whole blocks. Leaving plain decoding takes a margin
+    that shrinks with the evidence (``Policy.margin``), so the default stays
+    within 4% of plain decoding; without it two lucky shadows restarted
+    drafting twice and it lost 9% (0.912, bench/results/policy-replay.md).
+    The 3% goal is not met here: the warm-up cycle and three shadow drafts
+    cost 3.3% of 128 plain steps."""
+    from tools.replay import regret_row
+
+    costs = block8_costs()
+    row = regret_row(lambda: Policy(8, costs), block8_record, 128, costs, [4, 8])
+    better = min(row["pinned 4"], row["pinned 8"], row["plain"])
+    assert better == row["plain"]
+    assert better / row["default"] >= 0.96, {k: v for k, v in row.items() if k not in ("plans", "kept")}
