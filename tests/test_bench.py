@@ -116,6 +116,7 @@ def test_bench_cli_bad_prompts(tmp_path, capsys):
     assert "prompt folder does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 45-65 s: a cost curve, two contexts x three repeats of three systems
 def test_bench_context_length_axis(tmp_path, monkeypatch):
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")

@@ -93,6 +93,7 @@ def test_dflash_and_baseline_print_the_same_text(capsys):
     assert a == b and a.strip()
 
 
+@pytest.mark.slow  # 27-36 s: a second cost curve for plain ops (test_compiled covers the math)
 def test_no_compile_prints_the_same_text(capsys):
     code, a, _ = cli(capsys, "generate", "def g(", "-n", "24")
     assert code in (0, None)
@@ -101,6 +102,7 @@ def test_no_compile_prints_the_same_text(capsys):
     assert a == b and a.strip() and "plain ops (--no-compile)" in err
 
 
+@pytest.mark.slow  # 17-38 s: a cost curve with trees (test_policy covers auto-tree tokens)
 def test_auto_tree_prints_the_same_text(capsys):
     code, a, _ = cli(capsys, "generate", "class A:", "-n", "24", "--baseline")
     assert code in (0, None)

