@@ -476,7 +476,8 @@ class Policy:
     apart each time, up to one per ``shadow_every`` plain tokens (sooner
     again while the last one looked promising, as far as their budget of
     ``shadow_share`` of plain decoding's time allows); ``shadowed`` books
-    each and ends the run as soon as drafting pays on that evidence.
+    each and ends the run as soon as drafting pays on that evidence, by a
+    margin that shrinks as the evidence grows (:meth:`margin`).
 
     Costs under load: the measured curve already compares the widths under
     the same conditions (its parts take turns). Observed cycle times correct
@@ -706,6 +707,8 @@ class Policy:
         frm = "start" if self.last == 0 else ("plain" if self.last == 1 else f"B{self.last}")
         to = "plain" if p.width == 1 else ("tree" if p.tree else f"B{p.width}")
         why = self.reason + (f", {room} tokens left" if 1 < room < self.max_width else "")
+        if self.last == 1 and p.width > 1 and self.warmup == 0:  # leaving plain: the margin it cleared
+            why += f", margin x{self.margin():.2f}"
         self.switches.append(
             f"token {self.tokens}: {frm} -> {to} ({why}); expected tok/s {rates}; "
             f"p1..: {probs} ({seen}); load x{load:.2f}"

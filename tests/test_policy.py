@@ -444,7 +444,7 @@ def test_shadow_drafts_bring_the_loop_back_to_drafting(pair):
     widths = stats.tree_sizes
     assert 1 in widths[Policy.calibration_steps : Policy.calibration_steps + 12]  # it went plain
     assert back is not None and back - good_from <= policy.shadow_every + 16, (back, widths)
-    assert stats.shadow_drafts >= 2 and any("plain -> B16 (shadow evidence)" in x for x in stats.switches)
+    assert stats.shadow_drafts >= 2 and any("plain -> B16 (shadow evidence, margin x" in x for x in stats.switches)
 
 
 @pytest.mark.parametrize(
@@ -488,7 +488,7 @@ def test_verbose_says_why_each_switch_happened(pair):
     assert lines == stats.switches and len(lines) >= 4
     assert lines[0].startswith("token 0: start -> plain (calibration); expected tok/s plain:100 2:")
     assert lines[1].startswith("token 4: plain -> B")
-    assert any(" -> plain (evidence)" in x for x in lines) and any("(shadow evidence)" in x for x in lines)
+    assert any(" -> plain (evidence)" in x for x in lines) and any("(shadow evidence, margin x" in x for x in lines)
     for line in lines:
         assert "expected tok/s plain:" in line and "p1..:" in line and "load x" in line, line
     assert "shadow drafts" in table
