@@ -216,11 +216,11 @@ class CostModel:
                 # A long context repeats the short one's KV rows: attention costs
                 # the same whatever the keys hold, and a real 2048-token prefill
                 # took 26 s of the first run on mlx-cpu's bundled BLAS.
-                reps = -(-n // m)
                 for layer in c.layers:
                     if layer.sequence:
-                        layer.restore_state([layer.snapshot_state(0, m)] * reps)
-                c.restored(reps * m)
+                        layer.restore_state([layer.snapshot_state(0, m)] * -(-n // m))
+                        layer.truncate(n)
+                c.restored(n)
             mx.eval(f, c.state())
             return c, f
 
