@@ -84,7 +84,7 @@ def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records
         f"## {name} (block {draft.block_size}), {n_tokens} tokens",
         "",
         f"Cost model: plain step {costs.plain * 1e3:.2f} ms; cycle / plain step {ratios}; a shadow draft "
-        f"{max(costs.draft.values()) / costs.plain:.2f} plain steps.",
+        f"{costs.full_draft() / costs.plain:.2f} plain steps.",
         "",
         "| prompt | default tok/s | " + " | ".join(f"pinned {w}" for w in widths) + " | plain | better | "
         "default / better | shadows | default's widths |",

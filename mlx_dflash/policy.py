@@ -130,6 +130,11 @@ class CostModel:
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
 
+    def full_draft(self) -> float:
+        """Seconds of a draft forward at its full block: every drafted cycle
+        and every shadow draft runs one (see Policy.plan)."""
+        return interpolate(self.draft, max(self.draft))
+
     def plain_at(self, context: int = 0) -> float:
         return self.plain + self.per_key_plain * max(context - self.context, 0)
 
@@ -139,20 +144,10 @@ class CostModel:
             return self.plain_at(context)
         # The draft always runs at its full block (see Policy.plan), so its cost
         # does not shrink with the width; only the verify does.
-        return (
-            interpolate(self.draft, max(self.draft))
-            + interpolate(self.verify, width)
-            + self.rollback
-            + self._deeper(width, context)
-        )
+        return self.full_draft() + interpolate(self.verify, width) + self.rollback + self._deeper(width, context)
 
     def tree_cycle(self, nodes: int, context: int = 0) -> float:
-        return (
-            interpolate(self.draft, max(self.draft))
-            + interpolate(self.tree, nodes)
-            + self.rollback
-            + self._deeper(nodes, context)
-        )
+        return self.full_draft() + interpolate(self.tree, nodes) + self.rollback + self._deeper(nodes, context)
 
     def _deeper(self, rows: int, context: int) -> float:
         return (self.per_key_base + self.per_key_verify * rows) * max(context - self.context, 0)
@@ -560,7 +555,7 @@ class Policy:
         under ``shadow_share`` of plain decoding's, at least a block apart
         (one in flight at a time) and at most ``plain_run``."""
         c = self.costs
-        n = interpolate(c.draft, max(c.draft)) / (self.shadow_share * c.plain)
+        n = c.full_draft() / (self.shadow_share * c.plain)
         return int(min(max(n, self.max_width), self.plain_run))
 
     def correction(self) -> float:
@@ -730,7 +725,7 @@ class Policy:
         else:
             model = self.costs.cycle(plan.width, self.context)
         if w == 1:  # a run of plain steps, and the shadow drafts it carried
-            model = committed * model + shadows * interpolate(self.costs.draft, max(self.costs.draft))
+            model = committed * model + shadows * self.costs.full_draft()
         ratio = seconds / model
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)

@@ -91,7 +91,7 @@ def seconds(plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadow
         else:
             total += costs.cycle(p.width, context + done)
         done += n
-    return total + shadows * interpolate(costs.draft, max(costs.draft))
+    return total + shadows * costs.full_draft()
 
 
 def pinned_seconds(right: Sequence[int], width: int, tokens: int, costs: CostModel) -> Tuple[float, List[int]]:
