@@ -20,6 +20,10 @@ from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_laye
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
+# Query rows (verify, draft, prefill blocks) from which a CPU attends over the
+# dequantized quantized-KV rows (below, dequantizing costs more than the
+# per-row quantized matmuls; measured side by side at 256-8192 keys).
+DEQUANT_MIN_ROWS = 4
 
 # An opaque piece of cache state: arrays, and a JSON-able dict saying what
 # they hold (the cache's ``layout()`` plus counts such as ``rows``).
@@ -298,8 +302,18 @@ class QuantizedKVBuffer(KVBuffer):
         from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
         keys, values = self.append(k, v)
+        gs = self._group(q.shape[-1])
+        if q.shape[2] >= DEQUANT_MIN_ROWS and mx.default_device() != mx.gpu and not row_exact(q.dtype):
+            # A CPU's quantized matmul dequantizes the keys once per query row:
+            # a 16-row verify cost 9x a plain step's attention at 32k keys
+            # (docs/kv-quant.md). Dequantized once, the rows share one float
+            # matmul; the float copy lives for this call only. Half-precision
+            # rows keep the quantized path, which verify must match bit for bit.
+            kf = mx.dequantize(*keys, group_size=gs, bits=self.bits)
+            vf = mx.dequantize(*values, group_size=gs, bits=self.bits)
+            return attention(self._rotate(q), kf, vf, scale, mask, decode_block=verify)
         return quantized_scaled_dot_product_attention(
-            self._rotate(q), keys, values, scale=scale, mask=mask, group_size=self._group(q.shape[-1]), bits=self.bits
+            self._rotate(q), keys, values, scale=scale, mask=mask, group_size=gs, bits=self.bits
         )
 
     def dequantized(self) -> Tuple[mx.array, mx.array]:

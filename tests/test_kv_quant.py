@@ -56,6 +56,50 @@ def test_quantized_attention_is_close_to_full_precision(bits, tol):
     assert np.allclose(np.array(dk), np.array(k), atol=(0.05 if bits == 8 else 0.8) * float(mx.abs(k).max()) / 10)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("mask", ["causal", "tree", None])
+@pytest.mark.parametrize("verify", [True, False])
+def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, mask, verify):
+    """On a CPU a block of >= DEQUANT_MIN_ROWS rows attends over the
+    dequantized cache (one float matmul instead of a quantized matmul per row):
+    the quantized path's twin, to float32 rounding."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from mlx_dflash.cache import DEQUANT_MIN_ROWS
+
+    rng = np.random.default_rng(1)
+    T, L = 2 * DEQUANT_MIN_ROWS, 96
+    q = mx.array(rng.normal(size=(1, 4, T, 64)).astype(np.float32))
+    k = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
+    v = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
+    if mask == "tree":  # each row sees the context and an ancestor set, as tree verify builds it
+        keep = np.tril(rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool)
+        mask = mx.array(np.concatenate([np.ones((T, L - T), bool), keep], axis=1))
+    buf = QuantizedKVBuffer(bits)
+    buf.append(k[:, :, : L - T], v[:, :, : L - T])
+    got = buf.attend(q, k[:, :, L - T :], v[:, :, L - T :], 0.125, mask, verify)
+    held = buf.state()
+    keys, values = held[:3], held[3:]
+    want = quantized_scaled_dot_product_attention(
+        buf._rotate(q), keys, values, scale=0.125, mask=mask, group_size=64, bits=bits
+    )
+    assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
+    # Fewer rows keep the quantized matmul itself, bit for bit.
+    small = QuantizedKVBuffer(bits)
+    small.append(k[:, :, :-1], v[:, :, :-1])
+    one = small.attend(q[:, :, :1], k[:, :, -1:], v[:, :, -1:], 0.125, None, verify)
+    ref = quantized_scaled_dot_product_attention(
+        small._rotate(q[:, :, :1]),
+        small.state()[:3],
+        small.state()[3:],
+        scale=0.125,
+        mask=None,
+        group_size=64,
+        bits=bits,
+    )
+    assert mx.array_equal(one, ref)
+
+
 def assert_same_quantized_cache(a, b):
     """Caches equal up to float noise: batched and single-token forwards round
     differently, which can move a row's quantized value by at most a step; on
