@@ -17,7 +17,7 @@ from . import ddtree
 from .config import GenerationConfig
 from .errors import DFlashError
 from .models.draft import propose as draft_propose
-from .policy import Plan, Policy, load_costs
+from .policy import Plan, Policy, forget_costs, load_costs
 from .sampling import Sampler, speculative_rule
 
 
@@ -772,4 +772,9 @@ def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[L
         plan = policy.plan(d.room(), d.pos)
     stats.decode_time = time.perf_counter() - d.tic
     stats.peak_memory = mx.get_peak_memory() / 1e9
+    if policy.drifted() and forget_costs(policy.costs):
+        policy.switches.append(
+            f"the cost curve was measured under load (this run took x{policy.load():.2f} of its times): "
+            "it is measured again before the next generation"
+        )
     stats.switches = policy.switches

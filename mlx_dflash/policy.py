@@ -129,6 +129,9 @@ class CostModel:
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
+    # Where this curve is cached (file, model key, machine), when it came from
+    # or went to the cache: a curve found measured under load is dropped there.
+    origin: Optional[Tuple[str, str, str]] = field(default=None, compare=False, repr=False)
 
     def full_draft(self) -> float:
         """Seconds of a draft forward at its full block: every drafted cycle
@@ -369,9 +372,11 @@ def load_costs(
         ):
             costs = CostModel.from_dict(e["costs"])
             if want_tree <= set(costs.tree):
+                costs.origin = (str(path), fp, mid)
                 _MEMO[memo_key()] = costs
                 return costs, False
     costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
+    costs.origin = (str(path), fp, mid)
     entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
     entries.append(
         {
@@ -383,15 +388,42 @@ def load_costs(
             "costs": costs.to_dict(),
         }
     )
+    _write_entries(path, entries[-32:])
+    _MEMO[memo_key()] = costs
+    return costs, True
+
+
+def _write_entries(path: Path, entries: List[dict]) -> None:
+    """Replace the cache file's entries (atomically: a reader never sees half a file)."""
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"entries": entries[-32:]}, indent=1))
+        tmp.write_text(json.dumps({"entries": entries}, indent=1))
         tmp.replace(path)
     except OSError:
         pass  # a read-only home: measure again next time
-    _MEMO[memo_key()] = costs
-    return costs, True
+
+
+def forget_costs(costs: CostModel) -> bool:
+    """Drop ``costs``' entry from the on-disk cache, and from this process's
+    memo, so the next generation measures the pair again. For a curve found
+    measured under load (:meth:`Policy.drifted`): kept, it would price every
+    later run on this machine by a load long gone. Returns whether an entry went."""
+    if costs.origin is None:
+        return False
+    path, fp, mid = costs.origin
+    costs.origin = None
+    for k in [k for k, v in _MEMO.items() if v is costs]:
+        del _MEMO[k]
+    try:
+        entries = json.loads(Path(path).read_text()).get("entries", [])
+    except (OSError, ValueError, AttributeError):
+        return False
+    kept = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
+    if len(kept) == len(entries):
+        return False
+    _write_entries(Path(path), kept)
+    return True
 
 
 # --- the policy ---------------------------------------------------------------------
@@ -497,6 +529,9 @@ class Policy:
     # the blocks of evidence: a few lucky shadows must not start cycles that cost
     # three plain steps each where the draft only nearly pays.
     switch_margin = 0.2
+    # A generation whose cycles ran this much faster than the curve says finds
+    # the curve measured under load (a curve the machine matches reads about 1).
+    stale_load = 0.7
 
     def __init__(
         self,
@@ -565,6 +600,13 @@ class Policy:
     def load(self) -> float:
         """How much slower the machine runs now than when the curve was measured (1: as measured)."""
         return _median5(self.loads)
+
+    def drifted(self) -> bool:
+        """Whether this generation ran well faster than the curve says
+        (``load() < stale_load`` over 5 samples): the curve was measured
+        while something else held the machine, and is worth measuring again.
+        (Slower than measured is today's load: that says nothing of the curve.)"""
+        return self.adaptive and len(self.loads) >= 5 and self.load() < self.stale_load
 
     def cost(self, width: int) -> float:
         """Seconds per cycle of ``width`` (1: a plain step) under the conditions

@@ -808,3 +808,38 @@ def test_a_draft_that_nearly_pays_is_not_restarted_on_a_few_lucky_shadows(block8
     better = min(row["pinned 4"], row["pinned 8"], row["plain"])
     assert better == row["plain"]
     assert better / row["default"] >= 0.95, {k: v for k, v in row.items() if k not in ("plans", "kept")}
+
+
+def test_a_curve_measured_under_load_is_measured_again(pair, tmp_path):
+    """A curve timed while something else held the machine (here: every term
+    of the cached curve 10x what it costs now) reads as such in a generation
+    (load well under 1): the generation says so and drops it from the cache,
+    and the next load measures the pair again. A curve the runs match stays,
+    under a stall too (slower than measured is today's load, not the curve's)."""
+    model, target, real = pair
+    load_costs(target, real, cache_dir=tmp_path)
+    path = tmp_path / "costs.json"
+    data = json.loads(path.read_text())
+    c = data["entries"][0]["costs"]
+    for k in ("plain", "rollback", "per_key_verify", "per_key_plain", "per_key_base"):
+        c[k] *= 10
+    for k in ("verify", "draft", "tree"):
+        c[k] = {w: 10 * t for w, t in c[k].items()}
+    path.write_text(json.dumps(data))
+    costs, measured = load_costs(target, real, cache_dir=tmp_path)
+    assert not measured
+    ref = reference_greedy(model, PROMPT, 160)
+    policy = Policy(16, costs)
+    out, stats = run(target, 160, draft=ScriptedDraft(PROMPT, ref, target.vocab_size), policy=policy)
+    assert out == ref
+    assert len(policy.loads) == 5 and policy.load() < Policy.stale_load, policy.loads
+    assert any("measured under load" in line for line in stats.switches), stats.switches
+    assert json.loads(path.read_text())["entries"] == []
+    again, measured = load_costs(target, real, cache_dir=tmp_path)
+    assert measured and again.plain < costs.plain / 3
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+    for stall in ((0, 0), (150, 200)):
+        matched = Policy(16, synthetic_costs())
+        drive(matched, accept_each_with(0.6), 200, clock=stalled_clock(matched, *stall))
+        assert len(matched.loads) == 5 and not matched.drifted(), matched.loads
