@@ -28,6 +28,7 @@ slot's rows are its solo forward's).
 """
 
 import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -245,7 +246,8 @@ class BatchPolicy:
     (``shadow``), unverified: the target's next
     plain tokens score each slot's draft (its old counts dropped first), so
     a look at a useless draft costs a draft forward, not a wide verify. If
-    drafting then pays, it resumes; else the next run is twice as long.
+    drafting then pays by the solo policy's margin (:meth:`margin`), it
+    resumes; else the next run is twice as long.
     ``costs`` None: pinned at ``fixed`` (else the block)."""
 
     first_plain_run = 16
@@ -280,9 +282,11 @@ class BatchPolicy:
         e = sum(self.acceptance(i).expected(max(min(W, left), 1)) for i, left in slots)
         return e / self.cost(len(slots), W)
 
-    def best(self, slots: Sequence[Tuple[int, int]], room: int, drafted: bool = False) -> int:
+    def best(self, slots: Sequence[Tuple[int, int]], room: int, drafted: bool = False, margin: float = 1.0) -> int:
+        """The width with the most expected tokens per second (``drafted``:
+        of the drafted ones; ``margin``: plain steps' rate counted that many times)."""
         ladder = Policy(self.max_width).ladder(room)
-        best, rate = 1, (0.0 if drafted else self.rate(slots, 1))
+        best, rate = 1, (0.0 if drafted else self.rate(slots, 1) * margin)
         for W in ladder:
             r = self.rate(slots, W)
             if r > rate:
@@ -360,11 +364,20 @@ class BatchPolicy:
                 self.acceptance(i).observe(len(drafted), a)
         if self.shadows or self.plain_left > 0:
             return
-        if self.best([(i, left) for i, left, _ in slots], room) > 1:
+        live = [(i, left) for i, left, _ in slots]
+        if self.best(live, room, margin=self.margin(live)) > 1:
             self.plain_run = self.first_plain_run
         else:
             self.plain_run = min(self.plain_run * 2, self.longest_plain_run)
             self.plain_left = self.plain_run
+
+    def margin(self, slots: Sequence[Tuple[int, int]]) -> float:
+        """:meth:`Policy.margin` over the batch's evidence: leaving plain
+        steps needs drafting to beat them by ``1 + switch_margin / sqrt(blocks
+        scored over the slots)``; a shadow look that just pays on one block
+        per slot does not restart cycles that cost several plain steps."""
+        blocks = sum(self.acceptance(i).trials[1] for i, _ in slots)
+        return 1.0 + Policy.switch_margin / math.sqrt(max(blocks, 0.5))
 
     def describe(self, S: int) -> str:
         if not self.adaptive:

@@ -1097,6 +1097,39 @@ def test_batch_costs_follow_observed_cycle_times(engines, tmp_path):
     assert costs.cycle(3, 8) == pytest.approx(3.0) and costs.measured == []
 
 
+@pytest.mark.parametrize("edge,resumes", [(1.05, False), (1.3, True)])
+def test_batch_policy_needs_a_margin_to_leave_plain_steps(edge, resumes):
+    """As the solo policy (Policy.margin): a shadow look after which drafting
+    only just pays (5% over plain steps, on one scored block per slot) does
+    not restart drafted cycles, which cost several plain steps each; a plain
+    run twice as long follows. One after which it pays by 30% does restart
+    them. (Without a margin both restarted.)"""
+    from mlx_dflash.batch import BatchPolicy
+    from mlx_dflash.policy import Acceptance, Policy
+
+    seen = Acceptance(8)
+    seen.observe(7, 2)  # what each slot's shadow will show: 2 right, then a miss
+    e = max(seen.expected(W) for W in Policy(8).ladder(10**6))
+    # A drafted batch cycle costs so much that the best width commits `edge` x plain's tokens per second.
+    p = BatchPolicy(8, TableCosts(lambda S, W: 1.0 if W == 1 else e / edge))
+    slots = [(0, 10**6), (1, 10**6)]
+    p.warmup, p.plain_left, p.plain_run = 0, 1, 16
+    assert p.plan(slots, room=10**6) == 1 and p.shadow  # a plain run's last cycle looks
+    history = [[0], [0]]
+    for i in (0, 1):
+        p.shadows[i] = (0, [7] * 7)
+    p.observe([(i, left, 1) for i, left in slots])
+    for token in (7, 7, 8):
+        for h in history:
+            h.append(token)
+        p.score_shadows([(i, left, history[i]) for i, left in slots], room=10**6)
+    assert not p.shadows
+    assert p.margin(slots) == pytest.approx(1 + Policy.switch_margin / 2**0.5)
+    W = p.plan(slots, room=10**6)
+    assert (W > 1) == resumes, (W, p.plain_left)
+    assert p.plain_left == (0 if resumes else 32)  # a plain run twice as long
+
+
 @pytest.mark.parametrize("kind", ["full", "window", "v2"])
 def test_shadow_drafts_with_real_drafts_keep_solo_tokens(dense, tok_dir, kind):
     """Plain runs with shadow drafts (the draft reads its context and
