@@ -326,6 +326,7 @@ def _monotone(t: Dict[int, float]) -> Dict[int, float]:
 
 
 _MEMO: Dict[Tuple, CostModel] = {}
+_FORGOTTEN: set = set()  # (model key, machine) whose curve this process dropped once (forget_costs)
 
 
 def load_costs(
@@ -409,9 +410,10 @@ def forget_costs(costs: CostModel) -> bool:
     memo, so the next generation measures the pair again. For a curve found
     measured under load (:meth:`Policy.drifted`): kept, it would price every
     later run on this machine by a load long gone. Returns whether an entry went."""
-    if costs.origin is None:
-        return False
+    if costs.origin is None or costs.origin[1:] in _FORGOTTEN:
+        return False  # once per pair a process: a curve that reads fast however measured is kept
     path, fp, mid = costs.origin
+    _FORGOTTEN.add((fp, mid))
     costs.origin = None
     for k in [k for k, v in _MEMO.items() if v is costs]:
         del _MEMO[k]

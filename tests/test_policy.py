@@ -838,6 +838,16 @@ def test_a_curve_measured_under_load_is_measured_again(pair, tmp_path):
     again, measured = load_costs(target, real, cache_dir=tmp_path)
     assert measured and again.plain < costs.plain / 3
     assert len(json.loads(path.read_text())["entries"]) == 1
+    # Once per pair in a process: were the new curve also read as measured
+    # under load (a machine that always runs faster than it measures), it stays.
+    again.plain, again.rollback = 10 * again.plain, 10 * again.rollback
+    again.verify = {w: 10 * t for w, t in again.verify.items()}
+    again.draft = {w: 10 * t for w, t in again.draft.items()}
+    policy = Policy(16, again)
+    out, stats = run(target, 160, draft=ScriptedDraft(PROMPT, ref, target.vocab_size), policy=policy)
+    assert out == ref and policy.drifted()
+    assert not any("measured under load" in line for line in stats.switches)
+    assert len(json.loads(path.read_text())["entries"]) == 1
 
     for stall in ((0, 0), (150, 200)):
         matched = Policy(16, synthetic_costs())
