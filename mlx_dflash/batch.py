@@ -28,7 +28,6 @@ slot's rows are its solo forward's).
 """
 
 import json
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -53,7 +52,17 @@ from .decode import (
 )
 from .errors import DFlashError
 from .models.draft import propose_slots
-from .policy import Acceptance, Plan, Policy, cost_key, default_cache_dir, interpolate, machine_id
+from .policy import (
+    Acceptance,
+    Plan,
+    Policy,
+    cost_key,
+    default_cache_dir,
+    evidence_margin,
+    interpolate,
+    machine_id,
+    write_json,
+)
 from .sampling import Sampler
 
 
@@ -96,7 +105,7 @@ class BatchCosts:
     never be chosen, so never corrected)."""
 
     FILE = "batch-costs.json"
-    FORMAT = 1
+    FORMAT = 2  # 2: CPU verifies over quantized KV attend over it dequantized (cheaper)
     stale_after = 64
 
     def __init__(self, target, draft, *, kv_bits: Optional[int] = None, cache_dir=None, context: int = 64):
@@ -155,18 +164,14 @@ class BatchCosts:
         if not isinstance(entries, dict):
             entries = {}
         key = self._entry_key(S)
-        if key in entries:
+        try:
             return {int(w): float(t) for w, t in entries[key].items()}
+        except (KeyError, AttributeError, TypeError, ValueError):
+            pass  # not there, or damaged: measured and replaced
         table = self.measure(S)
         self.measured.append(S)
         entries[key] = table
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(dict(list(entries.items())[-64:]), indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass  # a read-only home: measured again next time
+        write_json(path, dict(list(entries.items())[-64:]))  # a read-only home: measured again next time
         return table
 
     def measure(self, S: int, reps: int = 3) -> Dict[int, float]:
@@ -314,7 +319,8 @@ class BatchPolicy:
         elif self.warmup > 0:
             W = self.best(slots, room, drafted=True)
         else:
-            W = self.best(slots, room)
+            # Leaving plain steps (a look's slots gone before it was scored) takes the margin too.
+            W = self.best(slots, room, margin=self.margin(slots) if self.last == 1 else 1.0)
             if W == 1:
                 self.plain_votes += 1
                 if self.plain_votes >= 2:
@@ -372,12 +378,11 @@ class BatchPolicy:
             self.plain_left = self.plain_run
 
     def margin(self, slots: Sequence[Tuple[int, int]]) -> float:
-        """:meth:`Policy.margin` over the batch's evidence: leaving plain
-        steps needs drafting to beat them by ``1 + switch_margin / sqrt(blocks
-        scored over the slots)``; a shadow look that just pays on one block
-        per slot does not restart cycles that cost several plain steps."""
-        blocks = sum(self.acceptance(i).trials[1] for i, _ in slots)
-        return 1.0 + Policy.switch_margin / math.sqrt(max(blocks, 0.5))
+        """The solo policy's margin (:func:`~mlx_dflash.policy.evidence_margin`)
+        over the blocks scored over the slots: a shadow look that just pays
+        on one block per slot does not restart cycles that cost several
+        plain steps."""
+        return evidence_margin(sum(self.acceptance(i).trials[1] for i, _ in slots))
 
     def describe(self, S: int) -> str:
         if not self.adaptive:

@@ -20,9 +20,10 @@ from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_laye
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZE = 64  # mlx-lm's default kv_group_size
-# Query rows (verify, draft, prefill blocks) from which a CPU attends over the
-# dequantized quantized-KV rows (below, dequantizing costs more than the
-# per-row quantized matmuls; measured side by side at 256-8192 keys).
+# Query rows (verify and prefill blocks) from which a CPU attends over the
+# dequantized quantized-KV rows: below, dequantizing (about two single-row
+# quantized attentions) costs more than the per-row quantized matmuls
+# (measured side by side at 256-8192 keys; at 2 and 3 rows it was close).
 DEQUANT_MIN_ROWS = 4
 
 # An opaque piece of cache state: arrays, and a JSON-able dict saying what
@@ -305,7 +306,7 @@ class QuantizedKVBuffer(KVBuffer):
         gs = self._group(q.shape[-1])
         if q.shape[2] >= DEQUANT_MIN_ROWS and mx.default_device() != mx.gpu and not row_exact(q.dtype):
             # A CPU's quantized matmul dequantizes the keys once per query row:
-            # a 16-row verify cost 9x a plain step's attention at 32k keys
+            # a 16-row verify cost 10x a plain step's attention at 32k keys
             # (docs/kv-quant.md). Dequantized once, the rows share one float
             # matmul; the float copy lives for this call only. Half-precision
             # rows keep the quantized path, which verify must match bit for bit.

@@ -25,6 +25,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +35,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 5  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
-#            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them)
+FORMAT = 6  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+#            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them;
+#            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -129,9 +131,10 @@ class CostModel:
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
-    # Where this curve is cached (file, model key, machine), when it came from
-    # or went to the cache: a curve found measured under load is dropped there.
-    origin: Optional[Tuple[str, str, str]] = field(default=None, compare=False, repr=False)
+    # Where this curve is cached (file, model key, machine, when measured), when
+    # it came from or went to the cache: a curve found measured under load is
+    # marked stale there (forget_costs).
+    origin: Optional[Tuple[str, str, str, str]] = field(default=None, compare=False, repr=False)
 
     def full_draft(self) -> float:
         """Seconds of a draft forward at its full block: every drafted cycle
@@ -326,7 +329,6 @@ def _monotone(t: Dict[int, float]) -> Dict[int, float]:
 
 
 _MEMO: Dict[Tuple, CostModel] = {}
-_FORGOTTEN: set = set()  # (model key, machine) whose curve this process dropped once (forget_costs)
 
 
 def load_costs(
@@ -358,11 +360,7 @@ def load_costs(
         return _MEMO[memo_key()], False
     fp = cost_key(target, draft, kv_bits)
     mid = machine_id()
-    entries: List[dict] = []
-    try:
-        entries = json.loads(path.read_text()).get("entries", [])
-    except (OSError, ValueError, AttributeError):
-        entries = []
+    entries = read_entries(path)
     want_tree = {int(n) for n in tree_sizes}
     for e in entries:
         if (
@@ -370,65 +368,107 @@ def load_costs(
             and e.get("machine") == mid
             and e.get("mlx") == mx.__version__
             and e.get("format") == FORMAT
+            and not e.get("stale")
         ):
-            costs = CostModel.from_dict(e["costs"])
+            try:
+                costs = CostModel.from_dict(e["costs"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue  # a damaged entry: measured again below, and replaced
             if want_tree <= set(costs.tree):
-                costs.origin = (str(path), fp, mid)
+                costs.origin = (str(path), fp, mid, str(e.get("measured")))
                 _MEMO[memo_key()] = costs
                 return costs, False
     costs = CostModel.measure(target, draft, kv_bits=kv_bits, tree_sizes=sorted(want_tree))
-    costs.origin = (str(path), fp, mid)
-    entries = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
-    entries.append(
-        {
-            "model": fp,
-            "machine": mid,
-            "mlx": mx.__version__,
-            "format": FORMAT,
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "costs": costs.to_dict(),
-        }
-    )
-    _write_entries(path, entries[-32:])
+    mine = [e for e in entries if e.get("model") == fp and e.get("machine") == mid]
+    entry = {
+        "model": fp,
+        "machine": mid,
+        "mlx": mx.__version__,
+        "format": FORMAT,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "costs": costs.to_dict(),
+    }
+    if any(e.get("stale") for e in mine):
+        entry["remeasured"] = True  # it replaces a curve dropped as measured under load: kept for good
+    costs.origin = (str(path), fp, mid, entry["measured"])
+    write_entries(path, [e for e in entries if e not in mine][-31:] + [entry])
     _MEMO[memo_key()] = costs
     return costs, True
 
 
-def _write_entries(path: Path, entries: List[dict]) -> None:
-    """Replace the cache file's entries (atomically: a reader never sees half a file)."""
+def read_entries(path: Path, key: str = "entries") -> list:
+    """The list of dict entries under ``key`` in a JSON cache file; [] when the
+    file is missing, damaged or of another shape."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    entries = data.get(key) if isinstance(data, dict) else None
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def write_json(path: Path, data) -> bool:
+    """Replace a cache file atomically (a uniquely named temporary file
+    renamed over it: a reader, or another process writing too, never sees
+    half a file); False where the folder is read-only."""
+    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"entries": entries}, indent=1))
-        tmp.replace(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError:
-        pass  # a read-only home: measure again next time
+        return False
+    return True
+
+
+def write_entries(path: Path, entries: List[dict]) -> bool:
+    return write_json(path, {"entries": entries})
 
 
 def forget_costs(costs: CostModel) -> bool:
-    """Drop ``costs``' entry from the on-disk cache, and from this process's
-    memo, so the next generation measures the pair again. For a curve found
-    measured under load (:meth:`Policy.drifted`): kept, it would price every
-    later run on this machine by a load long gone. Returns whether an entry went."""
-    if costs.origin is None or costs.origin[1:] in _FORGOTTEN:
-        return False  # once per pair a process: a curve that reads fast however measured is kept
-    path, fp, mid = costs.origin
-    _FORGOTTEN.add((fp, mid))
+    """Mark ``costs``' entry in the on-disk cache stale and drop it from
+    this process's memo, so the next generation measures the pair again;
+    for a curve found measured under load (:meth:`Policy.drifted`). A curve
+    measured again that way is never dropped a second time: one that reads
+    fast however it is measured is kept. Returns whether the entry was marked."""
+    if costs.origin is None:
+        return False
+    path, fp, mid, stamp = costs.origin
+    entries = read_entries(Path(path))
+    mine = [
+        e
+        for e in entries
+        if e.get("model") == fp and e.get("machine") == mid and str(e.get("measured")) == stamp and not e.get("stale")
+    ]
+    if not mine or any(e.get("remeasured") for e in mine):
+        return False
+    for e in mine:
+        e["stale"] = True
+    if not write_entries(Path(path), entries):
+        return False  # a read-only folder: the curve stays, and so does its load correction
     costs.origin = None
     for k in [k for k, v in _MEMO.items() if v is costs]:
         del _MEMO[k]
-    try:
-        entries = json.loads(Path(path).read_text()).get("entries", [])
-    except (OSError, ValueError, AttributeError):
-        return False
-    kept = [e for e in entries if not (e.get("model") == fp and e.get("machine") == mid)]
-    if len(kept) == len(entries):
-        return False
-    _write_entries(Path(path), kept)
     return True
 
 
 # --- the policy ---------------------------------------------------------------------
+
+SWITCH_MARGIN = 0.2
+
+
+def evidence_margin(blocks: float) -> float:
+    """How many times plain decoding's rate drafting must beat to leave it,
+    on ``blocks`` blocks of acceptance evidence: ``1 + SWITCH_MARGIN /
+    sqrt(blocks)``. A few lucky looks must not start cycles that cost
+    several plain steps each where the draft only nearly pays."""
+    return 1.0 + SWITCH_MARGIN / math.sqrt(max(blocks, 0.5))
 
 
 @dataclass
@@ -527,10 +567,6 @@ class Policy:
     shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
     promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked again soon
     shadow_bank = 2.0  # shadow drafts that may be spent ahead of their share (the first ones of a plain stretch)
-    # Leaving plain decoding needs drafting to beat it by this over the square root of
-    # the blocks of evidence: a few lucky shadows must not start cycles that cost
-    # three plain steps each where the draft only nearly pays.
-    switch_margin = 0.2
     # A generation whose cycles ran this much faster than the curve says finds
     # the curve measured under load (a curve the machine matches reads about 1).
     stale_load = 0.7
@@ -659,9 +695,9 @@ class Policy:
 
     def margin(self) -> float:
         """How much better than plain decoding drafting must look to leave it:
-        ``1 + switch_margin / sqrt(blocks of evidence)`` (a shadow or a cycle
+        :func:`evidence_margin` of the blocks of evidence (a shadow or a cycle
         weighs one block, less as it ages)."""
-        return 1.0 + self.switch_margin / math.sqrt(max(self.acc.trials[1], 0.5))
+        return evidence_margin(self.acc.trials[1])
 
     def plan(self, room: int, context: int = 0) -> Plan:
         """The next cycle, given ``room`` tokens left (before max_tokens or the

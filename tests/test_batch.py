@@ -1105,7 +1105,7 @@ def test_batch_policy_needs_a_margin_to_leave_plain_steps(edge, resumes):
     run twice as long follows. One after which it pays by 30% does restart
     them. (Without a margin both restarted.)"""
     from mlx_dflash.batch import BatchPolicy
-    from mlx_dflash.policy import Acceptance, Policy
+    from mlx_dflash.policy import SWITCH_MARGIN, Acceptance, Policy
 
     seen = Acceptance(8)
     seen.observe(7, 2)  # what each slot's shadow will show: 2 right, then a miss
@@ -1124,7 +1124,7 @@ def test_batch_policy_needs_a_margin_to_leave_plain_steps(edge, resumes):
             h.append(token)
         p.score_shadows([(i, left, history[i]) for i, left in slots], room=10**6)
     assert not p.shadows
-    assert p.margin(slots) == pytest.approx(1 + Policy.switch_margin / 2**0.5)
+    assert p.margin(slots) == pytest.approx(1 + SWITCH_MARGIN / 2**0.5)
     W = p.plan(slots, room=10**6)
     assert (W > 1) == resumes, (W, p.plain_left)
     assert p.plain_left == (0 if resumes else 32)  # a plain run twice as long

@@ -68,7 +68,7 @@ def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, 
     from mlx_dflash.cache import DEQUANT_MIN_ROWS
 
     rng = np.random.default_rng(1)
-    T, L = 2 * DEQUANT_MIN_ROWS, 96
+    T, L = 2 * DEQUANT_MIN_ROWS, 256  # T * L over FUSED_SOFTMAX_MIN: a verify takes the fused softmax
     q = mx.array(rng.normal(size=(1, 4, T, 64)).astype(np.float32))
     k = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
     v = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
@@ -85,19 +85,16 @@ def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, 
     )
     assert np.allclose(np.array(got), np.array(want), atol=2e-5, rtol=1e-4)
     # Fewer rows keep the quantized matmul itself, bit for bit.
-    small = QuantizedKVBuffer(bits)
-    small.append(k[:, :, :-1], v[:, :, :-1])
-    one = small.attend(q[:, :, :1], k[:, :, -1:], v[:, :, -1:], 0.125, None, verify)
-    ref = quantized_scaled_dot_product_attention(
-        small._rotate(q[:, :, :1]),
-        small.state()[:3],
-        small.state()[3:],
-        scale=0.125,
-        mask=None,
-        group_size=64,
-        bits=bits,
-    )
-    assert mx.array_equal(one, ref)
+    for t in (1, DEQUANT_MIN_ROWS - 1):
+        small = QuantizedKVBuffer(bits)
+        small.append(k[:, :, :-t], v[:, :, :-t])
+        m = None if t == 1 else "causal"
+        few = small.attend(q[:, :, :t], k[:, :, -t:], v[:, :, -t:], 0.125, m, verify)
+        held = small.state()
+        ref = quantized_scaled_dot_product_attention(
+            small._rotate(q[:, :, :t]), held[:3], held[3:], scale=0.125, mask=m, group_size=64, bits=bits
+        )
+        assert mx.array_equal(few, ref)
 
 
 def assert_same_quantized_cache(a, b):
