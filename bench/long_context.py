@@ -16,7 +16,11 @@ real draft's cost) pinned at block 16. Per context L, ascending:
    --tokens tokens, and must produce the same tokens;
 3. the cycle's terms at L (tools/shapes.cycle_terms): mlx-lm's and the
    engine's plain step, T_verify(16) (with capture), T_rollback(16),
-   T_draft(16) (its attention over the L context rows).
+   T_draft(16) (its attention over the L context rows);
+4. with ``--kv-bits 8`` (or 4), steps 2-3 again from the same prefill with
+   the attention rows quantized: mlx-lm with its quantized cache, the
+   engine's plain decoding and the oracle with the engine's (the oracle must
+   equal the engine's plain tokens; mlx-lm's agreement is counted).
 
 The result file is rewritten after each context, so a run cut short keeps
 what it measured. Writes bench/results/long-context.md (``--out``).
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
 import mlx.core as mx  # noqa: E402
 
 from mlx_dflash import blas  # noqa: E402
-from mlx_dflash.cache import DeltaNetState  # noqa: E402
+from mlx_dflash.cache import KV_GROUP_SIZE, DeltaNetState, TargetCache  # noqa: E402
 from mlx_dflash.config import GenerationConfig  # noqa: E402
 from mlx_dflash.decode import Hooks, decode_loop, open_decoder  # noqa: E402
 from mlx_dflash.policy import Policy  # noqa: E402
@@ -46,74 +50,137 @@ RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16
 
 
-def mlx_cache_from(model, cache):
-    """A mlx-lm prompt cache holding the engine cache's state (the same arrays)."""
-    from mlx_lm.models.cache import make_prompt_cache
+def mlx_cache_from(model, cache, bits=None):
+    """A mlx-lm prompt cache holding the full-precision engine cache's state
+    (the same arrays), its attention rows quantized to ``bits`` the way
+    mlx-lm's QuantizedKVCache stores them when ``bits`` is given."""
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
     mc = make_prompt_cache(model)
-    for m, c in zip(mc, cache.layers):
+    for i, (m, c) in enumerate(zip(mc, cache.layers)):
         if isinstance(c, DeltaNetState):
             m[0], m[1] = c.conv, c.ssm
-        else:
-            m.keys, m.values = c.buf.held(c.offset)
-            m.offset = c.offset
+            continue
+        k, v = c.buf.held(c.offset)
+        if bits:
+            m = mc[i] = QuantizedKVCache(group_size=KV_GROUP_SIZE, bits=bits)
+            k = tuple(mx.quantize(k, group_size=KV_GROUP_SIZE, bits=bits))
+            v = tuple(mx.quantize(v, group_size=KV_GROUP_SIZE, bits=bits))
+        m.keys, m.values = k, v
+        m.offset = c.offset
     return mc
 
 
-def oracle_decode(target, prompt, cache, dcache, oracle, anchor: int, n: int):
+def quantized_cache(cache, bits):
+    """The full-precision engine cache's state with its attention rows
+    quantized in the engine's format (rotated keys; cache.QuantizedKVBuffer)."""
+    q = TargetCache(cache.is_linear, kv_bits=bits)
+    for qc, c in zip(q.layers, cache.layers):
+        if isinstance(c, DeltaNetState):
+            qc.restore_state([c.snapshot_state()])
+        else:
+            qc.append(*c.buf.held(c.offset))
+    q.restored(cache.offset)
+    mx.eval(q.state())
+    return q
+
+
+def engine_decode(target, prompt, cache, dcache, draft, anchor: int, n: int):
     """The engine's decode loop from a prefilled ``cache`` (prompt held,
-    ``anchor`` its first token) and a draft context ``dcache``: the ``n``
-    tokens after the anchor, the seconds they took, and the stats."""
-    c = GenerationConfig.build(None, max_tokens=n + 1, block_size=BLOCK)
-    d = open_decoder(target, prompt, c, Hooks(), c.sampler(), draft=oracle, cache=cache)
+    ``anchor`` its first token) and a draft context ``dcache`` (plain
+    decoding when ``draft`` is None): the ``n`` tokens after the anchor, the
+    seconds they took, and the stats."""
+    c = GenerationConfig.build(None, max_tokens=n + 1, block_size=BLOCK if draft else None)
+    d = open_decoder(target, prompt, c, Hooks(), c.sampler(), draft=draft, cache=cache)
     d.dcache = dcache
     d.anchor, d.pos = anchor, len(prompt)
     d.emit([anchor])
     out = []
     d.tic = t0 = time.perf_counter()
-    for toks in decode_loop(d, Policy(BLOCK, None, fixed=BLOCK), False):
+    for toks in decode_loop(d, Policy(BLOCK, None, fixed=BLOCK) if draft else Policy(1), False):
         out.extend(toks)
     return out, time.perf_counter() - t0, d.stats
 
 
 def measure_context(L, target, draft, model, args):
+    """Per mode (full-precision KV, then each of ``--kv-bits``), from one
+    prefill: the decoders' tok/s, the oracle's tau and the cycle's terms."""
     V = target.vocab_size
     prompt = shapes.prompt_ids(L, V, seed=L)
-    row = {"L": L}
     cache = target.make_cache()
     t = time.perf_counter()
     logits, feats = target.prefill(prompt, cache, capture=draft.target_layer_ids)
     anchor = int(mx.argmax(logits[-1]).item())
-    row["prefill_s"] = time.perf_counter() - t
+    prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     dbase = draft.make_cache()
     draft.add_context(feats, dbase)
     mx.eval(dbase.state())
-    row["draft_ctx_s"] = time.perf_counter() - t
+    draft_ctx_s = time.perf_counter() - t
     del feats, logits
-    snap = cache.snapshot()
-    print(f"L={L}: prefill {row['prefill_s']:.1f} s, draft context {row['draft_ctx_s']:.1f} s", flush=True)
+    print(f"L={L}: prefill {prefill_s:.1f} s, draft context {draft_ctx_s:.1f} s", flush=True)
+    rows = {}
+    for bits in [None] + args.kv_bits:
+        c = quantized_cache(cache, bits) if bits else cache
+        row = rows[bits] = {"L": L, "prefill_s": prefill_s, "draft_ctx_s": draft_ctx_s}
+        measure_mode(row, prompt, anchor, c, cache, dbase, bits, target, draft, model, args)
+        del c
+        gc.collect()
+    del cache, dbase
+    gc.collect()
+    mx.clear_cache()
+    return rows
 
-    n = args.tokens
-    ref = None
-    m_tps, e_tps, same = [], [], True
-    for _ in range(args.rounds):
+
+def measure_mode(row, prompt, anchor, cache, fp, dbase, bits, target, draft, model, args):
+    """mlx-lm against the oracle from the same ``cache`` state. With quantized
+    KV the oracle follows the engine's own plain decoding of that cache (the
+    reference it must equal); mlx-lm's cache holds the same rows quantized
+    its way (keys not rotated, from the full-precision cache ``fp``), so its
+    tokens may differ and are counted."""
+    n, tag = args.tokens, f"L={row['L']} kv{bits or '-fp'}"
+    snap = cache.snapshot()
+
+    fp_snap = fp.snapshot()
+
+    def mlx_cache():
+        fp.restore(fp_snap)
+        return mlx_cache_from(model, fp, bits)
+
+    def mlx_run(k):
+        return shapes.mlx_lm_generate(model, [anchor], k, prompt_cache=mlx_cache())
+
+    def engine_run(k, ref=None):
         cache.restore(snap)
-        toks, tp, td = shapes.mlx_lm_generate(model, [anchor], n, prompt_cache=mlx_cache_from(model, cache))
+        oracle = shapes.OracleDraft(prompt + [anchor] + ref, draft) if ref else None
+        return engine_decode(target, prompt, cache, dbase.fork() if ref else None, oracle, anchor, k)
+
+    m_tps, e_tps, p_tps, same, agree = [], [], [], True, []
+    mlx_run(3)  # warm-up at this context's shapes, untimed
+    ref = None
+    for _ in range(args.rounds):
+        toks, tp, td = mlx_run(n)
         m_tps.append(n / (tp + td))
+        gc.collect()
+        if bits:
+            plain, secs, _ = engine_run(n)
+            p_tps.append(len(plain) / secs)
+            agree.append(sum(a == b for a, b in zip(plain, toks)) / n)
+            toks = plain
         ref = ref or toks
         same &= toks == ref
-        gc.collect()
-        cache.restore(snap)
-        oracle = shapes.OracleDraft(prompt + [anchor] + ref, draft)
-        toks, secs, st = oracle_decode(target, prompt, cache, dbase.fork(), oracle, anchor, n)
+        if len(e_tps) == 0:
+            engine_run(BLOCK + 1, ref)  # warm-up: one cycle
+        toks, secs, st = engine_run(n, ref)
         e_tps.append(len(toks) / secs)
         same &= toks == ref
         row["tau"], row["cycles"] = st.tau, st.cycles
         row["ms_cycle"] = secs / st.cycles * 1e3
         gc.collect()
-        print(f"L={L}: mlx-lm {m_tps[-1]:.2f} tok/s, oracle {e_tps[-1]:.2f} tok/s, tau {st.tau:.2f}", flush=True)
+        print(f"{tag}: mlx-lm {m_tps[-1]:.2f} tok/s, oracle {e_tps[-1]:.2f} tok/s, tau {st.tau:.2f}", flush=True)
     row["mlx_tps"], row["oracle_tps"], row["same"] = statistics.median(m_tps), statistics.median(e_tps), same
+    if bits:
+        row["plain_tps"], row["agree"] = statistics.median(p_tps), statistics.median(agree)
 
     cache.restore(snap)
     row["terms"] = shapes.cycle_terms(
@@ -125,56 +192,15 @@ def measure_context(L, target, draft, model, args):
         draft_widths=(BLOCK,),
         reps=args.reps,
         model=model,
-        mlx_cache=mlx_cache_from(model, cache),
+        mlx_cache=mlx_cache(),
     )
-    print(f"L={L}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["terms"].items()), flush=True)
-    del cache, dbase, snap
-    gc.collect()
-    mx.clear_cache()
-    return row
+    cache.restore(snap)
+    print(f"{tag}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in row["terms"].items()), flush=True)
 
 
-def report(rows, args, name, params) -> str:
-    lines = [
-        f"# Long contexts: Qwen3.5-0.8B shape ({name}), oracle draft at block {BLOCK}",
-        "",
-        f"`python bench/long_context.py --precision {args.precision} --contexts {args.contexts}"
-        f" --tokens {args.tokens} --rounds {args.rounds} --reps {args.reps}`",
-        "",
-        f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-        "2 cores; load average %.1f %.1f %.1f when this context ended (this run alone is about 1); "
-        "mlx-lm and the engine take turns in this one process" % os.getloadavg(),
-        f"- BLAS: {blas.describe()}",
-        f"- target: random weights, the published Qwen3.5-0.8B config.json, {params:.3f} B parameters ({name}); "
-        "draft: random weights, the published 0.8B DFlash draft's shape (5 full-attention layers); "
-        "the oracle proposes the target's greedy continuation and runs that draft's forward every cycle",
-        f"- per context: one prefill, then both decoders from the same state, {args.tokens} tokens each, "
-        f"median of {args.rounds} rounds; terms: median of {args.reps} repeats",
-        "- random weights give degenerate greedy text (repetition); costs do not depend on it",
-        "",
-        "## Speedup over mlx-lm",
-        "",
-        "| context | mlx-lm tok/s | oracle tok/s | speedup | vs 1st context | tau | ms/cycle | "
-        "engine prefill tok/s | draft context s | tokens = mlx-lm |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    s0 = rows[0]["oracle_tps"] / rows[0]["mlx_tps"]
-    for r in rows:
-        s = r["oracle_tps"] / r["mlx_tps"]
-        lines.append(
-            f"| {r['L']} | {r['mlx_tps']:.2f} | {r['oracle_tps']:.2f} | {s:.2f}x | {s / s0 * 100:.0f}% | "
-            f"{r['tau']:.2f} | {r['ms_cycle']:.0f} | {r['L'] / r['prefill_s']:.0f} | {r['draft_ctx_s']:.1f} | "
-            f"{r['same']} |"
-        )
+def terms_table(rows) -> list:
     keys = list(rows[0]["terms"])
-    lines += [
-        "",
-        "## What grows with context (ms per call)",
-        "",
-        "T_verify includes the capture of the draft's feature rows; T_rollback restores the caches to 8 of the "
-        "16 rows; T_draft reads 4 new context rows and runs the block over all held context rows. "
-        "Growth: ms added from the first context to each later one.",
-        "",
+    lines = [
         "| term | "
         + " | ".join(f"{r['L']}" for r in rows)
         + " | "
@@ -191,7 +217,80 @@ def report(rows, args, name, params) -> str:
             + " | ".join(f"{(r['terms'][k] - base) * 1e3:+.1f}" for r in rows[1:])
             + " |"
         )
-    left = [L for L in (int(x) for x in args.contexts.split(",")) if L not in {r["L"] for r in rows}]
+    return lines
+
+
+def report(rows, args, name, params) -> str:
+    kv = "".join(f" --kv-bits {b}" for b in args.kv_bits)
+    lines = [
+        f"# Long contexts: Qwen3.5-0.8B shape ({name}), oracle draft at block {BLOCK}",
+        "",
+        f"`python bench/long_context.py --precision {args.precision} --contexts {args.contexts}"
+        f" --tokens {args.tokens} --rounds {args.rounds} --reps {args.reps}{kv}`",
+        "",
+        f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
+        "2 cores; load average %.1f %.1f %.1f when this context ended (this run alone is about 1); "
+        "mlx-lm and the engine take turns in this one process" % os.getloadavg(),
+        f"- BLAS: {blas.describe()}",
+        f"- target: random weights, the published Qwen3.5-0.8B config.json, {params:.3f} B parameters ({name}); "
+        "draft: random weights, the published 0.8B DFlash draft's shape (5 full-attention layers); "
+        "the oracle proposes the target's greedy continuation and runs that draft's forward every cycle",
+        f"- per context: one prefill, then both decoders from the same state, {args.tokens} tokens each after "
+        f"an untimed warm-up (3 tokens; one cycle), median of {args.rounds} rounds; terms: median of "
+        f"{args.reps} repeats",
+        "- random weights give degenerate greedy text (repetition); costs do not depend on it",
+        "",
+        "## Speedup over mlx-lm",
+        "",
+        "| context | mlx-lm tok/s | oracle tok/s | speedup | vs 1st context | tau | ms/cycle | "
+        "engine prefill tok/s | draft context s | tokens = mlx-lm |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    fp = [r[None] for r in rows]
+    s0 = fp[0]["oracle_tps"] / fp[0]["mlx_tps"]
+    for r in fp:
+        s = r["oracle_tps"] / r["mlx_tps"]
+        lines.append(
+            f"| {r['L']} | {r['mlx_tps']:.2f} | {r['oracle_tps']:.2f} | {s:.2f}x | {s / s0 * 100:.0f}% | "
+            f"{r['tau']:.2f} | {r['ms_cycle']:.0f} | {r['L'] / r['prefill_s']:.0f} | {r['draft_ctx_s']:.1f} | "
+            f"{r['same']} |"
+        )
+    lines += [
+        "",
+        "## What grows with context (ms per call)",
+        "",
+        "T_verify includes the capture of the draft's feature rows; T_rollback restores the caches to 8 of the "
+        "16 rows; T_draft reads 4 new context rows and runs the block over all held context rows. "
+        "Growth: ms added from the first context to each later one.",
+        "",
+        *terms_table(fp),
+    ]
+    for bits in args.kv_bits:
+        q = [r[bits] for r in rows]
+        s0 = q[0]["oracle_tps"] / q[0]["mlx_tps"]
+        lines += [
+            "",
+            f"## Quantized KV, {bits}-bit",
+            "",
+            f"The full-precision prefill's attention rows quantized once ({bits}-bit, groups of {KV_GROUP_SIZE}): "
+            "the engine's cache in its format (keys rotated, docs/kv-quant.md), mlx-lm's as its "
+            "QuantizedKVCache stores them (not rotated), so their greedy tokens may part; the oracle follows "
+            "the engine's own plain decoding of its cache and must equal it. Speedup: oracle over mlx-lm "
+            "with its quantized cache.",
+            "",
+            "| context | mlx-lm tok/s | engine plain tok/s | oracle tok/s | speedup | vs 1st context | tau | "
+            "ms/cycle | oracle = engine plain | mlx-lm tokens equal |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in q:
+            s = r["oracle_tps"] / r["mlx_tps"]
+            lines.append(
+                f"| {r['L']} | {r['mlx_tps']:.2f} | {r['plain_tps']:.2f} | {r['oracle_tps']:.2f} | {s:.2f}x | "
+                f"{s / s0 * 100:.0f}% | {r['tau']:.2f} | {r['ms_cycle']:.0f} | {r['same']} | "
+                f"{r['agree'] * 100:.0f}% |"
+            )
+        lines += ["", f"What grows with context, {bits}-bit KV (ms per call):", "", *terms_table(q)]
+    left = [L for L in (int(x) for x in args.contexts.split(",")) if L not in {r[None]["L"] for r in rows}]
     if left:
         lines += ["", f"Not measured in this run (time or memory): contexts {', '.join(map(str, left))}."]
     return "\n".join(lines) + "\n"
@@ -205,10 +304,19 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="tokens per decode run")
     ap.add_argument("--rounds", type=int, default=2, help="decode rounds per context (the modes take turns)")
     ap.add_argument("--reps", type=int, default=3, help="repeats of each term (median)")
+    ap.add_argument(
+        "--kv-bits",
+        type=int,
+        action="append",
+        default=[],
+        choices=[4, 8],
+        help="also measure with the attention KV quantized to this many bits (repeatable; same prefill)",
+    )
     ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
     ap.add_argument("--out", default=str(RESULTS / "long-context.md"), help="result file")
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
     args = ap.parse_args()
+    args.kv_bits = sorted(set(args.kv_bits), reverse=True)
     blas.ensure_openblas(args.blas)
     paths = shapes.write_models(Path(args.models) / f"0.8b-x{args.scale}", "0.8b", args.scale)
     target, draft = shapes.load(paths[args.precision], paths["draft"])
@@ -222,7 +330,7 @@ def main():
     logits, feats = target.prefill(p, cache, capture=draft.target_layer_ids)
     dc = draft.make_cache()
     draft.add_context(feats, dc)
-    oracle_decode(target, p, cache, dc, shapes.OracleDraft(p + ref, draft), ref[0], 39)
+    engine_decode(target, p, cache, dc, shapes.OracleDraft(p + ref, draft), ref[0], 39)
     del cache, dc, feats, logits
     rows = []
     for L in (int(x) for x in args.contexts.split(",")):
