@@ -57,6 +57,18 @@ def test_quantized_attention_is_close_to_full_precision(bits, tol):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [64, 32])
+def test_dequantize_is_mx_dequantize_bit_for_bit(bits, group_size):
+    from mlx_dflash.cache import dequantize
+
+    rng = np.random.default_rng(bits + group_size)
+    x = mx.array(rng.normal(size=(1, 2, 37, 128)).astype(np.float32) * 3)
+    packed = mx.quantize(x, group_size=group_size, bits=bits)
+    want = mx.dequantize(*packed, group_size=group_size, bits=bits)
+    assert mx.array_equal(dequantize(*packed, group_size=group_size, bits=bits), want)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("mask", ["causal", "tree", None])
 @pytest.mark.parametrize("verify", [True, False])
 def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, mask, verify):
