@@ -87,5 +87,21 @@ def test_mlx_lm_continues_from_the_engines_state(small):
     cache.restore(snap)
     dc = draft.make_cache()
     draft.add_context(feats, dc)
-    out, _, st = lc.oracle_decode(target, prompt, cache, dc, shapes.OracleDraft(prompt + ref, draft), anchor, 19)
+    out, _, st = lc.engine_decode(target, prompt, cache, dc, shapes.OracleDraft(prompt + ref, draft), anchor, 19)
     assert out == ref[1:] and st.tau > 8
+    # --kv-bits: the same rows quantized, the oracle following the engine's own plain decoding of them.
+    cache.restore(snap)
+    q = lc.quantized_cache(cache, 8)
+    qsnap = q.snapshot()
+    plain, _, _ = lc.engine_decode(target, prompt, q, None, None, anchor, 19)
+    q.restore(qsnap)
+    qdc = draft.make_cache()
+    draft.add_context(feats, qdc)
+    oracle = shapes.OracleDraft(prompt + [anchor] + plain, draft)
+    out, _, st = lc.engine_decode(target, prompt, q, qdc, oracle, anchor, 19)
+    assert out == plain and st.tau > 8
+    cache.restore(snap)
+    toks, _, _ = shapes.mlx_lm_generate(
+        target.model, [anchor], 19, prompt_cache=lc.mlx_cache_from(target.model, cache, 8)
+    )
+    assert len(toks) == 19
