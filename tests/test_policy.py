@@ -729,6 +729,24 @@ def embedded_costs():
     )
 
 
+def test_the_replay_prices_every_mode_alike_deep_in_a_context():
+    """tools/replay prices plain decoding and a pinned width as it prices the
+    default's own plain steps and cycles, growth with the context included:
+    an earlier version grew only the default's, charging it 1-2% too much
+    at 512 tokens."""
+    from tools.replay import pinned_seconds, plain_seconds, seconds
+
+    costs = embedded_costs()
+    costs.context, costs.per_key_plain, costs.per_key_verify, costs.per_key_base = 64, 4e-6, 1e-6, 3e-6
+    n = 512
+    plain_plans = [Plan(1)] * n
+    assert plain_seconds(n, costs) == pytest.approx(seconds(plain_plans, [1] * n, costs))
+    assert plain_seconds(n, costs) > n * costs.plain * 1.05  # the growth is there to price
+    total, kept = pinned_seconds([15] * n, 16, n, costs)
+    assert sum(kept) == n
+    assert total == pytest.approx(seconds([Plan(16)] * len(kept), kept, costs))
+
+
 @pytest.fixture(scope="module")
 def embedded_records():
     """What the embedded draft proposes from every anchor of two shipped bench
@@ -798,7 +816,7 @@ def test_a_draft_that_nearly_pays_is_not_restarted_on_a_few_lucky_shadows(block8
     drafts are right for whole blocks. Leaving plain decoding takes a margin
     that shrinks with the evidence (``Policy.margin``), so the default stays
     within 5% of plain decoding; without it two lucky shadows restarted
-    drafting twice and it lost 9% (0.912, bench/results/policy-replay.md).
+    drafting twice and it lost 9% (0.912 in the replay).
     The 3% goal is not met here: the warm-up cycle and five shadow drafts
     cost 4.4% of 128 plain steps."""
     from tools.replay import regret_row

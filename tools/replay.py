@@ -94,19 +94,30 @@ def seconds(plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadow
     return total + shadows * costs.full_draft()
 
 
-def pinned_seconds(right: Sequence[int], width: int, tokens: int, costs: CostModel) -> Tuple[float, List[int]]:
+def pinned_seconds(
+    right: Sequence[int], width: int, tokens: int, costs: CostModel, context: int = 0
+) -> Tuple[float, List[int]]:
     """A pinned width drafting a block of ``width`` (``right``: recorded at
-    that block): its run of ``tokens`` tokens priced by ``costs``; returns
-    the seconds and the tokens each cycle committed."""
+    that block): its run of ``tokens`` tokens priced by ``costs`` as
+    :func:`seconds` prices the default's (the same growth with context);
+    returns the seconds and the tokens each cycle committed."""
     total, done, kept = 0.0, 0, []
     per_cycle = interpolate(costs.draft, width) + interpolate(costs.verify, width) + costs.rollback
     while done < tokens:
         w = min(width, tokens - done)
         n = 1 + min(right[done], w - 1) if w > 1 else 1
-        total += per_cycle if w > 1 else costs.plain
+        if w > 1:
+            total += per_cycle + costs.cycle(w, context + done) - costs.cycle(w)  # the verify's growth with context
+        else:
+            total += costs.plain_at(context + done)
         kept.append(n)
         done += n
     return total, kept
+
+
+def plain_seconds(tokens: int, costs: CostModel, context: int = 0) -> float:
+    """Plain decoding of ``tokens`` tokens priced as :func:`seconds` prices plain steps."""
+    return sum(costs.plain_at(context + k) for k in range(tokens))
 
 
 def record(
@@ -155,7 +166,7 @@ def regret_row(
     row["shadows"] = policy.shadows
     for w in widths:
         row[f"pinned {w}"] = pinned_seconds(right[w], w, tokens - 1, costs)[0]
-    row["plain"] = (tokens - 1) * costs.plain
+    row["plain"] = plain_seconds(tokens - 1, costs)
     return row
 
 
