@@ -1,7 +1,7 @@
 """The width policy's regret without timing noise: replayed acceptance, modelled costs.
 
-    python bench/policy_replay.py [-n 128,512] [--widths 4,8,16] [--draft DIR ...]
-                                  [--out bench/results/policy-replay.md]
+    python bench/policy_replay.py [-n 128,512] [--sweep 128,192,...] [--widths 4,8,16]
+                                  [--draft DIR ...] [--out bench/results/policy-replay.md]
 
 For each pair (the embedded pair in float32, then each ``--draft`` with the
 embedded target) and each bench prompt: one plain greedy decoding with the
@@ -14,7 +14,9 @@ plain decoding priced by the pair's measured cost model
 Regret ratio = the better of (best pinned width, plain) seconds / default's
 seconds (tokens per second alike). This isolates what the policy's choices
 cost from the noise of a shared machine; ``bench/regret.py`` measures the
-real thing (timed, quiet and busy).
+real thing (timed, quiet and busy). ``--sweep``: the worst ratio per pair at
+more lengths (a policy's exploration is a fixed cost, so regret shrinks as
+generations grow).
 """
 
 import argparse
@@ -34,6 +36,7 @@ from mlx_dflash import blas  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--max-tokens", default="128,512", help="tokens per generation (comma list)")
+    ap.add_argument("--sweep", default="128,192,256,384,512", help="lengths of the worst-ratio summary (comma list)")
     ap.add_argument("--widths", default="4,8,16", help="pinned widths compared (up to each draft's block)")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
@@ -61,19 +64,37 @@ def main():
         "",
     ]
     lengths = [int(x) for x in args.max_tokens.split(",")]
+    sweep = [int(x) for x in args.sweep.split(",") if x]
+    longest = max(lengths + sweep)
     records = {}  # (pair, prompt) -> right per block, recorded once at the longest length
-    for n_tokens in lengths:
+    worst = {}  # (pair, length) -> the worst ratio over the prompts
+    for n_tokens in sorted(set(lengths + sweep)):
         for name, draft in pairs:
-            lines += section(engine, name, draft, prompts, n_tokens, max(lengths), args.widths, records)
+            part = section(engine, name, draft, prompts, n_tokens, longest, args.widths, records, worst)
+            if n_tokens in lengths:
+                lines += part
+    if sweep:
+        lines += [
+            "## Worst ratio over the prompts, by generation length",
+            "",
+            "The same records replayed at each length (a prompt's first N tokens).",
+            "",
+            "| pair | " + " | ".join(str(n) for n in sweep) + " |",
+            "|---|" + "---:|" * len(sweep),
+        ]
+        for name, _ in pairs:
+            lines.append(f"| {name} | " + " | ".join(f"{worst[name, n]:.3f}" for n in sweep) + " |")
+        lines.append("")
     lines.append(f"Run took {(time.time() - t0) / 60:.1f} min.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
 
 
-def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records):
-    """One pair at one generation length: its table's lines. Each prompt is
-    recorded once, at the ``longest`` length, and shorter runs replay its start."""
+def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records, worst_of):
+    """One pair at one generation length: its table's lines (its worst ratio
+    into ``worst_of``). Each prompt is recorded once, at the ``longest``
+    length, and shorter runs replay its start."""
     from mlx_dflash.policy import Policy, load_costs
     from tools.replay import record, regret_row, widths_used
 
@@ -117,6 +138,7 @@ def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records
     med = {m: statistics.median(v) for m, v in tps.items()}
     lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in ["default"] + modes) + " | | | | |")
     above = all(med["default"] > v for m, v in med.items() if m != "default")
+    worst_of[name, n_tokens] = min(worst)
     lines += [
         "",
         f"Worst ratio {min(worst):.3f} (goal >= 0.97); default's median {'above' if above else 'NOT above'} every "
