@@ -26,6 +26,7 @@ target picks. Writes bench/results/real-shapes.md (``--out``).
 import argparse
 import gc
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -145,7 +146,8 @@ def report(results, args) -> str:
         f"# Real shapes: Qwen3.5-{args.size.upper()}" + (f" scaled down {args.scale}x" if args.scale > 1 else ""),
         "",
         f"`python bench/real_shapes.py --size {args.size} --precisions {args.precisions}"
-        f" --tokens {args.tokens} --rounds {args.rounds} --reps {args.reps} --prefill {args.prefill}`",
+        f" --tokens {args.tokens} --rounds {args.rounds} --reps {args.reps} --widths {args.widths}"
+        f" --prefill {shlex.quote(args.prefill)}`",
         "",
         f"- machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
         "2 cores shared with other engineers' jobs (load varies); every ratio is within this one process, "
