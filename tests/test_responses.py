@@ -347,3 +347,43 @@ def test_requests_without_temperature_use_the_servers_defaults(sampled_srv):
         model="mlx-dflash", input=prompt, max_output_tokens=8, temperature=1.0, extra_body={"seed": 3}
     )
     assert resp.output_text == gen(temperature=1.0, top_p=0.7) and resp.temperature == 1.0
+
+
+def test_a_reply_whose_text_is_timeout_is_not_a_timeout():
+    """Stream events carry ("text", text, n) and ("done", reason, stats): a
+    reply chunk that reads "timeout" (one token in Qwen's vocabulary, as in
+    ``self.timeout``) is text, not the generation timing out. The handler
+    runs in process on a server whose engine events are scripted."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from mlx_dflash.server.app import Server, Settings
+    from mlx_dflash.server.metrics import Metrics
+    from mlx_dflash.server.routes import create_app
+
+    stats = {"prompt_tokens": 3, "generated_tokens": 3, "cached_tokens": 0, "cycles": 2, "tau": 1.5, "decode_tps": 9.0}
+    script = [("text", "self.", 1), ("text", "timeout", 1), ("text", " = 5", 1), ("done", "stop", stats)]
+
+    class Scripted(Server):
+        def submit(self, ids, config, stops, template_kwargs=None):
+            return SimpleNamespace(cancel=lambda: None)
+
+        async def events(self, job, request):
+            for ev in script:
+                yield ev
+
+    engine = mlx_dflash.load()
+    server = Scripted(Settings(), SimpleNamespace(engine=engine, alive=True), Metrics())
+    body = {"model": "mlx-dflash", "input": "Set the timeout."}
+    with TestClient(create_app(server)) as client:
+        r = client.post("/v1/responses", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert "response.failed" not in kinds and kinds[-1] == "response.completed", kinds
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == "self.timeout = 5"
+        whole = client.post("/v1/responses", json=body).json()
+        assert whole["status"] == "completed"
+        (message,) = [o for o in whole["output"] if o["type"] == "message"]
+        assert message["content"][0]["text"] == "self.timeout = 5"

@@ -43,7 +43,7 @@ class ResponsesRequest(_Model):
     tool_choice: Union[str, Dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning: Optional[Reasoning] = None
-    stream: bool = False
+    stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
     text: Optional[Dict[str, Any]] = None
@@ -401,7 +401,7 @@ async def responses(request: Request):
         yield event("response.created", {"response": response("in_progress", [])})
         yield event("response.in_progress", {"response": response("in_progress", [])})
         async for ev in server.events(job, request):
-            if ev[0] == "error" or ev[1] == "timeout":
+            if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):  # a text event's ev[1] is text
                 status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
                 err = {"code": "invalid_prompt" if status < 500 else "server_error", "message": message}
                 items = [out._public(i) for i in out.items]
