@@ -415,6 +415,25 @@ BAD = [
         "context limit",
     ),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "top_k": "x", "messages": MSG}, 400, "top_k"),
+    # Fields that would change the reply and are not implemented: refused, not ignored.
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "logprobs": True}, 400, "'logprobs'"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "presence_penalty": 0.5}, 400, "repetition"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "echo": True}, 400, "'echo'"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "best_of": 3}, 400, "one completion"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": ["a", "b"]}, 400, "one prompt per request"),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "output_config": {"format": {"type": "json_schema"}}},
+        400,
+        "output_config.format",
+    ),
 ]
 
 
@@ -430,6 +449,62 @@ def test_bad_input_gets_4xx_in_the_dialects_shape(server, path, body, status, wo
         assert set(err["error"]) >= {"message", "type"} and words in err["error"]["message"]
     # the server keeps serving
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_neutral_values_of_unsupported_fields_and_nulls_pass(server, engine):
+    """What SDKs and wrappers send by default (zero penalties, logprobs false,
+    a text response_format, null stream and n) is served; a one-item prompt
+    list is that prompt."""
+    ids, want = _expected(engine, PROMPTS[1])
+    body = {
+        "model": "mlx-dflash",
+        "messages": [{"role": "user", "content": PROMPTS[1]}],
+        "max_tokens": MAX_NEW,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logprobs": False,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "stream": None,
+        "n": None,
+    }
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    _, plain = _expected(engine, PROMPTS[2], chat=False)
+    for prompt in (PROMPTS[2], [PROMPTS[2]]):
+        r = _post(server, "/v1/completions", {"model": "mlx-dflash", "prompt": prompt, "max_tokens": MAX_NEW})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == plain.text
+
+
+def test_anthropic_assistant_prefill_is_continued(server, engine):
+    """A final assistant message is the start of the reply (Anthropic's
+    prefill): the model continues it, and the reply holds what follows."""
+    start = "def fibonacci(n):\n    "
+    messages = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": start}]
+    text = engine.tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer.encode(text + start, add_special_tokens=False)
+    want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW)
+    m = server.anthropic().messages.create(model="mlx-dflash", max_tokens=MAX_NEW, messages=messages)
+    assert m.content[0].text == want.text
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == len(ids)
+
+
+def test_reasoning_effort_none_turns_thinking_off(tool_server, tool_pair):
+    """reasoning_effort "none" (Chat Completions) renders the template with
+    enable_thinking off, as reasoning.effort does in /v1/responses."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(tool_pair / "target")
+    off = len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=False))
+    on = len(tok.apply_chat_template(QUESTION, add_generation_prompt=True, enable_thinking=True))
+    assert off != on
+    for effort, n in (("none", off), ("high", on)):
+        r = tool_server.openai().chat.completions.create(
+            model="tiny-tools", messages=QUESTION, max_tokens=1, reasoning_effort=effort
+        )
+        assert r.usage.prompt_tokens == n, effort
 
 
 def test_sdk_errors_and_next_request(server):
@@ -869,6 +944,27 @@ def test_tool_call_cut_by_max_tokens_is_text(tool_server):
         final = s.get_final_message()
     assert final.stop_reason == "max_tokens"
     assert [b.type for b in final.content] == ["thinking", "text"] and final.content[1].text == cut
+
+
+def test_a_client_that_leaves_before_its_whole_reply_frees_the_engine(tool_server):
+    """A non-streaming request whose client gives up (here: its read timeout)
+    is cancelled though tokens keep flowing on the server's side of it (the
+    server looks for the disconnect on a timer, not only while no event
+    arrives; it used to hold the engine until max_tokens)."""
+    before = tool_server.metrics()
+    body = {"model": "tiny-tools", "prompt": "push pop " + LOOP, "max_tokens": 4000}
+    with httpx.Client(timeout=1.0) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(tool_server.url + "/v1/completions", json=body, headers={"x-api-key": KEY})
+    tic = time.monotonic()
+    after = before
+    while time.monotonic() - tic < 30:
+        after = tool_server.metrics()
+        if after["mlx_dflash_running_requests"] == 0 and after["mlx_dflash_queue_length"] == 0:
+            break
+        time.sleep(0.1)
+    assert after["mlx_dflash_cancelled_total"] == before["mlx_dflash_cancelled_total"] + 1
+    assert after["mlx_dflash_generation_tokens_total"] - before["mlx_dflash_generation_tokens_total"] < 4000
 
 
 def test_full_queue_gets_429_and_dropped_queued_requests_free_it(tool_server):

@@ -48,12 +48,13 @@ class CountRequest(_Model):
     tools: Optional[List[Tool]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
+    output_config: Optional[Dict[str, Any]] = None  # read to refuse a structured-output format
 
 
 class MessagesRequest(CountRequest):
     max_tokens: int
     stop_sequences: Optional[List[str]] = None
-    stream: bool = False
+    stream: Optional[bool] = False
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
@@ -133,8 +134,17 @@ def _template_kwargs(req: CountRequest) -> Dict[str, Any]:
 
 
 def _prompt(server: Server, req: CountRequest):
+    fmt = (req.output_config or {}).get("format")
+    if fmt:
+        raise APIError(400, "output_config.format is not supported by this server; only plain text")
     tools = _tools(req)
-    ids, thinking = server.render_chat(template_messages(req), tools, _template_kwargs(req))
+    messages = template_messages(req)
+    prefill = ""
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and not last.get("tool_calls") and not last.get("reasoning_content"):
+        # A final assistant message is the start of the reply, which the model continues.
+        prefill = messages.pop()["content"]
+    ids, thinking = server.render_chat(messages, tools, _template_kwargs(req), prefill)
     return ids, thinking, tools
 
 

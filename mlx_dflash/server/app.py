@@ -153,9 +153,15 @@ class Server:
 
     # --- prompts -------------------------------------------------------------------
     def render_chat(
-        self, messages: List[dict], tools: Optional[List[dict]], template_kwargs: Optional[Dict[str, Any]]
+        self,
+        messages: List[dict],
+        tools: Optional[List[dict]],
+        template_kwargs: Optional[Dict[str, Any]],
+        prefill: str = "",
     ) -> Tuple[List[int], bool]:
-        """Token ids of the chat prompt, and whether the template left a reasoning block open."""
+        """Token ids of the chat prompt, and whether the template left a reasoning block open.
+        ``prefill``: the start of the assistant's reply, which the model continues (the
+        template's generation prompt, then this text)."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
@@ -166,6 +172,7 @@ class Server:
             )
         except Exception as e:  # a template that rejects these messages (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}") from None
+        text += prefill
         ids = list(tok.encode(text, add_special_tokens=False))
         self.check_prompt(ids)
         return ids, prompt_opens_thinking(text)
@@ -214,14 +221,20 @@ class Server:
         """The job's events until it ends; cancels it if the client disconnects or we stop early."""
         getter = None
         done = False
+        loop = asyncio.get_running_loop()
+        looked = loop.time()
         try:
             while True:
                 if getter is None:
                     getter = asyncio.ensure_future(job.out.get())
                 finished, _ = await asyncio.wait({getter}, timeout=0.25)
-                if not finished:
+                # Looked for at least every 0.25 s, events or not: a client
+                # waiting for a whole reply sends nothing while tokens flow.
+                if not finished or loop.time() - looked >= 0.25:
+                    looked = loop.time()
                     if await request.is_disconnected():
                         return
+                if not finished:
                     continue
                 ev, getter = getter.result(), None
                 if ev[0] in ("done", "error"):

@@ -60,7 +60,7 @@ class StreamOptions(_Model):
 
 class _Sampling(_Model):
     model: Optional[str] = None
-    stream: bool = False
+    stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -70,7 +70,11 @@ class _Sampling(_Model):
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
     stop: Union[str, List[str], None] = None
-    n: int = Field(1, ge=1, le=1)
+    n: Optional[int] = Field(1, ge=1, le=1)
+    # Read only to refuse them when they would change the reply (see _refuse_unsupported).
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
 
 
 class ChatRequest(_Sampling):
@@ -79,10 +83,48 @@ class ChatRequest(_Sampling):
     tools: Optional[List[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], Dict[str, Any], None] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None  # "none" turns the template's thinking off, as in /v1/responses
+    response_format: Optional[Dict[str, Any]] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, List[int]]
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+def _refuse_unsupported(req: _Sampling) -> None:
+    """A 400 for a field that would change the reply and is not implemented,
+    rather than a reply that silently ignores it; fields at their neutral
+    values (as SDKs and wrappers often send them) pass."""
+    unsupported = [
+        ("presence_penalty", bool(req.presence_penalty), "use repetition_penalty"),
+        ("frequency_penalty", bool(req.frequency_penalty), "use repetition_penalty"),
+        ("logit_bias", bool(req.logit_bias), ""),
+        ("logprobs", bool(getattr(req, "logprobs", None)), ""),
+        ("top_logprobs", bool(getattr(req, "top_logprobs", None)), ""),
+        ("echo", bool(getattr(req, "echo", None)), ""),
+        ("suffix", bool(getattr(req, "suffix", None)), ""),
+        ("best_of", (getattr(req, "best_of", None) or 1) > 1, "one completion per request"),
+    ]
+    fmt = getattr(req, "response_format", None) or {}
+    unsupported.append(("response_format", fmt.get("type", "text") != "text", "only plain text"))
+    for name, given, hint in unsupported:
+        if given:
+            raise APIError(400, f"'{name}' is not supported by this server" + (f"; {hint}" if hint else ""), param=name)
+
+
+def _one_prompt(prompt) -> Union[str, List[int]]:
+    """/v1/completions' prompt: a string or token ids, or a list holding one of them."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request, got {len(prompt)}", param="prompt")
+        return prompt[0]
+    return prompt
 
 
 def _text_of(content, where: str) -> str:
@@ -182,6 +224,7 @@ async def chat_completions(request: Request):
     server: Server = request.app.state.server
     req: ChatRequest = parse_body(ChatRequest, await read_json(request, server.settings.max_body_bytes))
     server.check_model(req.model)
+    _refuse_unsupported(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     if req.max_completion_tokens is not None:
@@ -190,8 +233,11 @@ async def chat_completions(request: Request):
         max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     # tool_choice "none" hides the tools; other choices are hints (no constrained decoding).
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
-    ids, thinking = server.render_chat(template_messages(req.messages), tools, req.chat_template_kwargs)
-    job = _start(server, ids, req, max_tokens, req.chat_template_kwargs or {})
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    ids, thinking = server.render_chat(template_messages(req.messages), tools, kwargs)
+    job = _start(server, ids, req, max_tokens, kwargs)
     parser = OutputParser(reasoning=thinking, tools=tools)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
@@ -278,10 +324,12 @@ async def completions(request: Request):
     server: Server = request.app.state.server
     req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, server.settings.max_body_bytes))
     server.check_model(req.model)
+    _refuse_unsupported(req)
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
-    if isinstance(req.prompt, str) and not req.prompt:
+    prompt = _one_prompt(req.prompt)
+    if isinstance(prompt, str) and not prompt:
         raise APIError(400, "empty prompt", param="prompt")
-    ids = server.encode_text(req.prompt)
+    ids = server.encode_text(prompt)
     job = _start(server, ids, req, max_tokens)
     cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
