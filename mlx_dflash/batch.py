@@ -428,9 +428,10 @@ class BatchDecoder:
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
-        self.shape = None  # (block_size, baseline, adaptive, tree_budget) shared by every request
+        self.shape = None  # (block_size, baseline, adaptive, tree_budget, tree_topk) shared by every request
         self.policy = policy  # the batch's widths (None: made at the first cycle, see _width_policy)
         self.given_policy = policy is not None  # it then rules every cycle, a batch of one's too
+        self.policy_shape = None  # the shape self.policy was made for
         self.configs: Dict[int, GenerationConfig] = {}  # request index -> its options, while it runs
         self.solo: Dict[int, Policy] = {}  # request index -> its solo width policy, once it decoded alone
         self.lone: Optional[Tuple[int, Iterator[List[int]]]] = None  # the slot decoding alone: its solo loop
@@ -464,12 +465,16 @@ class BatchDecoder:
                 "policy prices chains; --tree-budget pins a tree per slot)"
             )
         check_prompt(self.target, list(prompt), c)
-        shape = (c.block_size, c.baseline, c.adaptive, c.tree_budget)
+        # Trees of one batch share a node count, which tree_topk bounds too.
+        shape = (c.block_size, c.baseline, c.adaptive, c.tree_budget, c.tree_topk if c.tree_budget else None)
         if self.shape is not None and shape != self.shape:
             raise DFlashError(
-                "every request of a batch needs the same block_size, baseline, adaptive and tree_budget options"
+                "every request of a batch needs the same block_size, baseline, adaptive, tree_budget "
+                "and (with a tree) tree_topk options"
             )
         self.shape = shape
+        if self.policy is not None and not self.given_policy and self.policy_shape != shape:
+            self.policy = None  # widths made for another shape (a drained batch's) are made again
         index = self.count
         self.count += 1
         self.queue.append((index, list(prompt), c, prefix_boundary))
@@ -564,11 +569,14 @@ class BatchDecoder:
         the draft's block for cycles while a slot samples with the
         speculative rule (its text depends on the drafted widths)."""
         if self.policy is None:
-            block_size, baseline, adaptive, tree_budget = self.shape
+            self.policy_shape = self.shape
+            block_size, baseline, adaptive, tree_budget, _ = self.shape
             if baseline or self.draft is None:
                 self.policy = BatchPolicy(1)
                 return self.policy
-            pinned = block_size is not None or not adaptive or tree_budget > 0 or any(d.spec for d in ds)
+            # Not pinned for slots sampling with the speculative rule: they are
+            # handled per cycle below, and the adaptive policy outlives them.
+            pinned = block_size is not None or not adaptive or tree_budget > 0
             costs = None if pinned else batch_costs(self.target, self.draft, ds[0].cache.kv_bits)
             self.policy = BatchPolicy(self.draft.block_size, costs, fixed=block_size)
         if self.policy.adaptive and any(d.spec for d in ds):

@@ -417,8 +417,11 @@ def test_bad_batch_input(engines):
             mlx_dflash.batch_generate(engine, BATCH_PROMPTS, max_batch=bad)
     with pytest.raises(DFlashError, match="auto-tree.*prices chains"):  # the reason is stated
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS, auto_tree=6)
-    with pytest.raises(DFlashError, match="same block_size, baseline, adaptive and tree_budget"):
+    with pytest.raises(DFlashError, match="same block_size, baseline, adaptive, tree_budget"):
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=[None, configs_for()[0].update(tree_budget=3)])
+    trees = [configs_for()[0].update(tree_budget=3, tree_topk=k) for k in (1, 4)]  # trees of 4 and of 5 nodes
+    with pytest.raises(DFlashError, match="with a tree. tree_topk"):
+        mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=trees)
     with pytest.raises(DFlashError, match="same block_size"):
         mlx_dflash.batch_generate(engine, BATCH_PROMPTS[:2], configs=configs_for()[:1] + [None], max_batch=2)
     with pytest.raises(DFlashError, match="configs for"):
@@ -952,6 +955,42 @@ def test_adaptive_batch_measures_its_costs_and_pins_like_solo(engines, tmp_path)
     assert all(max(st.widths) == 8 and "pinned" in st.policy for st in stats), [st.widths for st in stats]
     with pytest.raises(DFlashError, match="adaptive"):
         run_batch(engine, BATCH_PROMPTS[:2], [configs[0], configs[1].update(adaptive=False)])
+
+
+def test_a_drained_batch_makes_its_widths_again_for_a_new_shape(engines):
+    """A long-lived BatchDecoder (the server's) that drained takes requests of
+    another shape, and its width policy is made again for them: requests
+    pinned to block 4 after adaptive ones are verified at most 4 wide (the
+    adaptive policy kept from before could verify up to the draft's block,
+    past what their stats hold). And speculative-rule requests first do not
+    pin the widths of the greedy ones after them: the adaptive policy resumes."""
+    from mlx_dflash import BatchDecoder
+
+    engine = engines["dense"]
+    adaptive = adaptive_configs(16)
+    want = solo(engine, BATCH_PROMPTS, adaptive)
+
+    def drain(batch, configs):
+        index = {batch.add(p, c): k for k, (p, c) in enumerate(zip(BATCH_PROMPTS, configs))}
+        out, stats = [[] for _ in configs], [None] * len(configs)
+        while not batch.done:
+            for ev in batch.step():
+                out[index[ev.index]].extend(ev.tokens)
+                stats[index[ev.index]] = ev.stats
+        return out, stats
+
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=engine.tokenizer.eos_token_ids)
+    got, _ = drain(batch, adaptive)
+    assert got == [r.tokens for r in want] and batch.policy.adaptive
+    got, stats = drain(batch, [c.update(block_size=4) for c in adaptive])
+    assert got == [r.tokens for r in want]
+    assert not batch.policy.adaptive and batch.policy.fixed == 4
+    assert all(max(st.widths) <= 4 for st in stats), [st.widths for st in stats]
+
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=4, eos_token_ids=engine.tokenizer.eos_token_ids)
+    drain(batch, [c.update(temperature=0.8, seed=i) for i, c in enumerate(adaptive)])  # the speculative rule
+    got, _ = drain(batch, adaptive)
+    assert got == [r.tokens for r in want] and batch.policy.adaptive
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
