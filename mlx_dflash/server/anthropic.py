@@ -4,10 +4,10 @@ import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, parse_body, read_json, sse
+from .app import APIError, Server, error_body, event_stream, parse_body, read_json, sse
 from .tools import OutputParser
 
 router = APIRouter()
@@ -315,6 +315,4 @@ async def messages(request: Request):
                 )
                 yield sse({"type": "message_stop"}, "message_stop")
 
-    return StreamingResponse(
-        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(stream(), job)

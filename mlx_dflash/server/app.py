@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..config import GenerationConfig
@@ -277,6 +277,23 @@ def parse_body(model: type, body: Any) -> BaseModel:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise APIError(400, f"invalid field '{loc}': {err['msg']}", param=loc or None) from None
+
+
+def event_stream(chunks: AsyncIterator[str], job: Job) -> StreamingResponse:
+    """Server-sent events from ``chunks``; ``job`` is cancelled however the
+    stream ends: a client gone before ``chunks`` reached the engine's events
+    (whose own cleanup then never runs) included. A finished job ignores it."""
+
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            job.cancel()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def sse(data: Any, event: Optional[str] = None) -> str:

@@ -6,10 +6,10 @@ import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, parse_body, read_json, sse
+from .app import APIError, Server, error_body, event_stream, parse_body, read_json, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -314,9 +314,7 @@ async def chat_completions(request: Request):
                     )
                 yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(stream(), job)
 
 
 @router.post("/v1/completions")
@@ -383,6 +381,4 @@ async def completions(request: Request):
                     )
                 yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(stream(), job)

@@ -14,10 +14,10 @@ import uuid
 from typing import Any, Dict, List, Optional, Union
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, Server, parse_body, read_json, sse
+from .app import APIError, Server, event_stream, parse_body, read_json, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -419,6 +419,4 @@ async def responses(request: Request):
             final = response(status, out.items, ev[2], out.reasoning)
             yield event("response.incomplete" if status == "incomplete" else "response.completed", {"response": final})
 
-    return StreamingResponse(
-        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
+    return event_stream(stream(), job)
