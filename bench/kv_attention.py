@@ -10,8 +10,11 @@ each context L. Per repeat, taking turns, the median of ``--reps`` each (ms):
   over the packed rows) for T query rows, the path single rows take;
 - ``engine T``: ``QuantizedKVBuffer.attend`` of a block of T rows (append
   and quantize the block's rows, then attend: on a CPU, blocks of
-  ``DEQUANT_MIN_ROWS`` or more attend over the rows dequantized once);
-- ``float T``: the same attention over a full-precision cache;
+  ``DEQUANT_MIN_ROWS`` or more attend over the rows dequantized once,
+  ``STRETCH_ROWS`` rows at a time, merging the softmax);
+- ``one pass T``: the same block dequantizing all rows and taking one
+  softmax over them (the engine before stretches);
+- ``float T``: the same attention over a full-precision cache (stretches too);
 - ``mx.dequantize`` and ``cache.dequantize``: one KV head-set's keys back to floats.
 
 Writes bench/results/kv-attention.md (``--out``).
@@ -31,6 +34,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlx_dflash import blas  # noqa: E402
 from mlx_dflash.cache import DEQUANT_MIN_ROWS, KV_GROUP_SIZE, KVBuffer, QuantizedKVBuffer, dequantize  # noqa: E402
+from mlx_dflash.kernels.fused_exp import STRETCH_ROWS, attention_stretches  # noqa: E402
 from tools import shapes  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,6 +72,13 @@ def measure(L: int, bits: int, T: int, reps: int, H: int, Hkv: int, D: int) -> d
         qbuf.truncate(L - T)
         return out
 
+    def one_pass():
+        keys, values = qbuf.append(k[:, :, L - T :], v[:, :, L - T :])
+        whole = [dequantize(*rows, group_size=KV_GROUP_SIZE, bits=bits) for rows in (keys, values)]
+        out = attention_stretches(qbuf._rotate(q), [tuple(whole)], D**-0.5, mask)
+        qbuf.truncate(L - T)
+        return out
+
     def floats():
         out = fbuf.attend(q, k[:, :, L - T :], v[:, :, L - T :], D**-0.5, mask, verify=True)
         fbuf.truncate(L - T)
@@ -78,6 +89,8 @@ def measure(L: int, bits: int, T: int, reps: int, H: int, Hkv: int, D: int) -> d
         f"engine {T}": engine,
         f"float {T}": floats,
     }
+    if T >= DEQUANT_MIN_ROWS:
+        fns[f"one pass {T}"] = one_pass
     if T == 1:
         fns["mx.dequantize"] = lambda: mx.dequantize(*packed[:3], group_size=KV_GROUP_SIZE, bits=bits)
         fns["cache.dequantize"] = lambda: dequantize(*packed[:3], group_size=KV_GROUP_SIZE, bits=bits)
@@ -115,13 +128,18 @@ def main():
         f"- one attention layer of the Qwen3.5-0.8B shape ({H} query heads, {Hkv} KV heads, head dim {D}), "
         f"random rows, groups of {KV_GROUP_SIZE}; ms per call, median of {args.reps}, the paths taking turns",
         f"- quantized: mlx-lm's quantized attention over the packed rows; engine: QuantizedKVBuffer.attend "
-        f"(blocks of >= {DEQUANT_MIN_ROWS} rows attend over the rows dequantized once on a CPU); float: a "
-        "full-precision cache; dequantize: one layer's keys",
+        f"(blocks of >= {DEQUANT_MIN_ROWS} rows attend over the rows dequantized on a CPU, {STRETCH_ROWS} "
+        "at a time); one pass: that block dequantizing all rows, one softmax; float: a full-precision cache; "
+        "dequantize: one layer's keys",
         "",
     ]
     header = (
         ["bits", "context"]
-        + [f"{p} {T}" for T in Ts for p in ("quantized", "engine", "float")]
+        + [
+            f"{p} {T}"
+            for T in Ts
+            for p in ("quantized", "engine", "float") + (("one pass",) if T >= DEQUANT_MIN_ROWS else ())
+        ]
         + ["mx.dequantize", "cache.dequantize"]
     )
     lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
@@ -138,17 +156,19 @@ def main():
     lines += [
         "",
         f"Ratios: a {T}-row block over one row's quantized attention (what a verify costs against a plain step's "
-        "attention), the engine's block against the quantized path's, and the two dequantizations.",
+        "attention), the engine's block against the quantized path's and against one pass, and the two "
+        "dequantizations.",
         "",
         f"| bits | context | quantized {T} / quantized 1 | engine {T} / quantized 1 | quantized {T} / engine {T} | "
-        "mx.dequantize / cache.dequantize |",
-        "|---:|---:|---:|---:|---:|---:|",
+        f"engine {T} / one pass {T} | mx.dequantize / cache.dequantize |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for bits, L, r in ratios:
         q1 = r["quantized 1"]
         lines.append(
             f"| {bits} | {L} | {r[f'quantized {T}'] / q1:.1f} | {r[f'engine {T}'] / q1:.1f} | "
-            f"{r[f'quantized {T}'] / r[f'engine {T}']:.1f}x | {r['mx.dequantize'] / r['cache.dequantize']:.1f}x |"
+            f"{r[f'quantized {T}'] / r[f'engine {T}']:.1f}x | {r[f'engine {T}'] / r[f'one pass {T}']:.2f} | "
+            f"{r['mx.dequantize'] / r['cache.dequantize']:.1f}x |"
         )
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from .errors import DFlashError
 from .kernels.conv import conv_state_rollback, conv_state_rollback_slots
-from .kernels.fused_exp import attention, row_exact
+from .kernels.fused_exp import STRETCH_ROWS, attention, attention_stretches, row_exact
 from .kernels.gated_delta import gated_delta_rollback, gated_delta_rollback_layers, gated_delta_rollback_slots
 
 KV_BITS = (4, 8)
@@ -321,11 +321,22 @@ class QuantizedKVBuffer(KVBuffer):
             # A CPU's quantized matmul dequantizes the keys once per query row:
             # a 16-row verify cost 10x a plain step's attention at 32k keys
             # (docs/kv-quant.md). Dequantized once, the rows share one float
-            # matmul; the float copy lives for this call only. Half-precision
-            # rows keep the quantized path, which verify must match bit for bit.
+            # matmul; the float copy lives for this call only (a verify's, a
+            # stretch at a time). Half-precision rows keep the quantized path,
+            # which verify must match bit for bit.
+            q = self._rotate(q)
+            if verify and keys[0].shape[2] > STRETCH_ROWS:
+                kf, vf = (
+                    [
+                        dequantize(*(x[:, :, a : a + STRETCH_ROWS] for x in rows), group_size=gs, bits=self.bits)
+                        for a in range(0, rows[0].shape[2], STRETCH_ROWS)
+                    ]
+                    for rows in (keys, values)
+                )
+                return attention_stretches(q, list(zip(kf, vf)), scale, mask)
             kf = dequantize(*keys, group_size=gs, bits=self.bits)
             vf = dequantize(*values, group_size=gs, bits=self.bits)
-            return attention(self._rotate(q), kf, vf, scale, mask, decode_block=verify)
+            return attention(q, kf, vf, scale, mask, decode_block=verify)
         return quantized_scaled_dot_product_attention(
             self._rotate(q), keys, values, scale=scale, mask=mask, group_size=gs, bits=self.bits
         )

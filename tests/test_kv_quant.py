@@ -25,11 +25,11 @@ def target64():
     return Target(tiny.build_target(cfg, seed=5))
 
 
-def decode(target, n, **kw):
+def decode(target, n, prompt=PROMPT, **kw):
     stats = GenerationStats()
     out = []
     cache = target.make_cache(kv_bits=kw.pop("kv_bits", None))
-    for toks in generate_tokens(target, PROMPT, max_tokens=n, stats=stats, cache=cache, **kw):
+    for toks in generate_tokens(target, prompt, max_tokens=n, stats=stats, cache=cache, **kw):
         out.extend(toks)
     return out, cache, stats
 
@@ -71,16 +71,20 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(bits, group_size):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("mask", ["causal", "tree", None])
 @pytest.mark.parametrize("verify", [True, False])
-def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, mask, verify):
+@pytest.mark.parametrize("stretches", [1, 3])
+def test_blocks_attend_over_dequantized_rows_as_the_quantized_matmul_does(bits, mask, verify, stretches):
     """On a CPU a block of >= DEQUANT_MIN_ROWS rows attends over the
-    dequantized cache (one float matmul instead of a quantized matmul per row):
-    the quantized path's twin, to float32 rounding."""
+    dequantized cache (one float matmul instead of a quantized matmul per row;
+    a verify past STRETCH_ROWS rows, a stretch of rows at a time): the
+    quantized path's twin, to float32 rounding."""
     from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
     from mlx_dflash.cache import DEQUANT_MIN_ROWS
+    from mlx_dflash.kernels.fused_exp import STRETCH_ROWS
 
     rng = np.random.default_rng(1)
-    T, L = 2 * DEQUANT_MIN_ROWS, 256  # T * L over FUSED_SOFTMAX_MIN: a verify takes the fused softmax
+    # T * L over FUSED_SOFTMAX_MIN: a verify takes the fused softmax.
+    T, L = 2 * DEQUANT_MIN_ROWS, 256 if stretches == 1 else 2 * STRETCH_ROWS + 100
     q = mx.array(rng.normal(size=(1, 4, T, 64)).astype(np.float32))
     k = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
     v = mx.array(rng.normal(size=(1, 2, L, 64)).astype(np.float32))
@@ -147,6 +151,23 @@ def test_rollback_and_tree_compaction_exact_relative_to_quantized_plain(target64
         ref = target64.make_cache(kv_bits=bits)
         target64.prefill(PROMPT + out[:-1], ref, chunk_size=1)
         assert_same_quantized_cache(cache, ref)
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_verify_past_a_stretch_of_rows_keeps_plain_decodings_tokens(target64, bits):
+    """Deep in a context a verify attends over the cached rows (quantized
+    ones dequantized) a stretch at a time (STRETCH_ROWS), merging the
+    softmax: chain and tree verify still commit plain decoding's tokens."""
+    from mlx_dflash.kernels.fused_exp import STRETCH_ROWS
+
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, target64.vocab_size, size=STRETCH_ROWS + 90)]
+    plain, _, _ = decode(target64, 24, prompt, kv_bits=bits)
+    for kw in (dict(accept=None, seed=1, block_size=8), dict(accept=3, tree_budget=10, block_size=8)):
+        draft = ScriptedDraft(prompt, plain, target64.vocab_size, accept=kw.pop("accept"), seed=kw.pop("seed", None))
+        out, _, stats = decode(target64, 24, prompt, kv_bits=bits, draft=draft, **kw)
+        assert out == plain, kw
+        assert stats.cycles < 23
 
 
 def test_kv_memory_per_token(target64):

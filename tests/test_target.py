@@ -209,6 +209,32 @@ def test_cpu_attention_matches_softmax_reference_and_mx_fast(H, Hkv, T, L, mask)
     assert np.array_equal(np.array(fused_exp.attention(q, k, v, 0.125, mask)), np.array(fast))
 
 
+@pytest.mark.parametrize("mask", ["causal", None, "bool", "blind"])
+def test_cpu_attention_in_stretches_is_one_softmax(mask):
+    """Rows attended a stretch at a time, the softmax merged across stretches
+    (a long context's verify), equal one softmax over all rows, also where a
+    row sees no key of some stretch ("blind": none of the first two)."""
+    H, Hkv, T, L, n = 4, 2, 6, 700, 128
+    keys = mx.random.split(mx.random.key(7), 4)
+    q = mx.random.normal((1, H, T, 64), key=keys[0]) * 3
+    k = mx.random.normal((1, Hkv, L, 64), key=keys[1]) * 3
+    v = mx.random.normal((1, Hkv, L, 64), key=keys[2])
+    keep = np.ones((T, L), dtype=bool)
+    if mask == "causal":
+        keep = np.arange(L)[None, :] <= np.arange(L - T, L)[:, None]
+    elif mask in ("bool", "blind"):
+        keep = np.array(mx.random.uniform(shape=(T, L), key=keys[3]) > 0.3)
+        if mask == "blind":
+            keep[0, : 2 * n] = False
+        mask = mx.array(keep)
+    parts = fused_exp.stretches(k, v, n)
+    assert len(parts) == 6 and sum(p[0].shape[2] for p in parts) == L
+    got = np.array(fused_exp.attention_stretches(q, parts, 0.125, mask))
+    np.testing.assert_allclose(got, _reference_attention(q, k, v, 0.125, keep), rtol=1e-4, atol=1e-5)
+    whole = np.array(fused_exp.attention_stretches(q, [(k, v)], 0.125, mask))
+    np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_attention_is_finite_when_a_masked_score_is_far_above_the_kept_ones():
     """A masked key (a future block row, a key outside a sliding window) may
     score ~90 or ~270 above every kept one: its weight is 0, never 0 * inf."""
