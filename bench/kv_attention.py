@@ -23,6 +23,7 @@ Writes bench/results/kv-attention.md (``--out``).
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -96,8 +97,11 @@ def measure(L: int, bits: int, T: int, reps: int, H: int, Hkv: int, D: int) -> d
         fns["cache.dequantize"] = lambda: dequantize(*packed[:3], group_size=KV_GROUP_SIZE, bits=bits)
     times = {name: [] for name in fns}
     for r in range(reps + 1):
-        for name, fn in fns.items():
-            dt = timed(fn)
+        # A new order each repeat: no path always runs after the same one.
+        names = list(fns)
+        random.Random(r).shuffle(names)
+        for name in names:
+            dt = timed(fns[name])
             if r:
                 times[name].append(dt)
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
@@ -126,7 +130,7 @@ def main():
         "load average %.1f %.1f %.1f at the end" % os.getloadavg(),
         f"- BLAS: {blas.describe()}; MLX {mx.__version__}, device {mx.default_device()}",
         f"- one attention layer of the Qwen3.5-0.8B shape ({H} query heads, {Hkv} KV heads, head dim {D}), "
-        f"random rows, groups of {KV_GROUP_SIZE}; ms per call, median of {args.reps}, the paths taking turns",
+        f"random rows, groups of {KV_GROUP_SIZE}; ms per call, median of {args.reps}, the paths taking turns in a new order each repeat",
         f"- quantized: mlx-lm's quantized attention over the packed rows; engine: QuantizedKVBuffer.attend "
         f"(blocks of >= {DEQUANT_MIN_ROWS} rows attend over the rows dequantized on a CPU, {STRETCH_ROWS} "
         "at a time); one pass: that block dequantizing all rows, one softmax; float: a full-precision cache; "

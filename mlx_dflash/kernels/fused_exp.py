@@ -113,6 +113,8 @@ def attention(
 
 def stretches(keys: mx.array, values: mx.array, rows: int = STRETCH_ROWS):
     """Consecutive stretches of ``rows`` rows of keys, values [B, Hkv, L, D]."""
+    if keys.shape[2] <= rows:
+        return [(keys, values)]
     return [(keys[:, :, a : a + rows], values[:, :, a : a + rows]) for a in range(0, keys.shape[2], rows)]
 
 
