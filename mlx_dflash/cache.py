@@ -325,15 +325,14 @@ class QuantizedKVBuffer(KVBuffer):
             # stretch at a time). Half-precision rows keep the quantized path,
             # which verify must match bit for bit.
             q = self._rotate(q)
-            if verify and keys[0].shape[2] > STRETCH_ROWS:
-                kf, vf = (
-                    [
-                        dequantize(*(x[:, :, a : a + STRETCH_ROWS] for x in rows), group_size=gs, bits=self.bits)
-                        for a in range(0, rows[0].shape[2], STRETCH_ROWS)
-                    ]
-                    for rows in (keys, values)
-                )
-                return attention_stretches(q, list(zip(kf, vf)), scale, mask)
+            L = keys[0].shape[2]
+            if verify and L > STRETCH_ROWS:
+
+                def floats(rows, a):
+                    return dequantize(*(x[:, :, a : a + STRETCH_ROWS] for x in rows), group_size=gs, bits=self.bits)
+
+                parts = [(floats(keys, a), floats(values, a)) for a in range(0, L, STRETCH_ROWS)]
+                return attention_stretches(q, parts, scale, mask)
             kf = dequantize(*keys, group_size=gs, bits=self.bits)
             vf = dequantize(*values, group_size=gs, bits=self.bits)
             return attention(q, kf, vf, scale, mask, decode_block=verify)

@@ -121,9 +121,7 @@ def stretches(keys: mx.array, values: mx.array, rows: int = STRETCH_ROWS):
 _softmax_parts_all = mx.compile(lambda s, m: _exp_parts(mx.clip(s - m, -87.3, 0.0)), shapeless=True)
 
 
-def attention_stretches(
-    q: mx.array, stretches: Sequence[Tuple[mx.array, mx.array]], scale: float, mask=None
-) -> mx.array:
+def attention_stretches(q: mx.array, parts: Sequence[Tuple[mx.array, mx.array]], scale: float, mask=None) -> mx.array:
     """Attention with the fused exp (float32) of q [B, H, T, D] over keys and
     values given as consecutive stretches of rows, (keys, values) pairs
     [B, Hkv, n, D], L rows in all; mask None, "causal" or bool [T, L] as
@@ -135,18 +133,20 @@ def attention_stretches(
     stretch at a time, so that rows a caller makes per stretch (quantized
     rows dequantized) stay in a core's cache between the ops that use them."""
     B, H, T, D = q.shape
-    Hkv = stretches[0][0].shape[1]
+    Hkv = parts[0][0].shape[1]
     rep = H // Hkv
-    L = sum(k.shape[2] for k, _ in stretches)
+    L = sum(k.shape[2] for k, _ in parts)
     qs = (q.astype(mx.float32) * scale).reshape(B, Hkv, rep * T, D)  # query heads grouped by their KV head
-    parts, a = [], 0
-    for keys, values in stretches:
+    if mask is not None and not isinstance(mask, str):
+        mask = mask.reshape(T, L)
+    sums, a = [], 0
+    for keys, values in parts:
         n = keys.shape[2]
         if isinstance(mask, str):
             # The T queries are the last T keys; stretches before them are all visible.
             keep = None if a + n <= L - T else (a + mx.arange(n))[None, :] <= mx.arange(L - T, L)[:, None]
         else:
-            keep = None if mask is None else mask.reshape(T, L)[:, a : a + n]
+            keep = None if mask is None else mask[:, a : a + n]
         s = qs @ keys.astype(mx.float32).swapaxes(-1, -2)
         if keep is None:
             m = mx.max(s, axis=-1, keepdims=True)
@@ -156,17 +156,17 @@ def attention_stretches(
             m = mx.max(mx.where(keep, s, -mx.inf), axis=-1, keepdims=True)
             p, bits = _softmax_parts_fused(s, m, keep)
         e = p * bits.view(mx.float32)
-        parts.append((e @ values.astype(mx.float32), m, e.sum(axis=-1, keepdims=True)))
+        sums.append((e @ values.astype(mx.float32), m, e.sum(axis=-1, keepdims=True)))
         a += n
-    if len(parts) == 1:
-        o, _, total = parts[0]
+    if len(sums) == 1:
+        o, _, total = sums[0]
     else:
         # A stretch none of whose keys a row sees has m = -inf: weight 0.
-        top = parts[0][1]
-        for _, m, _ in parts[1:]:
+        top = sums[0][1]
+        for _, m, _ in sums[1:]:
             top = mx.maximum(top, m)
         o = total = 0.0
-        for oc, m, sc in parts:
+        for oc, m, sc in sums:
             w = mx.exp(m - top)
             o, total = o + w * oc, total + w * sc
     return (o / total).reshape(B, H, T, D).astype(q.dtype)
