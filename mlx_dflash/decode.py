@@ -191,6 +191,8 @@ class Decoder:
         self.tic = 0.0
         self.shadow = None  # a shadow draft in flight: (anchor position, drafted tokens)
         self.shadow_in: Optional[int] = None  # plain steps before the next shadow draft (None: not set)
+        self.shadow_read = 0  # committed rows the shadow draft in flight read first
+        self.rows_read = 0  # committed rows handed to the draft so far (the policy prices reading them)
 
     # --- bookkeeping -------------------------------------------------------------
     @property
@@ -227,6 +229,12 @@ class Decoder:
             return None
         return self.feats[0] if len(self.feats) == 1 else mx.concatenate(self.feats, axis=0)
 
+    def unread(self) -> int:
+        """Committed rows the draft's next forward will read."""
+        rows = sum(f.shape[0] for f in self.feats)
+        dropped = getattr(self.dcache, "dropped", None)
+        return rows - (dropped(rows) if dropped is not None else 0)
+
     def draft_context(self) -> Optional[mx.array]:
         """The pending feature rows, in one array; rows the draft's window would
         drop on arrival are never handed over."""
@@ -236,6 +244,7 @@ class Decoder:
         self.feats = []
         skip = getattr(self.dcache, "skip", None)
         n = skip(f.shape[0]) if skip is not None else 0
+        self.rows_read += f.shape[0] - n
         return f[n:] if n else f
 
     def sync(self, *arrays) -> None:
@@ -429,7 +438,7 @@ class Decoder:
         committed state (a shadow draft: never verified or emitted, so the
         output is plain decoding's), queued behind the next step; once plain
         decoding has committed the tokens it guessed, ``scored(compared,
-        matched)`` books it and returns the steps to the next one, or 0 to end
+        matched, rows it read)`` books it and returns the steps to the next one, or 0 to end
         the run (no further step is queued)."""
         shadows = shadow > 0 and self.draft is not None and scored is not None
         if shadows and self.shadow_in is None:
@@ -508,9 +517,11 @@ class Decoder:
                 # The draft reads the committed rows' features and proposes its
                 # full block from the anchor, as a drafted cycle would; queued
                 # behind the next plain step, read only once it is scored.
+                read = self.rows_read
                 drafted, _ = draft_propose(
                     self.draft, self.draft_context(), self.anchor, self.pos, self.draft.block_size, self.dcache
                 )
+                self.shadow_read = self.rows_read - read
                 mx.async_eval(drafted)
                 self.shadow = (self.pos, drafted)
         return False
@@ -536,7 +547,7 @@ class Decoder:
         if not committed:
             return False
         self.stats.shadow_drafts += 1
-        gap = scored(len(committed), self.acceptance(guess, committed))
+        gap = scored(len(committed), self.acceptance(guess, committed), self.shadow_read)
         self.shadow_in = gap if gap > 0 else None
         return gap == 0
 
@@ -735,15 +746,16 @@ def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[L
     Closed early, it leaves ``d`` at its last yield (see :meth:`Decoder.pause`)."""
     stats = d.stats
 
-    plan = policy.plan(d.room(), d.pos)
-    timed = None  # (plan, tokens, start) of the last cycle or plain run, timed up to the next
+    plan = policy.plan(d.room(), d.pos, d.unread())
+    timed = None  # (plan, tokens, start, rows read before it) of the last cycle or plain run, timed up to the next
     while not d.finished:
         t0 = time.perf_counter()
         if timed is not None and not profile:
-            policy.timed(timed[0], timed[1], t0 - timed[2])
+            policy.timed(timed[0], timed[1], t0 - timed[2], d.rows_read - timed[3])
         if d.room() < 1:
             stats.finish_reason = "length"  # context full
             break
+        read = d.rows_read
         if plan.width == 1:
             n = 0
             with closing(d.plain_steps(plan.steps, plan.shadow, policy.shadowed)) as steps:
@@ -758,18 +770,18 @@ def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[L
             # overlapped the next step, and every generation carried a
             # correction of 1.6-1.8 against drafting: a 16-wide look then
             # seemed to cost 4.7 plain steps where it costs 3.)
-            timed = (plan, n, t0) if n > 0 else None
+            timed = (plan, n, t0, read) if n > 0 else None
         else:
             out = d.cycle(plan)
             policy.observe(plan, d.committed)
-            timed = (plan, d.committed, t0)
-            nxt = policy.plan(d.room(), d.pos) if not d.finished else plan
+            timed = (plan, d.committed, t0, read)
+            nxt = policy.plan(d.room(), d.pos, d.unread()) if not d.finished else plan
             d.prefetch(nxt)
             stats.add_cycle(d.committed, d.verified, d.tic)
             yield out
             plan = nxt
             continue
-        plan = policy.plan(d.room(), d.pos)
+        plan = policy.plan(d.room(), d.pos, d.unread())
     stats.decode_time = time.perf_counter() - d.tic
     stats.peak_memory = mx.get_peak_memory() / 1e9
     if policy.drifted() and forget_costs(policy.costs):

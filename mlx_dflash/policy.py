@@ -35,9 +35,11 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 CACHE_FILE = "costs.json"
-FORMAT = 6  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+READ_ROWS = 32  # context rows a draft forward reads when its cost per row is measured
+FORMAT = 7  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
 #            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them;
-#            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context)
+#            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context;
+#            7: the draft's cost per context row it reads)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -128,6 +130,10 @@ class CostModel:
     per_key_verify: float = 0.0  # seconds per verified row per context token beyond ``context``
     per_key_base: float = 0.0  # seconds per verify per context token beyond ``context``, whatever its rows
     per_key_plain: float = 0.0  # seconds per plain step per context token beyond ``context``
+    # Seconds per committed row the draft reads into its context (beyond the
+    # one a block reads after each plain step): a drafted cycle reads the rows
+    # the cycle before committed, a shadow draft every row since the last.
+    draft_row: float = 0.0
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
@@ -140,6 +146,14 @@ class CostModel:
         """Seconds of a draft forward at its full block: every drafted cycle
         and every shadow draft runs one (see Policy.plan)."""
         return interpolate(self.draft, max(self.draft))
+
+    def read(self, rows: float) -> float:
+        """Seconds for the draft to read ``rows`` committed rows into its context."""
+        return self.draft_row * max(rows, 0)
+
+    def shadow(self, rows: float) -> float:
+        """Seconds of a shadow draft that first reads ``rows`` committed rows."""
+        return self.full_draft() + self.read(rows)
 
     def plain_at(self, context: int = 0) -> float:
         return self.plain + self.per_key_plain * max(context - self.context, 0)
@@ -169,6 +183,7 @@ class CostModel:
             "per_key_verify": self.per_key_verify,
             "per_key_plain": self.per_key_plain,
             "per_key_base": self.per_key_base,
+            "draft_row": self.draft_row,
         }
 
     @classmethod
@@ -184,6 +199,7 @@ class CostModel:
             per_key_verify=float(d.get("per_key_verify", 0.0)),
             per_key_plain=float(d.get("per_key_plain", 0.0)),
             per_key_base=float(d.get("per_key_base", 0.0)),
+            draft_row=float(d.get("draft_row", 0.0)),
         )
 
     @classmethod
@@ -256,14 +272,14 @@ class CostModel:
 
             return run
 
-        def draft_at(B):
+        def draft_at(B, rows=1):
             dcache = draft.make_cache()
             draft(feats, 9, context, B, dcache)
             pos = [context]
 
             def run():
-                lg = draft(feats[-1:], 9, pos[0] + 1, B, dcache)
-                pos[0] += 1
+                lg = draft(feats[-rows:], 9, pos[0] + rows, B, dcache)
+                pos[0] += rows
                 mx.eval(mx.argmax(lg, axis=-1))
 
             return run
@@ -271,6 +287,8 @@ class CostModel:
         parts = {("plain", 0): plain_run}
         parts.update({("verify", B): verify_at(B) for B in widths})
         parts.update({("draft", B): draft_at(B) for B in widths})
+        read = min(READ_ROWS, context)
+        parts[("draft-read", Bmax)] = draft_at(Bmax, read)
         for n in tree_sizes:
             parts[("tree", n)] = verify_at(n, [-1] + [(i - 1) // 2 for i in range(1, n)])
         # A pipeline-split target holds one cache at a time (a second resets
@@ -309,6 +327,7 @@ class CostModel:
             per_key_verify=per_key_verify,
             per_key_plain=per_key_plain,
             per_key_base=per_key_base,
+            draft_row=max(best[("draft-read", Bmax)] - best[("draft", Bmax)], 0.0) / max(read - 1, 1),
         )
 
 
@@ -461,6 +480,7 @@ def forget_costs(costs: CostModel) -> bool:
 # --- the policy ---------------------------------------------------------------------
 
 SWITCH_MARGIN = 0.2
+NEVER = 1 << 30  # a shadow countdown that never runs out
 
 
 def evidence_margin(blocks: float) -> float:
@@ -609,10 +629,12 @@ class Policy:
         self.shadows = 0  # shadow drafts scored
         self.run_shadows = 0  # of them, in the plain run not yet timed (its time includes theirs)
         self.shadow_gap = max_width  # plain tokens from one shadow draft to the next (doubles while they fail)
-        # The shadows' budget, in shadow drafts: each plain token earns 1 / shadow_every of
-        # one, each shadow spends one, at most ``shadow_bank`` saved. However soon a
+        self.unread = 0  # committed rows the draft has not read yet (set by plan)
+        # The shadows' budget, in seconds: each plain token earns ``shadow_share`` of
+        # a plain step, each shadow spends what it costs (its block and the rows it
+        # reads), at most ``shadow_bank`` shadows' worth saved. However soon a
         # promising one asks to look again, they cost at most their share.
-        self.shadow_credit = self.shadow_bank
+        self.shadow_credit = self.bank() if costs is not None else 0.0
         self.waited = 0  # plain tokens before the next (or in-flight) shadow draft starts
         self.last = 0  # the width of the last plan (0: none yet)
         self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
@@ -625,11 +647,23 @@ class Policy:
     @property
     def shadow_every(self) -> int:
         """Plain tokens between two shadow drafts: as many as keep their cost
-        under ``shadow_share`` of plain decoding's, at least a block apart
-        (one in flight at a time) and at most ``plain_run``."""
+        (the block, and the rows it reads: one per plain token) under
+        ``shadow_share`` of plain decoding's, at least a block apart (one in
+        flight at a time) and at most ``plain_run``, which is also the
+        spacing where reading a row alone costs more than the share."""
         c = self.costs
-        n = c.full_draft() / (self.shadow_share * c.plain)
+        spare = self.earned() - c.draft_row
+        n = c.full_draft() / spare if spare > 0 else self.plain_run
         return int(min(max(n, self.max_width), self.plain_run))
+
+    def earned(self) -> float:
+        """Seconds of shadow budget one plain token earns."""
+        return self.shadow_share * self.costs.plain
+
+    def bank(self) -> float:
+        """Seconds of shadow budget that may be saved: ``shadow_bank`` shadow
+        drafts that each read a block of rows."""
+        return self.shadow_bank * self.costs.shadow(self.max_width)
 
     def correction(self) -> float:
         """How much dearer drafted cycles run than the measured curve says, relative to plain steps."""
@@ -646,11 +680,14 @@ class Policy:
         (Slower than measured is today's load: that says nothing of the curve.)"""
         return self.adaptive and len(self.loads) >= 5 and self.load() < self.stale_load
 
-    def cost(self, width: int) -> float:
+    def cost(self, width: int, rows: float = 0.0) -> float:
         """Seconds per cycle of ``width`` (1: a plain step) under the conditions
-        the curve was measured in, drafted widths corrected by what observed
-        times said about them relative to plain steps."""
-        return self.costs.cycle(width, self.context) * (1.0 if width == 1 else self.correction())
+        the curve was measured in, its draft reading ``rows`` committed rows,
+        drafted widths corrected by what observed times said about them
+        relative to plain steps."""
+        if width == 1:
+            return self.costs.cycle(1, self.context)
+        return (self.costs.cycle(width, self.context) + self.costs.read(rows)) * self.correction()
 
     def ladder(self, room: int) -> List[int]:
         """The drafted widths considered: 2, 3, 4, 6, 8, 12, 16, 24, 32, ...
@@ -680,7 +717,8 @@ class Policy:
             reach *= p
             e += reach
             if B in ladder:
-                out[B] = e / self.cost(B)
+                # The next draft reads the rows this cycle commits.
+                out[B] = e / self.cost(B, rows=e)
         return out
 
     def best_width(self, room: int, drafted: bool = False) -> int:
@@ -699,10 +737,12 @@ class Policy:
         weighs one block, less as it ages)."""
         return evidence_margin(self.acc.trials[1])
 
-    def plan(self, room: int, context: int = 0) -> Plan:
+    def plan(self, room: int, context: int = 0, unread: int = 0) -> Plan:
         """The next cycle, given ``room`` tokens left (before max_tokens or the
-        context end) and ``context`` tokens already in the target's cache."""
+        context end), ``context`` tokens already in the target's cache and
+        ``unread`` committed rows the draft has not read yet."""
         self.context = context
+        self.unread = unread
         p = self._plan(room)
         if self.adaptive and p.width != self.last:
             self._switched(p, room)
@@ -743,7 +783,7 @@ class Policy:
                 self.reason = "evidence"
                 if self.last != 1:  # a new plain stretch: the first shadow comes a block in
                     self.shadow_gap = self.max_width
-                    self._next_shadow(self.shadow_gap)
+                    self._next_shadow(self.shadow_gap, unread=self.unread)
                 return Plan(1, steps=min(self.plain_run, room), shadow=self.waited)
             self.reason = "evidence (a first vote for plain)"
             return self._chain(self.best_width(room, drafted=True))
@@ -751,7 +791,7 @@ class Policy:
         self.reason = "shadow evidence" if self.last == 1 and self.shadows else "evidence"
         if self.auto_tree and room >= self.max_width:
             self.since_tree += 1
-            chain = self.acc.expected(B) / self.cost(B)
+            chain = self.acc.expected(B) / self.cost(B, rows=self.acc.expected(B))
             if self.tree_kept is None or self.since_tree >= self.tree_every or self.tree_rate() > chain:
                 self.since_tree = 0
                 return Plan(self.auto_tree + 1, tree=True, block=self.max_width)
@@ -761,8 +801,8 @@ class Policy:
         """Expected tokens per second of a tree cycle: its committed tokens so
         far (before any: as the widest chain) over its cost (measured, corrected
         as drafted cycles are)."""
-        cost = self.costs.tree_cycle(self.auto_tree + 1, self.context) * self.correction()
         kept = self.tree_kept if self.tree_kept is not None else self.acc.expected(self.max_width)
+        cost = (self.costs.tree_cycle(self.auto_tree + 1, self.context) + self.costs.read(kept)) * self.correction()
         return kept / cost
 
     def _chain(self, width: int) -> Plan:
@@ -789,9 +829,10 @@ class Policy:
             f"p1..: {probs} ({seen}); load x{load:.2f}"
         )
 
-    def timed(self, plan: Plan, committed: int, seconds: float) -> None:
+    def timed(self, plan: Plan, committed: int, seconds: float, read: int = 0) -> None:
         """Recalibrate from the wall time of a cycle (or a run of plain steps,
-        ``committed`` tokens) up to the start of the next."""
+        ``committed`` tokens) up to the start of the next, in which the draft
+        read ``read`` committed rows."""
         shadows, self.run_shadows = self.run_shadows, 0
         if not self.adaptive or seconds <= 0:
             return
@@ -806,6 +847,7 @@ class Policy:
             model = self.costs.cycle(plan.width, self.context)
         if w == 1:  # a run of plain steps, and the shadow drafts it carried
             model = committed * model + shadows * self.costs.full_draft()
+        model += self.costs.read(read)
         ratio = seconds / model
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
@@ -832,41 +874,55 @@ class Policy:
             # plain after them is not one unlucky cycle.
             self.plain_votes = 1
 
-    def shadowed(self, drafted: int, accepted: int) -> int:
+    def shadowed(self, drafted: int, accepted: int, read: int = 0) -> int:
         """Book a shadow draft (``drafted`` tokens compared with what plain
         decoding committed, ``accepted`` of them matching before the first
-        miss); returns the plain steps before the next one, or 0 when, on
-        this evidence, drafting pays (the plain run ends)."""
+        miss; it read ``read`` committed rows first); returns the plain steps
+        before the next one, or 0 when, on this evidence, drafting pays (the
+        plain run ends)."""
         self.acc.observe(drafted, accepted, decay=self.shadow_decay)
         self.shadows += 1
         self.run_shadows += 1
-        # Its budget: the plain steps before it earned, it spent one, the steps it ran earned.
-        self.shadow_credit = min(self.shadow_credit + self.waited / self.shadow_every, self.shadow_bank) - 1
-        self.shadow_credit = min(self.shadow_credit + drafted / self.shadow_every, self.shadow_bank)
+        # Its budget: the plain steps before it earned, it spent its cost, the steps it ran earned.
+        bank, earned = self.bank(), self.earned()
+        self.shadow_credit = min(self.shadow_credit + self.waited * earned, bank) - self.costs.shadow(read)
+        self.shadow_credit = min(self.shadow_credit + drafted * earned, bank)
         r = self.rates(self.max_width)
         plain = r.pop(1) * self.margin()
         best = max(r.values()) if r else 0.0
         if best > plain:
             return 0
         if best > self.promising * plain:
-            return self._next_shadow(1, counted=1)
+            return self._next_shadow(1, counted=1, unread=drafted)
         # Soon after a switch to plain the text may turn at any time (an early
         # bad stretch must not cost a short generation); the longer shadows
         # fail, the rarer they get. Counted from now: the next one starts
         # ``shadow_gap`` tokens after this one did.
         self.shadow_gap = min(2 * self.shadow_gap, self.shadow_every)
-        return self._next_shadow(max(self.shadow_gap - drafted, 1), counted=1)
+        return self._next_shadow(max(self.shadow_gap - drafted, 1), counted=1, unread=drafted)
 
-    def _next_shadow(self, steps: int, counted: int = 0) -> int:
+    def _next_shadow(self, steps: int, counted: int = 0, unread: int = 0) -> int:
         """The countdown to the next shadow draft: at least ``steps``, and
-        as many as the budget needs to afford it. ``counted``: steps of the
-        countdown that are not plain tokens yet (the decoder counts the step
-        a shadow is scored in as the first)."""
-        short = 1.0 - self.shadow_credit
-        if short > 0:
-            steps = max(steps, math.ceil(short * self.shadow_every - 1e-9) + counted)
-        self.waited = steps - counted
-        return steps
+        as many as the budget needs to afford it (:data:`NEVER` where no
+        wait does: reading the rows that pile up costs more than they earn).
+        ``counted``: steps of the countdown that are not plain tokens yet
+        (the decoder counts the step a shadow is scored in as the first);
+        ``unread``: rows the draft has not read now (a shadow reads them and
+        one per plain token it waits)."""
+        c, earned = self.costs, self.earned()
+        wait = steps - counted
+        # Short of its cost after ``wait`` plain tokens: it falls by what a token earns less what its row costs.
+        short = c.shadow(unread + wait) - self.shadow_credit - wait * earned
+        if short > 1e-12:
+            if earned <= c.draft_row:
+                self.waited = 0
+                return NEVER
+            wait += math.ceil(short / (earned - c.draft_row) - 1e-9)
+        if min(self.shadow_credit + wait * earned, self.bank()) < c.shadow(unread + wait) - 1e-12:
+            self.waited = 0  # the saved budget caps below the rows' cost: no wait affords it
+            return NEVER
+        self.waited = wait
+        return wait + counted
 
     def describe(self) -> str:
         if not self.adaptive:
@@ -876,5 +932,6 @@ class Policy:
         tree = f"; chains or a tree of {self.auto_tree}" if self.auto_tree else ""
         return (
             f"adaptive (cycle cost / plain step: {ratios}; plain step {c.plain * 1e3:.2f} ms; "
+            f"a context row read by the draft {c.draft_row / c.plain:.3f}; "
             f"a shadow draft per {self.shadow_every} plain tokens{tree})"
         )

@@ -77,7 +77,7 @@ def stalled_clock(policy, stall_from, stall_to, factor=3.0):
     slower (a stall of the machine, alike for every width)."""
     n = [0]
 
-    def clock(plan, committed):
+    def clock(plan, committed, read=0):
         n[0] += 1
         slow = factor if stall_from <= n[0] < stall_to else 1.0
         if plan.width == 1:
@@ -242,7 +242,7 @@ class FrozenClock(Policy):
     """Prices cycles from the given curve only: the machine's timing noise
     (a loaded CI box) cannot move the widths these tests check."""
 
-    def timed(self, plan, committed, seconds):
+    def timed(self, plan, committed, seconds, read=0):
         pass
 
 
@@ -269,9 +269,9 @@ class Booking(FrozenClock):
         super().__init__(*a, **kw)
         self.booked = []
 
-    def shadowed(self, drafted, accepted):
+    def shadowed(self, drafted, accepted, read=0):
         self.booked.append((drafted, accepted))
-        return super().shadowed(drafted, accepted)
+        return super().shadowed(drafted, accepted, read)
 
 
 def test_a_useless_draft_costs_its_warm_up_and_early_scored_shadows(pair):
@@ -357,12 +357,12 @@ class Timings(FrozenClock):
         super().__init__(*a, **kw)
         self.times, self.plans = [], []
 
-    def plan(self, room, context=0):
-        p = super().plan(room, context)
+    def plan(self, room, context=0, unread=0):
+        p = super().plan(room, context, unread)
         self.plans.append(p)
         return p
 
-    def timed(self, plan, committed, seconds):
+    def timed(self, plan, committed, seconds, read=0):
         self.times.append((plan.width, committed, seconds))
 
 
@@ -398,7 +398,7 @@ def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
     policy = Policy(16, c)
     seen = [0]
 
-    def clock(plan, n):
+    def clock(plan, n, read=0):
         if plan.width > 1:
             return c.cycle(plan.width)
         shadows, seen[0] = policy.shadows - seen[0], policy.shadows
@@ -410,6 +410,115 @@ def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
     assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
     assert len(policy.fixes) >= 2
     assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
+
+
+def reading_costs(row):
+    """The synthetic curve with the draft paying ``row`` plain steps per committed row it reads."""
+    c = synthetic_costs()
+    c.draft_row = row * c.plain
+    return c
+
+
+def shadow_seconds(policy, plans, reads):
+    """What the shadow drafts of a replayed run cost: their blocks and the rows they read."""
+    c = policy.costs
+    rows = sum(r for p, r in zip(plans, reads) if p.width == 1)
+    return policy.shadows * c.full_draft() + c.read(rows)
+
+
+@pytest.mark.parametrize("row", [0.005, 0.01])
+def test_shadow_drafts_pay_for_the_rows_they_read_within_their_share(row):
+    """A shadow draft first reads every row committed since the draft last
+    did (one per plain token), so a useless draft's shadows, blocks and
+    rows together, stay within their share of plain decoding's time plus
+    the banked ones. (Priced by their blocks alone, shadows 25 tokens apart
+    cost 2.5-3% at these costs.)"""
+    policy = Policy(16, reading_costs(row))
+    reads, kept = [], []
+    plans = drive(policy, lambda B: 0, 0, tokens=3000, committed=kept, reads=reads)
+    c = policy.costs
+    plain = sum(n for p, n in zip(plans, kept) if p.width == 1)
+    assert plain > 2950 and policy.shadows >= plain / Policy.plain_run / 2  # they still look
+    spent = shadow_seconds(policy, plans, reads)
+    assert spent <= Policy.shadow_share * plain * c.plain + policy.bank(), (spent / (plain * c.plain), policy.shadows)
+    assert policy.shadow_every == pytest.approx(c.full_draft() / (policy.earned() - c.draft_row), abs=1)
+
+
+def test_where_reading_a_row_costs_more_than_its_share_only_banked_shadows_look():
+    """A draft that pays more per row it reads than a plain token earns of
+    the shadows' share: however far apart, a shadow draft would cost more
+    than its share, so after the banked ones (the early looks of a plain
+    stretch) none is drafted. (Before, one per 64 plain tokens: 5% of plain
+    decoding's time here.)"""
+    policy = Policy(16, reading_costs(0.03))
+    reads, kept = [], []
+    plans = drive(policy, lambda B: 0, 0, tokens=2000, committed=kept, reads=reads)
+    plain = sum(n for p, n in zip(plans, kept) if p.width == 1)
+    assert 1 <= policy.shadows <= Policy.shadow_bank, policy.shadows
+    starts = [sum(kept[:i]) for i in range(len(kept))]
+    assert all(r == 0 for at, r in zip(starts, reads) if at >= 200), list(zip(starts, reads))  # none later
+    assert plain > 1950
+
+
+def test_the_rows_a_draft_reads_are_priced_in_the_modelled_time():
+    """Drafted cycles read the rows the cycle before committed, shadow drafts
+    every row since the last read: on a clock that takes exactly the
+    modelled times, reading included, every plain run and drafted cycle
+    reads as the curve says (load 1, correction 1). Priced without the
+    rows, plain runs with shadows read slow and drafted cycles slower."""
+    c = reading_costs(0.01)
+    policy = Policy(16, c)
+    seen = [0]
+
+    def clock(plan, n, read):
+        if plan.width > 1:
+            return c.cycle(plan.width) + c.read(read)
+        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
+        return n * c.plain + shadows * c.full_draft() + c.read(read)
+
+    rng = random.Random(1)
+    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
+    assert len(policy.fixes) >= 2
+    assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
+
+
+class Reads(FrozenClock):
+    """Records the rows the loop says the draft read: per timed span and per shadow draft."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.spans, self.shadow_reads = [], []
+
+    def timed(self, plan, committed, seconds, read=0):
+        self.spans.append((plan.width, committed, read))
+
+    def shadowed(self, drafted, accepted, read=0):
+        self.shadow_reads.append(read)
+        return super().shadowed(drafted, accepted, read)
+
+
+def test_the_loop_reports_the_rows_the_draft_reads(pair):
+    """The tiny random draft (it reads the target's features): pinned, each
+    drafted cycle's span reads the rows that cycle committed (the next draft
+    is launched in it; the last one's is not: one token was left); adaptive, it decodes plainly and a plain run's span
+    reads what its shadow drafts read, every row committed since the last."""
+    model, target, real = pair
+    N = 120
+    ref = reference_greedy(model, PROMPT, N)
+    pinned = Reads(16, fixed=4)
+    out, _ = run(target, N, draft=real, policy=pinned)
+    assert out == ref
+    assert len(pinned.spans) >= 30 and all(r == n for _, n, r in pinned.spans[1:-1]), pinned.spans
+    policy = Reads(16, synthetic_costs())
+    out, stats = run(target, N, draft=real, policy=policy)
+    assert out == ref and stats.shadow_drafts >= 2
+    spans, shadows = policy.spans, policy.shadow_reads
+    assert spans[1][0] > 1 and spans[1][2] == len(PROMPT) + Policy.calibration_steps  # the warm-up reads the prompt
+    plain = sum(r for w, _, r in spans if w == 1)
+    assert 0 < plain <= sum(shadows), (spans, shadows)  # the last run is not timed
+    # Every committed row is read once at most, and the shadows leave at most a run's rows unread.
+    assert N - Policy.plain_run - 16 <= spans[1][2] + sum(shadows) - len(PROMPT) <= N, (spans, shadows)
 
 
 class LateDraft(ScriptedDraft):
@@ -720,12 +829,14 @@ def test_auto_tree_decodes_plain_greedy_tokens(pair, tmp_path):
 def embedded_costs():
     """The embedded pair's curve as measured on the project's CPU (OpenBLAS, one
     thread; bench/results/policy-replay.md): a plain step 8.7 ms, a 16-wide
-    cycle 2.9 plain steps, a shadow draft 0.6."""
+    cycle 2.9 plain steps, a shadow draft 0.6, a context row the draft reads
+    0.004 (measured again when that term came in)."""
     return CostModel(
         plain=0.00872,
         verify={2: 0.0125, 4: 0.0127, 8: 0.0176, 16: 0.0196},
         draft={4: 0.0040, 16: 0.0052},
         rollback=0.0007,
+        draft_row=0.004 * 0.00872,
     )
 
 
@@ -744,7 +855,7 @@ def test_the_replay_prices_every_mode_alike_deep_in_a_context():
     assert plain_seconds(n, costs) > n * costs.plain * 1.05  # the growth is there to price
     total, kept = pinned_seconds([15] * n, 16, n, costs)
     assert sum(kept) == n
-    assert total == pytest.approx(seconds([Plan(16)] * len(kept), kept, costs))
+    assert total == pytest.approx(seconds([Plan(16)] * len(kept), kept, costs, read=sum(kept)))  # it reads every row
 
 
 @pytest.fixture(scope="module")
@@ -784,12 +895,14 @@ def test_replayed_on_the_embedded_draft_the_default_loses_nothing(embedded_recor
 def block8_costs():
     """The block-8 DFlash 2 draft's curve with the embedded target on the
     project's CPU (bench/results/policy-replay.md): a plain step 8.8 ms, an
-    8-wide cycle 3.2 plain steps, a shadow draft 0.7."""
+    8-wide cycle 3.2 plain steps, a shadow draft 0.7, a context row the draft
+    reads 0.004 (measured again when that term came in)."""
     return CostModel(
         plain=0.00878,
         verify={2: 0.0163, 4: 0.0179, 8: 0.0211},
         draft={2: 0.0056, 8: 0.0062},
         rollback=0.0010,
+        draft_row=0.004 * 0.00878,
     )
 
 

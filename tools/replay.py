@@ -17,7 +17,9 @@ from mlx_dflash.models.draft import propose
 from mlx_dflash.policy import CostModel, Plan, interpolate
 
 
-def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=None, committed=None):
+def drive(
+    policy, accept, cycles, room=10_000, tokens=None, context=0, clock=None, committed=None, reads=None, unread=0
+):
     """Run the policy against a draft whose first ``accept(width)`` drafts are
     right (or ``accept(width, tokens committed before it)``), for ``cycles`` plans (or until ``tokens`` are committed) at about
     ``context`` tokens of cache; returns the plans. Plain runs carry shadow
@@ -26,8 +28,11 @@ def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=Non
     tokens are committed or, from the second step on, once a miss shows; a 0
     ends the run after the step already queued), each right for
     ``accept(block)`` tokens.
-    ``clock(plan, committed)``: the seconds the cycle took, for ``policy.timed``;
-    ``committed``: a list to append each plan's committed tokens to."""
+    ``clock(plan, committed, read)``: the seconds the cycle took, for ``policy.timed``;
+    ``committed``: a list to append each plan's committed tokens to;
+    ``reads``: one for the committed rows the draft read in each plan (its
+    shadows' included), the first ``unread`` of them (the prompt's) unread
+    at the start."""
     if accept.__code__.co_argcount == 1:  # a draft as good everywhere in the text
         accept = (lambda f: lambda B, at: f(B))(accept)
     plans = []
@@ -36,8 +41,9 @@ def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=Non
     block = policy.max_width
     while (len(plans) < cycles) if tokens is None else (done < tokens):
         left = room if tokens is None else min(room, tokens - done)
-        plan = policy.plan(left, context)
+        plan = policy.plan(left, context, unread)
         plans.append(plan)
+        read = 0
         if plan.width == 1:
             n, last = 0, False
             if plan.shadow and shadow_in is None:
@@ -45,45 +51,53 @@ def drive(policy, accept, cycles, room=10_000, tokens=None, context=0, clock=Non
             while n < plan.steps:
                 n += 1
                 done += 1
+                unread += 1
                 if last:
                     break
                 if shadow is not None:
                     seen = done - shadow[0]
                     if seen >= block - 1 or (seen >= 2 and shadow[1] < seen):
                         seen = min(seen, block - 1)
-                        gap = policy.shadowed(seen, min(shadow[1], seen))
+                        gap = policy.shadowed(seen, min(shadow[1], seen), shadow[2])
                         shadow, shadow_in = None, (gap or None)
                         last = gap == 0  # drafting pays: the step already queued is the run's last
                 if not last and plan.shadow and shadow is None and shadow_in is not None:
                     shadow_in -= 1
                     if shadow_in <= 0 and (tokens is None or tokens - done > 1):
-                        shadow = (done, min(accept(block, done), block - 1))
+                        shadow = (done, min(accept(block, done), block - 1), unread)
+                        read, unread = read + unread, 0
             if shadow is not None:  # the run ended before the block was scored
                 seen = done - shadow[0]
                 if seen:
-                    gap = policy.shadowed(seen, min(shadow[1], seen))
+                    gap = policy.shadowed(seen, min(shadow[1], seen), shadow[2])
                     shadow_in = gap or None
                 shadow = None
             policy.observe(plan, n)
             if clock:
-                policy.timed(plan, n, clock(plan, n))
+                policy.timed(plan, n, clock(plan, n, read), read)
             done_by = n
         else:
             n = 1 + min(accept(plan.width, done), plan.width - 1)
+            read, unread = unread, n
             policy.observe(plan, n)
             if clock:
-                policy.timed(plan, n, clock(plan, n))
+                policy.timed(plan, n, clock(plan, n, read), read)
             done += n
             shadow_in = None
             done_by = n
         if committed is not None:
             committed.append(done_by)
+        if reads is not None:
+            reads.append(read)
     return plans
 
 
-def seconds(plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadows: int = 0, context: int = 0) -> float:
+def seconds(
+    plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadows: int = 0, context: int = 0, read: int = 0
+) -> float:
     """What a replayed run costs under ``costs``: its plain steps, drafted
-    cycles (each drafting the full block) and ``shadows`` shadow drafts."""
+    cycles (each drafting the full block), ``shadows`` shadow drafts and
+    ``read`` committed rows read by the draft."""
     total, done = 0.0, 0
     for p, n in zip(plans, kept):
         if p.width == 1:
@@ -91,7 +105,7 @@ def seconds(plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadow
         else:
             total += costs.cycle(p.width, context + done)
         done += n
-    return total + shadows * costs.full_draft()
+    return total + shadows * costs.full_draft() + costs.read(read)
 
 
 def pinned_seconds(
@@ -108,6 +122,7 @@ def pinned_seconds(
         n = 1 + min(right[done], w - 1) if w > 1 else 1
         if w > 1:
             total += per_cycle + costs.cycle(w, context + done) - costs.cycle(w)  # the verify's growth with context
+            total += costs.read(n)  # the next draft reads the rows it commits
         else:
             total += costs.plain_at(context + done)
         kept.append(n)
@@ -161,8 +176,9 @@ def regret_row(
     B = max(right)
     policy = make_policy()
     kept: List[int] = []
-    plans = drive(policy, replayed(right[B]), 0, tokens=tokens - 1, committed=kept)
-    row = {"default": seconds(plans, kept, costs, policy.shadows), "plans": plans, "kept": kept}
+    reads: List[int] = []
+    plans = drive(policy, replayed(right[B]), 0, tokens=tokens - 1, committed=kept, reads=reads)
+    row = {"default": seconds(plans, kept, costs, policy.shadows, read=sum(reads)), "plans": plans, "kept": kept}
     row["shadows"] = policy.shadows
     for w in widths:
         row[f"pinned {w}"] = pinned_seconds(right[w], w, tokens - 1, costs)[0]

@@ -381,12 +381,17 @@ class DraftCache(LayerCache):
         keys, values = self._rows[i].write(start, [k, v])
         return keys, values
 
-    def skip(self, rows: int) -> int:
-        """Of ``rows`` context rows about to arrive, consume (uncomputed) the
-        leading ones the window would drop on arrival; returns how many."""
+    def dropped(self, rows: int) -> int:
+        """Of ``rows`` context rows about to arrive, the leading ones the
+        window would drop on arrival."""
         if self.window is None or len(self.positions) < self.window[0]:
             return 0
-        n = max(rows - self.window[1], 0)
+        return max(rows - self.window[1], 0)
+
+    def skip(self, rows: int) -> int:
+        """Consume (uncomputed) the :meth:`dropped` ones of ``rows`` arriving
+        context rows; returns how many."""
+        n = self.dropped(rows)
         self.length += n
         return n
 
