@@ -51,7 +51,7 @@ from .decode import (
     open_decoder,
 )
 from .errors import DFlashError
-from .models.draft import propose_slots
+from .models.draft import draft_logits_slots, propose_slots
 from .policy import (
     Acceptance,
     Plan,
@@ -672,8 +672,10 @@ class BatchDecoder:
             self._undo_queued()
         t0 = time.perf_counter()
         parents = None
-        if plan.tree:
-            props = [d.propose(plan) for d in ds]  # each slot's draft logits, its own tree
+        if plan.tree:  # the slots' draft logits in one forward, a tree built from each slot's own
+            items = [(d.draft_context(), d.anchor, d.pos, d.dcache) for d in ds]
+            drafts = draft_logits_slots(self.draft, items, plan.block)
+            props = [d.propose(plan, Proposal(plan, logits=lg)) for d, lg in zip(ds, drafts)]
             parents = [p.tree.parents for p in props]
             if len({len(p) for p in parents}) > 1:
                 raise RuntimeError(f"trees of {sorted({len(p) for p in parents})} nodes in one batch")
@@ -714,8 +716,11 @@ class BatchDecoder:
             rows = picks.tolist()
             verified = [Verified([d.anchor], rows[b], None if feats is None else feats[b]) for b, d in enumerate(ds)]
         else:
+            verdicts = [d.picks(p, logits[b]) for b, (d, p) in enumerate(zip(ds, props))]
+            mx.eval([x for d, p, v in zip(ds, props, verdicts) for x in d.pending_reads(p, v)])  # one host sync
             verified = [
-                d.judge(p, logits[b], None if feats is None else feats[b]) for b, (d, p) in enumerate(zip(ds, props))
+                d.judge(p, logits[b], None if feats is None else feats[b], v)
+                for b, (d, p, v) in enumerate(zip(ds, props, verdicts))
             ]
         t2 = time.perf_counter()
         paths = [d.accept(p, v) for d, p, v in zip(ds, props, verified)]

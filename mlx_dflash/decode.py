@@ -314,10 +314,12 @@ class Decoder:
             q = q[: plan.width - 1] if q is not None else None
         return Proposal(plan, drafted=drafted, q=q)
 
-    def propose(self, plan: Plan) -> Proposal:
+    def propose(self, plan: Plan, launched: Optional[Proposal] = None) -> Proposal:
+        """The proposal to verify: ``launched`` (a batch drafted it with its
+        siblings'), else the one prefetched, else :meth:`launch`'s."""
         if plan.width == 1:
             return Proposal(plan)
-        prop = self.pending if self.pending is not None else self.launch(plan)
+        prop = launched or (self.pending if self.pending is not None else self.launch(plan))
         self.pending = None
         if prop.logits is not None:
             prop.tree = ddtree.build(prop.logits, self.anchor, plan.width - 1, self.tree_topk)
@@ -351,11 +353,11 @@ class Decoder:
         )
         return self.judge(prop, vlogits, vfeats)
 
-    def judge(self, prop: Proposal, vlogits: mx.array, vfeats: Optional[mx.array]) -> Verified:
-        """The target's pick per verified row, from the verify forward's
-        logits [W, V] (and the features it captured)."""
+    def picks(self, prop: Proposal, vlogits: mx.array) -> tuple:
+        """The target's pick per verified row from the verify forward's logits
+        [W, V], left lazy: (picks, kept by the speculative rule or None, the
+        drafted tokens if the penalty context had to read them, else None)."""
         tree = prop.tree
-        parents = tree.parents if tree is not None else None
         depths = tree.depths if tree is not None else range(prop.width)
         positions = [self.pos + 1 + d for d in depths]
         drafted = None
@@ -365,7 +367,7 @@ class Decoder:
             drafted = prop.drafted.tolist() if prop.drafted is not None else []
             block = tree.tokens if tree is not None else [self.anchor] + drafted
             rows = (
-                [ddtree.path_rows(parents, i) for i in range(len(block))]
+                [ddtree.path_rows(tree.parents, i) for i in range(len(block))]
                 if tree is not None
                 else [list(range(i + 1)) for i in range(len(block))]
             )
@@ -377,10 +379,25 @@ class Decoder:
             kept, picks = self.spec_rule(
                 self.sampler.probs(vlogits, contexts), prop.q, prop.drafted, picks, self.sampler.seed, positions
             )
+        return picks, kept, drafted
+
+    @staticmethod
+    def pending_reads(prop: Proposal, picks: tuple) -> list:
+        """What :meth:`judge` reads to the host for ``picks``: evaluated
+        together, several slots' reads are one host sync."""
+        return [x for x in (picks[0], picks[1], prop.drafted) if x is not None]
+
+    def judge(
+        self, prop: Proposal, vlogits: mx.array, vfeats: Optional[mx.array], picks: Optional[tuple] = None
+    ) -> Verified:
+        """The target's pick per verified row, read to the host, with the
+        features the verify captured; ``picks``: :meth:`picks`' result if
+        the caller already made (and evaluated) it."""
+        picks, kept, drafted = picks if picks is not None else self.picks(prop, vlogits)
         if drafted is None and prop.drafted is not None:
-            mx.eval(picks, prop.drafted, *(() if kept is None else (kept,)))  # the one host sync of a cycle
+            mx.eval(self.pending_reads(prop, (picks, kept)))  # the one host sync of a cycle
             drafted = prop.drafted.tolist()
-        block = tree.tokens if tree is not None else [self.anchor] + (drafted or [])
+        block = prop.tree.tokens if prop.tree is not None else [self.anchor] + (drafted or [])
         return Verified(block, picks.tolist(), vfeats, kept.tolist() if kept is not None else None)
 
     # --- accept ------------------------------------------------------------------

@@ -611,6 +611,28 @@ def test_draft_slots_equal_solo_proposals(dense, kind, sample):
                 x[0], x[1], x[2] = new, 5 + n, x[2] + n
 
 
+@pytest.mark.parametrize("kind", ["full", "window", "v2"])
+def test_draft_logits_for_slots_equal_solo_logits(dense, kind):
+    """The logits a tree per slot is built from, drafted for several
+    requests in one forward, equal each one's solo draft call bit for bit,
+    with each context cache as alone."""
+    from mlx_dflash.models.draft import draft_logits_slots
+
+    cfg, model = dense
+    target = Target(model)
+    draft = _draft(cfg, kind).bind(target)
+    items, solo = [], []
+    for p in BATCH_PROMPTS:
+        _, feats = target.prefill(p, target.make_cache(), capture=draft.target_layer_ids)
+        items.append((feats, p[-1], len(p), draft.make_cache()))
+        solo.append((feats, p[-1], len(p), draft.make_cache()))
+    got = draft_logits_slots(draft, items, 5)
+    assert len(got) == len(items) and got[0].shape == (4, target.vocab_size)
+    for lg, (f, a, pos, c), it in zip(got, solo, items):
+        assert same(lg, draft(f, a, pos, 5, c))
+        assert all(same(x, y) for x, y in zip(it[3].state(), c.state()))
+
+
 def test_speculative_rule_through_the_batch_keeps_the_target_distribution(engines):
     """The speculative rule (a draft sampling its block, min(1, p/q)) run per
     slot in a batch: the first two tokens of many seeded requests follow the

@@ -677,6 +677,16 @@ class DFlashDraft(nn.Module):
             for b, (_, anchor, anchor_pos, _, sampler, sample) in enumerate(slots)
         ]
 
+    def logits_slots(self, slots: Sequence[tuple], block_size: int) -> List[mx.array]:
+        """:meth:`__call__` for several requests in one forward (a tree per
+        slot is built from them): ``slots`` = [(features, anchor, anchor_pos,
+        cache)]; returns each one's logits [block_size - 1, V]."""
+        if not all(array_offset_rope(layer.self_attn.rope) for layer in self.layers):
+            # A RoPE that takes no array offsets (mlx-lm's dynamic NTK): one slot at a time.
+            return [self(f, a, p, block_size, c) for f, a, p, c in slots]
+        logits = self.logits(self.block_hidden_slots(slots, block_size)[:, 1:])
+        return [logits[b] for b in range(len(slots))]
+
     def _proposal(self, hidden, logits, anchor: int, anchor_pos: int, block_size: int, sampler, sample: bool):
         """(tokens, q) of a block from its rows' hidden states and logits."""
         if not self.config.is_v2:
@@ -717,6 +727,15 @@ def propose(draft, features, anchor: int, anchor_pos: int, block_size: int, cach
     if hasattr(draft, "propose"):
         return draft.propose(features, anchor, anchor_pos, block_size, cache, sampler, sample)
     return logits_proposal(draft(features, anchor, anchor_pos, block_size, cache), anchor_pos, sampler, sample)
+
+
+def draft_logits_slots(draft, slots: Sequence[tuple], block_size: int) -> List[mx.array]:
+    """Several requests' draft logits (what a tree is built from), ``slots`` =
+    [(features, anchor, anchor_pos, cache)]: one batched forward where the
+    draft has one (:meth:`DFlashDraft.logits_slots`), else one call per request."""
+    if hasattr(draft, "logits_slots"):
+        return draft.logits_slots(slots, block_size)
+    return [draft(f, a, p, block_size, c) for f, a, p, c in slots]
 
 
 def propose_slots(draft, slots: Sequence[tuple], block_size: int) -> List[tuple]:
