@@ -529,6 +529,12 @@ class DFlashDraft(nn.Module):
         cache.trim()
 
     def _extend_context(self, features: Optional[mx.array], anchor_pos: int, cache: DraftCache) -> None:
+        if self._new_rows(features, anchor_pos, cache):
+            self.add_context(features, cache)
+
+    @staticmethod
+    def _new_rows(features: Optional[mx.array], anchor_pos: int, cache: DraftCache) -> bool:
+        """Whether ``features`` brings context rows, checked to end where the block starts."""
         if features is not None and features.shape[0] > 0:
             S = features.shape[0]
             if cache.length + S != anchor_pos:
@@ -536,9 +542,35 @@ class DFlashDraft(nn.Module):
                     f"draft context out of step: cache holds {cache.length} positions, "
                     f"{S} new rows, anchor at {anchor_pos}"
                 )
-            self.add_context(features, cache)
-        elif cache.length != anchor_pos:
+            return True
+        if cache.length != anchor_pos:
             raise ValueError(f"draft context missing: holds {cache.length}, anchor at {anchor_pos}")
+        return False
+
+    def _extend_contexts(self, slots: Sequence[tuple]) -> None:
+        """:meth:`_extend_context` for several requests' caches, ``slots`` =
+        [(features, anchor_pos, cache)]: the new rows of all of them projected
+        in one pass (each row RoPE'd at its own position), then written to
+        each cache (what each gets alone)."""
+        new = [(f, c) for f, p, c in slots if self._new_rows(f, p, c)]
+        if len(new) < 2 or not all(array_offset_rope(layer.self_attn.rope) for layer in self.layers):
+            for f, c in new:
+                self.add_context(f, c)
+            return
+        ctx = self.hidden_norm(self.fc(mx.concatenate([f for f, _ in new], axis=0)[None]))
+        pos = mx.array([[p for f, c in new for p in range(c.length, c.length + f.shape[0])]], dtype=mx.int32)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, pos)
+            o = 0
+            for f, c in new:
+                n = f.shape[0]
+                c.write(i, c.rows, k[:, :, o : o + n], v[:, :, o : o + n])
+                o += n
+        for f, c in new:
+            n = f.shape[0]
+            c.positions.extend(range(c.length, c.length + n))
+            c.length += n
+            c.trim()
 
     def embed(self, ids: mx.array) -> mx.array:
         h = self.target.embed(ids)
@@ -644,8 +676,7 @@ class DFlashDraft(nn.Module):
         context is extended and attended over on its own."""
         cfg = self.config
         B, S = block_size, len(slots)
-        for features, _, anchor_pos, cache in slots:
-            self._extend_context(features, anchor_pos, cache)
+        self._extend_contexts([(features, anchor_pos, cache) for features, _, anchor_pos, cache in slots])
         h = self.embed(mx.array([[anchor] + [cfg.mask_token_id] * (B - 1) for _, anchor, _, _ in slots]))
         compiled = self.compiled and all(array_offset_rope(layer.self_attn.rope) for layer in self.layers)
         if S == 1:
