@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
-from .errors import DFlashError
+from .errors import DFlashError, check_text
 from .loading import load_draft, load_target, load_tokenizer, tokenizer_folder
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 
@@ -51,6 +51,9 @@ class Engine:
             return [int(t) for t in prompt]
         if not prompt.strip():
             raise DFlashError("empty prompt: give some text")
+        check_text(prompt, "the prompt")
+        if system:
+            check_text(system, "the system prompt")
         if chat_template:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise DFlashError("this model's tokenizer has no chat template; use --no-chat-template")

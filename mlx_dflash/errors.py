@@ -6,3 +6,15 @@ class DFlashError(Exception):
 
     The message names the cause; the CLI prints it and exits with status 2.
     """
+
+
+def check_text(text: str, what: str) -> None:
+    """A DFlashError naming ``what`` if ``text`` is not valid Unicode: a lone
+    surrogate (a JSON escape such as \\ud800, or an invalid UTF-8 byte kept by
+    Python as one when it read the command line or a file)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"\\u{ord(bad):04x}"
+        raise DFlashError(f"{what} is not valid UTF-8 text ({shown} at character {e.start})") from None

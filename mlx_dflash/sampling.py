@@ -10,6 +10,7 @@ every mode. "speculative" (``speculative_rule``): the draft samples its block
 and a token is kept with probability min(1, p/q).
 """
 
+import math
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -72,8 +73,8 @@ class Sampler:
         temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, min_tokens_to_keep
     ) -> None:
         """The ranges of the sampling options (the one place they are checked)."""
-        if temperature < 0:
-            raise DFlashError(f"temperature must be >= 0, got {temperature}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise DFlashError(f"temperature must be a finite number >= 0, got {temperature}")
         if not 0.0 <= top_p <= 1.0:
             raise DFlashError(f"top_p must be in [0, 1] (0 or 1: off), got {top_p}")
         if top_k < 0:
@@ -82,8 +83,8 @@ class Sampler:
             raise DFlashError(f"min_p must be in [0, 1], got {min_p}")
         if min_tokens_to_keep < 1:
             raise DFlashError(f"min_tokens_to_keep must be >= 1, got {min_tokens_to_keep}")
-        if repetition_penalty <= 0:
-            raise DFlashError(f"repetition penalty must be positive, got {repetition_penalty}")
+        if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+            raise DFlashError(f"repetition penalty must be a finite positive number, got {repetition_penalty}")
         if repetition_context_size < 1:
             raise DFlashError("repetition context size must be positive")
 

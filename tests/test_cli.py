@@ -171,6 +171,12 @@ def bad_cases(tmp_path, small_ctx_model):
             "context limit is 16",
         ),
         (["generate", "hi", "--temp", "-1"], "temperature"),
+        (["generate", "hi", "--temp", "nan"], "temperature must be a finite number"),
+        (["generate", "hi", "--repetition-penalty", "inf"], "repetition penalty must be a finite"),
+        (["serve", "--temp", "nan"], "temperature must be a finite number"),
+        # An invalid UTF-8 byte on the command line reaches Python as a lone surrogate.
+        (["generate", "a\udcffb"], "not valid UTF-8 text (byte 0xff"),
+        (["generate", "hi", "--system", "x\udcfe"], "system prompt is not valid UTF-8"),
         (["generate", "hi", "--dtype", "int8"], "--dtype"),
         (["generate", "hi", "--draft-quantize", "3"], "4 or 8 bits"),
         (["generate", "hi", "--auto-tree", "-1"], "--auto-tree must be >= 0"),

@@ -415,6 +415,44 @@ BAD = [
         "context limit",
     ),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "top_k": "x", "messages": MSG}, 400, "top_k"),
+    # No coercion: a number in a string, a boolean for a number or a string for a boolean is refused.
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": "8"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "stream": "yes"}, 400, "stream"),
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "max_output_tokens": True}, 400, "max_output_tokens"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": "5", "messages": MSG}, 400, "max_tokens"),
+    # Non-finite numbers (Python's JSON reads NaN and Infinity) and text that is not valid Unicode.
+    (
+        "/v1/chat/completions",
+        b'{"model": "mlx-dflash", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/responses",
+        b'{"model": "mlx-dflash", "input": "hi", "stream": true, "temperature": NaN}',
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/messages",
+        b'{"model": "mlx-dflash", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], '
+        b'"temperature": Infinity}',
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"model": "mlx-dflash", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "messages.0.content",
+    ),
+    (
+        "/v1/messages/count_tokens",
+        b'{"model": "mlx-dflash", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "not valid UTF-8",
+    ),
     # Fields that would change the reply and are not implemented: refused, not ignored.
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "logprobs": True}, 400, "'logprobs'"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "presence_penalty": 0.5}, 400, "repetition"),

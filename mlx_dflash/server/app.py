@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from ..config import GenerationConfig
-from ..errors import DFlashError
+from ..errors import DFlashError, check_text
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
 from .worker import Job, QueueFull, Worker
@@ -271,12 +271,31 @@ def parse_body(model: type, body: Any) -> BaseModel:
     """Validate a JSON body into ``model``; one clear 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_strings(body, [])
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)  # no coercion: "8" or true is not a number
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         raise APIError(400, f"invalid field '{loc}': {err['msg']}", param=loc or None) from None
+
+
+def _check_strings(value: Any, path: List[str]) -> None:
+    """A 400 naming the field of the first string that is not valid Unicode
+    (a lone surrogate escape such as \\ud800, which no tokenizer takes)."""
+    if isinstance(value, str):
+        try:
+            check_text(value, "text")
+        except DFlashError as e:
+            loc = ".".join(path)
+            raise APIError(400, f"invalid field '{loc}': {e}", param=loc or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_strings(k, path)
+            _check_strings(v, path + [str(k)])
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_strings(v, path + [str(i)])
 
 
 def event_stream(chunks: AsyncIterator[str], job: Job) -> StreamingResponse:

@@ -16,7 +16,7 @@ router = APIRouter()
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class ContentPart(_Model):

@@ -24,7 +24,7 @@ router = APIRouter()
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class Reasoning(_Model):
