@@ -973,7 +973,7 @@ def serve(
     The generation options are the defaults of requests that do not set their own."""
     import json
 
-    from .server import Settings, model_names
+    from .server import Settings, check_listen, model_names
     from .server import serve as run_server
 
     if not 0 < port < 65536:
@@ -997,6 +997,9 @@ def serve(
         raise DFlashError(f"--chat-template-args is not valid JSON: {e}") from None
     if not isinstance(template_args, dict):
         raise DFlashError("--chat-template-args must be a JSON object")
+    if api_key is not None and not api_key.strip():
+        raise DFlashError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
+    check_listen(host, port)  # before the model loads
     mid, aliases = model_names(model)
     settings = Settings(
         model_id=model_name or mid,

@@ -313,6 +313,8 @@ def test_worker_order_cancel_timeout_and_queue_bound():
         (["serve", "--chat-template-args", "{oops"], "not valid JSON"),
         (["serve", "--temp", "-1"], "temperature"),
         (["serve", "--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["serve", "--api-key", ""], "--api-key is empty"),
+        (["serve", "--host", "no-such-host.invalid"], "cannot resolve"),
     ],
 )
 def test_serve_cli_rejects_bad_flags_before_listening(argv, words, capsys):
@@ -323,3 +325,20 @@ def test_serve_cli_rejects_bad_flags_before_listening(argv, words, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err
+
+
+def test_serve_on_a_port_in_use_is_one_error_before_loading(capsys):
+    """A port another process listens on: exit 2 with one line, before the model loads."""
+    import socket
+
+    from mlx_dflash.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", str(port), "--model", "/nonexistent/model"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen on 127.0.0.1:") and "in use" in err

@@ -10,16 +10,18 @@ plumbing), ``openai.py``, ``responses.py`` (OpenAI's Responses API) and
 
 import ipaddress
 import logging
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from ..errors import DFlashError
 from .app import Server, Settings
 from .metrics import Metrics
 from .routes import create_app
 from .worker import Worker
 
-__all__ = ["Settings", "build", "serve"]
+__all__ = ["Settings", "build", "check_listen", "serve"]
 
 
 def model_names(model: Optional[Path]):
@@ -60,6 +62,21 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def check_listen(host: str, port: int) -> None:
+    """A DFlashError now, before the model loads, if ``host:port`` cannot be
+    listened on (an unknown host, a port in use or not ours to take)."""
+    try:
+        fam, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise DFlashError(f"--host {host}: cannot resolve it ({getattr(e, 'strerror', None) or e})") from None
+    with socket.socket(fam, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise DFlashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve(
     settings: Settings,
     load_engine: Callable[[], object],
@@ -71,6 +88,7 @@ def serve(
 ) -> None:
     import uvicorn
 
+    check_listen(host, port)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     app, worker = build(settings, load_engine, generate_fn)
     if not _loopback(host) and settings.api_key is None:
