@@ -400,6 +400,10 @@ def generate(
 
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
+    if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
+        raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
+    if prompt_cache_file is not None:
+        _check_output(prompt_cache_file, "--prompt-cache-file")
     load_engine = _engine_loader(
         model,
         draft,
@@ -448,6 +452,18 @@ def generate(
     if verbose and stats is not None:
         mode = "dflash" if engine.draft is not None and not gen.baseline else "baseline (plain decoding)"
         typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
+
+
+def _check_output(path: Path, flag: str) -> None:
+    """One error now, rather than after the work, for a file that could not be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise DFlashError(f"{flag} {path} is a folder; give a file path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise DFlashError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
@@ -752,6 +768,16 @@ def bench(
         raise DFlashError("--max-tokens values must be positive")
     if any(n < 1 for n in context or ()):
         raise DFlashError("--context values must be positive")
+    if tree_budget < 0:
+        raise DFlashError(f"--tree-budget must be >= 0 (0: no tree mode), got {tree_budget}")
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise DFlashError(f"--name must be a plain file name (the results go to --out), got {name!r}")
+    try:  # the results' folder, made now rather than after the whole run
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"--out {out}: cannot make the results folder ({e.strerror or e})") from None
+    if not os.access(out, os.W_OK):
+        raise DFlashError(f"--out {out}: the folder is not writable")
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     texts = read_prompts(prompts)
@@ -877,6 +903,8 @@ def info(
     from .info import describe
 
     path, draft = _local(path), _local(draft)
+    if draft is not None and not Path(draft).exists():  # a draft that is not there is an error, not a misfit
+        raise DFlashError(f"draft path does not exist: {draft}")
     typer.echo(describe(path, draft))
     if stages:
         from .distributed import stage_plan

@@ -514,8 +514,11 @@ class PrefixCache:
         }
         meta["checksum"] = _checksum(arrays, meta)
         tmp = path.with_name(path.name + ".tmp.safetensors")
-        mx.save_safetensors(str(tmp), arrays, metadata=meta)
-        os.replace(tmp, path)
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata=meta)
+            os.replace(tmp, path)
+        except (RuntimeError, OSError) as e:  # MLX says RuntimeError for a file it cannot open
+            raise DFlashError(f"cannot write the prefix cache to {path}: {e}") from None
 
     @classmethod
     def load(cls, path, engine, max_bytes: Optional[int] = None) -> "PrefixCache":

@@ -106,6 +106,9 @@ def test_chat_repl_through_a_pty(tmp_path):
         p2, c2, f2 = int(m2.group(1)), int(m2.group(2)), int(m2.group(3))
         assert c1 == 0
         assert c2 >= p1 and c2 + f2 == p2  # the whole first turn came from the cache
+        # A file that cannot be written is reported and the conversation goes on.
+        os.write(fd, f"/save {tmp_path / 'missing' / 'x.safetensors'}\n".encode())
+        _read_until(fd, r"error: cannot write the prefix cache")
         save = tmp_path / "chat.safetensors"
         os.write(fd, f"/save {save}\n".encode())
         _read_until(fd, r"saved")

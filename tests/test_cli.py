@@ -184,6 +184,13 @@ def bad_cases(tmp_path, small_ctx_model):
         (["serve", "--auto-tree", "4", "--tree-budget", "4"], "not both"),
         (["chat", "--auto-tree", "-2"], "must be >= 0"),
         (["info", str(tmp_path / "missing")], "does not exist"),
+        (["info", "--draft", str(tmp_path / "missing"), str(tmp_path)], "draft path does not exist"),
+        (["generate", "hi", "--prompt-cache-bytes", "0"], "--prompt-cache-bytes must be positive"),
+        (["generate", "hi", "--prompt-cache-file", str(tmp_path / "no" / "x.safetensors")], "does not exist"),
+        (["generate", "hi", "--prompt-cache-file", str(tmp_path)], "is a folder"),
+        (["bench", "--name", "../x", "--out", str(tmp_path)], "--name must be a plain file name"),
+        (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
+        (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
     ]
 
 
