@@ -214,6 +214,18 @@ def generation_config(flags: dict):
         flags["draft_window"] = (sink, window)
     gen = GenerationConfig(**flags)
     gen.validate()  # before loading anything; the draft's block limit once it is loaded
+    if gen.baseline:  # flags that only shape drafting would be silently ignored
+        given = [
+            name
+            for name, on in (
+                ("--block-size", gen.block_size is not None),
+                ("--tree-budget", bool(gen.tree_budget)),
+                ("--auto-tree", bool(gen.auto_tree)),
+            )
+            if on
+        ]
+        if given:
+            raise DFlashError(f"--baseline decodes without a draft: {' and '.join(given)} would do nothing; drop one")
     return gen
 
 
@@ -420,6 +432,8 @@ def generate(
         if chat_template:
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
+    if chat_template is False and system is not None:
+        raise DFlashError("--system needs the chat template (it is a message of the chat); drop --no-chat-template")
     template_kwargs = _template_config(chat_template_config)
     engine = load_engine()
     _say_draft_hint(engine, gen.baseline)

@@ -37,8 +37,8 @@ def test_draft_model_num_draft_tokens_and_system_prompt(capsys):
 
 
 def test_ignore_chat_template_is_no_chat_template(capsys):
-    a = run(capsys, "--no-chat-template", "--system", "note")
-    b = run(capsys, "--ignore-chat-template", "--system", "note")
+    a = run(capsys, "--no-chat-template")
+    b = run(capsys, "--ignore-chat-template")
     c = run(capsys, "--system", "note")
     assert a == b and a[1]["prompt tokens"] != c[1]["prompt tokens"]
     code, _, err = cli(capsys, "generate", "x", "--chat-template", "--ignore-chat-template")
