@@ -415,6 +415,18 @@ BAD = [
         "context limit",
     ),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 5, "top_k": "x", "messages": MSG}, 400, "top_k"),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "thinking": {"type": "weird"}},
+        400,
+        "thinking",
+    ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tool_choice": {"type": "bogus"}},
+        400,
+        "tool_choice",
+    ),
     # No coercion: a number in a string, a boolean for a number or a string for a boolean is refused.
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": True}, 400, "max_tokens"),

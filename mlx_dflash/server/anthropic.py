@@ -41,13 +41,23 @@ class Tool(_Model):
     input_schema: Dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
 
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+
+
+class Thinking(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]  # adaptive: the template's default
+    budget_tokens: Optional[int] = None
+
+
 class CountRequest(_Model):
     model: str
     messages: List[Message] = Field(min_length=1)
     system: Union[str, List[Block], None] = None
     tools: Optional[List[Tool]] = None
-    tool_choice: Optional[Dict[str, Any]] = None
-    thinking: Optional[Dict[str, Any]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
     output_config: Optional[Dict[str, Any]] = None  # read to refuse a structured-output format
 
 
@@ -114,7 +124,7 @@ def template_messages(req: CountRequest) -> List[dict]:
 
 
 def _tools(req: CountRequest) -> List[dict]:
-    if req.tool_choice and req.tool_choice.get("type") == "none":
+    if req.tool_choice is not None and req.tool_choice.type == "none":
         return []
     # Server-side tools (web search, ...) have a type and no schema: nothing here can run them.
     return [
@@ -128,8 +138,8 @@ def _tools(req: CountRequest) -> List[dict]:
 
 
 def _template_kwargs(req: CountRequest) -> Dict[str, Any]:
-    if req.thinking and req.thinking.get("type") in ("enabled", "disabled"):
-        return {"enable_thinking": req.thinking["type"] == "enabled"}
+    if req.thinking is not None and req.thinking.type in ("enabled", "disabled"):
+        return {"enable_thinking": req.thinking.type == "enabled"}
     return {}
 
 
