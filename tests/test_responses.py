@@ -387,3 +387,41 @@ def test_a_reply_whose_text_is_timeout_is_not_a_timeout():
         assert whole["status"] == "completed"
         (message,) = [o for o in whole["output"] if o["type"] == "message"]
         assert message["content"][0]["text"] == "self.timeout = 5"
+
+
+def test_a_stream_that_times_out_keeps_its_text_in_the_failed_response():
+    """A generation that times out after some text: the message item is
+    closed (done events, status incomplete) with the text streamed so far,
+    and response.failed carries it; the events validate as openai's types."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from mlx_dflash.server.app import Server, Settings
+    from mlx_dflash.server.metrics import Metrics
+    from mlx_dflash.server.routes import create_app
+
+    stats = {"prompt_tokens": 3, "generated_tokens": 2, "cached_tokens": 0, "cycles": 2, "tau": 1.0, "decode_tps": 9.0}
+    script = [("text", "Rhine, ", 1), ("text", "Danube", 1), ("done", "timeout", stats)]
+
+    class Scripted(Server):
+        def submit(self, ids, config, stops, template_kwargs=None):
+            return SimpleNamespace(cancel=lambda: None)
+
+        async def events(self, job, request):
+            for ev in script:
+                yield ev
+
+    server = Scripted(Settings(), SimpleNamespace(engine=mlx_dflash.load(), alive=True), Metrics())
+    with TestClient(create_app(server)) as client:
+        r = client.post("/v1/responses", json={"model": "mlx-dflash", "input": ASK, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    for e in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(e)
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "response.failed" and "response.output_text.done" in kinds, kinds
+    (item,) = [o for o in events[-1]["response"]["output"] if o["type"] == "message"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "Rhine, Danube"
+    assert events[-1]["response"]["error"]["message"] == "generation timed out"

@@ -404,8 +404,9 @@ async def responses(request: Request):
             if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):  # a text event's ev[1] is text
                 status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
                 err = {"code": "invalid_prompt" if status < 500 else "server_error", "message": message}
-                items = [out._public(i) for i in out.items]
-                yield event("response.failed", {"response": response("failed", items, error=err)})
+                for kind, fields in out.close("incomplete"):  # the text streamed so far stays in its item
+                    yield event(kind, fields)
+                yield event("response.failed", {"response": response("failed", out.items, error=err)})
                 return
             if ev[0] == "text":
                 for kind, fields in out.feed(parser.feed(ev[1])):
