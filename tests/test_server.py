@@ -427,6 +427,17 @@ BAD = [
         400,
         "tool_choice",
     ),
+    (  # a union's error names the field that is wrong, not the union member tried first
+        "/v1/messages",
+        {
+            "model": "mlx-dflash",
+            "max_tokens": 5,
+            "messages": MSG
+            + [{"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": "oops"}]}],
+        },
+        400,
+        "'messages.1.content.0.input'",
+    ),
     # No coercion: a number in a string, a boolean for a number or a string for a boolean is refused.
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": "8"}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": True}, 400, "max_tokens"),

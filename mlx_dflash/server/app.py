@@ -275,9 +275,16 @@ def parse_body(model: type, body: Any) -> BaseModel:
     try:
         return model.model_validate(body, strict=True)  # no coercion: "8" or true is not a number
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
+        # Of a union's errors (one per member), the one that got furthest names the field.
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
+        loc = ".".join(str(x) for x in err["loc"] if not _union_member(x))
         raise APIError(400, f"invalid field '{loc}': {err['msg']}", param=loc or None) from None
+
+
+def _union_member(part) -> bool:
+    """Whether a pydantic error location part names a union member (``str``,
+    ``list[Block]``), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none"))
 
 
 def _check_strings(value: Any, path: List[str]) -> None:
