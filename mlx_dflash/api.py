@@ -18,6 +18,21 @@ DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
 DEFAULT_DRAFT = DEFAULT_MODEL_DIR / "draft"
 
 
+def token_ids(prompt) -> List[int]:
+    """A prompt given as token ids (a list, tuple or array of integers), as a
+    list; anything else is one error (bytes are not ids, 2.5 is not rounded)."""
+    import numbers
+
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+        prompt = prompt.tolist()  # an mx or numpy array
+    if not isinstance(prompt, (list, tuple)):
+        raise DFlashError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+    for t in prompt:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise DFlashError(f"a prompt's token ids must be integers, got {t!r}")
+    return [int(t) for t in prompt]
+
+
 @dataclass
 class Engine:
     """A loaded target (+ optional draft) and its tokenizer; made by :func:`load`.
@@ -48,7 +63,7 @@ class Engine:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
         with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
+            return token_ids(prompt)
         if not prompt.strip():
             raise DFlashError("empty prompt: give some text")
         check_text(prompt, "the prompt")

@@ -787,6 +787,10 @@ def batch_generate(
     """
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise DFlashError(f"prompts must be a list of prompts (texts or token id lists), got {type(prompts).__name__}")
+    if configs is not None and (isinstance(configs, GenerationConfig) or not isinstance(configs, Sequence)):
+        raise DFlashError("configs must be a list with one GenerationConfig (or None) per prompt")
     if configs is not None and len(configs) != len(prompts):
         raise DFlashError(f"{len(configs)} configs for {len(prompts)} prompts")
     tok = engine.tokenizer
@@ -797,9 +801,12 @@ def batch_generate(
     )
     for i, prompt in enumerate(prompts):
         own = configs[i] if configs is not None and configs[i] is not None else config
-        ids = engine.encode(prompt)
-        boundary = prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None
-        batch.add(ids, own, prefix_boundary=boundary, **options)
+        try:
+            ids = engine.encode(prompt)
+            boundary = prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None
+            batch.add(ids, own, prefix_boundary=boundary, **options)
+        except DFlashError as e:
+            raise DFlashError(f"prompt {i}: {e}") from None
     tokens = [[] for _ in prompts]
     stats = [None] * len(prompts)
     while not batch.done:

@@ -5,6 +5,7 @@ and the decode loop validates it once against the draft it runs with; a new
 option is a field here (and, for the command line, a flag in cli.py's group).
 """
 
+import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple
 
@@ -24,6 +25,17 @@ SAMPLER_OPTIONS = (
 )
 # The fields a server request may set (by the same name in its body).
 SAMPLING = SAMPLER_OPTIONS + ("seed", "accept_rule")
+# Each option's kind, checked before its range: a string, a float where a count
+# belongs or NaN would otherwise fail deep inside (or never stop).
+_INTS = ("top_k", "min_tokens_to_keep", "repetition_context_size", "tree_budget", "tree_topk", "auto_tree")
+_INTS += ("prefill_chunk", "max_tokens")
+_OPTIONAL_INTS = ("seed", "block_size", "kv_bits", "max_context")
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_BOOLS = ("baseline", "adaptive", "profile")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -67,7 +79,39 @@ class GenerationConfig:
     @classmethod
     def build(cls, config: Optional["GenerationConfig"] = None, **options) -> "GenerationConfig":
         """``config`` (default: the defaults) with keyword ``options`` overriding it."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise DFlashError(
+                f"config must be a GenerationConfig (or None), got {type(config).__name__}; "
+                "give options by keyword, e.g. max_tokens=64"
+            )
         return (config if config is not None else cls()).update(**options)
+
+    def check_types(self) -> None:
+        """Each option of its kind: counts are integers, sampling values real numbers."""
+
+        def bad(name, want):
+            v = getattr(self, name)
+            raise DFlashError(f"{name} must be {want}, got {v!r} ({type(v).__name__})")
+
+        for name in _INTS:
+            if not _is_int(getattr(self, name)):
+                bad(name, "an integer")
+        for name in _OPTIONAL_INTS:
+            v = getattr(self, name)
+            if v is not None and not _is_int(v):
+                bad(name, "an integer (or None)")
+        for name in _NUMBERS:
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                bad(name, "a number")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        if not isinstance(self.accept_rule, str):
+            bad("accept_rule", "a string")
+        w = self.draft_window
+        if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2 and all(_is_int(x) for x in w)):
+            bad("draft_window", "None or two integers (sink, window)")
 
     def with_request(self, request, max_tokens: int) -> "GenerationConfig":
         """A copy with a server request's sampling fields (those it sets, by name) and ``max_tokens``."""
@@ -98,6 +142,7 @@ class GenerationConfig:
         """
         from .cache import check_kv_bits
 
+        self.check_types()
         Sampler.check(**self.sampler_options())
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")

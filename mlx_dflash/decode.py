@@ -6,6 +6,7 @@ draft). ``Decoder`` holds one generation's state and has one method per
 phase; ``generate_tokens`` is the loop that asks the policy and runs them.
 """
 
+import numbers
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -637,8 +638,14 @@ def speculative(c: GenerationConfig, sampler: Sampler) -> bool:
 def check_prompt(target, prompt: Sequence[int], c: GenerationConfig) -> int:
     """Refuse a prompt that is empty or fills the context; returns the context limit."""
     max_context = c.max_context or target.max_context
+    if max_context > target.max_context:
+        raise DFlashError(f"max_context {max_context} is beyond the model's context of {target.max_context} tokens")
     if not len(prompt):
         raise DFlashError("empty prompt: give at least one token")
+    V = target.vocab_size
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V]
+    if bad:  # an id past the embedding would read outside it
+        raise DFlashError(f"prompt token id {bad[0]!r} is not a token of this model (ids are integers 0..{V - 1})")
     if len(prompt) >= max_context:
         raise DFlashError(f"prompt has {len(prompt)} tokens; the context limit is {max_context}")
     return max_context

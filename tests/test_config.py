@@ -45,6 +45,35 @@ def test_validate_names_the_cause(options, draft_block, words):
     assert words in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        (dict(max_tokens=float("nan")), "max_tokens must be an integer, got nan"),  # NaN never stopped
+        (dict(max_tokens=16.0), "max_tokens must be an integer"),
+        (dict(max_tokens="16"), "max_tokens must be an integer"),
+        (dict(max_tokens=True), "max_tokens must be an integer"),
+        (dict(top_k=2.5), "top_k must be an integer"),
+        (dict(seed=1.5), "seed must be an integer (or None)"),
+        (dict(block_size="8"), "block_size must be an integer (or None)"),
+        (dict(temperature=None), "temperature must be a number"),
+        (dict(top_p="0.9"), "top_p must be a number"),
+        (dict(baseline="no"), "baseline must be True or False"),
+        (dict(draft_window=5), "draft_window must be None or two integers"),
+        (dict(draft_window=(1, 2, 3)), "draft_window must be None or two integers"),
+        (dict(accept_rule=None), "accept_rule must be a string"),
+    ],
+)
+def test_validate_checks_each_options_kind(options, words):
+    with pytest.raises(DFlashError) as e:
+        GenerationConfig(**options).validate()
+    assert words in str(e.value)
+
+
+def test_build_takes_a_config_not_a_dict():
+    with pytest.raises(DFlashError, match="config must be a GenerationConfig.*got dict"):
+        GenerationConfig.build({"max_tokens": 4}, max_tokens=3)
+
+
 def test_validate_accepts_what_runs():
     GenerationConfig(block_size=16).validate(16)
     GenerationConfig(block_size=2).validate(16)

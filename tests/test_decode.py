@@ -197,6 +197,40 @@ def test_bad_arguments(dense):
         run(target, [1, 2], 4, draft=draft, block_size=1)
     with pytest.raises(DFlashError, match="context limit"):
         run(target, list(range(50)), 4, max_context=50)
+    V = target.vocab_size
+    for bad in ([1, V], [1, -1], [1, 10**9]):  # 10**9 read past the embedding: a segfault
+        with pytest.raises(DFlashError, match=f"token id {bad[1]} is not a token of this model"):
+            run(target, bad, 4)
+    with pytest.raises(DFlashError, match="beyond the model's context"):
+        run(target, [1, 2], 4, max_context=target.max_context + 1)
+
+
+def test_public_api_refuses_bad_prompts_and_batches_by_name():
+    """Prompts and batches that are not what the API takes: one DFlashError each,
+    naming the cause (and, in a batch, the prompt)."""
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    cases = [
+        (lambda: mlx_dflash.generate(eng, b"def f", max_tokens=4), "text or a list of token ids, got bytes"),
+        (lambda: mlx_dflash.generate(eng, [1, 2.5, 3], max_tokens=4), "token ids must be integers, got 2.5"),
+        (lambda: mlx_dflash.generate(eng, None), "text or a list of token ids, got NoneType"),
+        (lambda: mlx_dflash.generate(eng, "x", {"max_tokens": 4}), "config must be a GenerationConfig"),
+        (lambda: mlx_dflash.batch_generate(eng, "abc", max_tokens=4), "prompts must be a list"),
+        (
+            lambda: mlx_dflash.batch_generate(eng, ["a", "b"], configs=mlx_dflash.GenerationConfig()),
+            "configs must be a list",
+        ),
+        (lambda: mlx_dflash.batch_generate(eng, ["def f", ""], max_tokens=4), "prompt 1: empty prompt"),
+        (lambda: mlx_dflash.batch_generate(eng, [[1, 5000]], max_tokens=4), "prompt 0: prompt token id 5000"),
+    ]
+    for call, words in cases:
+        with pytest.raises(DFlashError) as e:
+            call()
+        assert words in str(e.value)
+    assert mlx_dflash.generate(eng, np.array([1, 5, 3]), max_tokens=4).tokens == (
+        mlx_dflash.generate(eng, [1, 5, 3], max_tokens=4).tokens
+    )
 
 
 def test_generation_stops_at_context_limit(dense):
