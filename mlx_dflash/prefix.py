@@ -40,6 +40,7 @@ Design:
 
 import hashlib
 import json
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -206,6 +207,9 @@ class PrefixCache:
     def __init__(self, max_bytes: Optional[int] = None, rung_interval: Optional[int] = None):
         if max_bytes is None:
             max_bytes = int(DEFAULT_MEMORY_FRACTION * device_memory())
+        for name, v in (("budget", max_bytes), ("rung interval", rung_interval)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise DFlashError(f"prefix cache {name} must be an integer, got {v!r}")
         if max_bytes <= 0:
             raise DFlashError(f"prefix cache budget must be positive, got {max_bytes} bytes")
         if rung_interval is not None and rung_interval < 0:
@@ -594,7 +598,13 @@ class PrefixCache:
             _check_layout(pc._snaps, pc._layout, engine.target.make_cache())
         except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as e:
             raise DFlashError(f"cannot read prompt cache file {path}: corrupt ({e})") from None
+        had = len(pc._snaps)
         pc._evict()
+        if had and not pc._snaps:  # said now, not at the next generation
+            raise DFlashError(
+                f"a prefix cache budget of {pc.max_bytes} bytes holds none of the {had} snapshots in {path}; "
+                "give a larger budget (--prompt-cache-bytes)"
+            )
         pc._engine, pc._target, pc._fingerprint = engine, engine.target, ours
         return pc
 

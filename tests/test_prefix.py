@@ -374,6 +374,10 @@ def test_bad_cache_files(engines, tmp_path):
     mx.save_safetensors(str(plain), {"x": mx.zeros((2,))})
     with pytest.raises(DFlashError, match="not an mlx-dflash prompt cache"):
         PrefixCache.load(plain, eng)
+    with pytest.raises(DFlashError, match="holds none of the .* snapshots"):  # said at load, not later
+        PrefixCache.load(f, eng, max_bytes=10)
+    with pytest.raises(DFlashError, match="budget must be an integer, got 'x'"):
+        PrefixCache(max_bytes="x")
 
 
 def test_unwindowed_draft_rows_are_stored_once(engines):
