@@ -766,6 +766,9 @@ def batch_generate(
     max_batch: int = 8,
     configs: Optional[Sequence[Optional[GenerationConfig]]] = None,
     prefix_cache=None,
+    chat_template: bool = False,
+    system: Optional[str] = None,
+    chat_template_config: Optional[dict] = None,
     **options,
 ) -> List[GenerationResult]:
     """Generate for every prompt (text or token ids), up to ``max_batch`` at
@@ -778,7 +781,9 @@ def batch_generate(
     ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`, as
     :func:`mlx_dflash.stream_generate` takes it: each request restores its
     longest cached prefix when it joins (``stats.cached_tokens``) and is
-    snapshotted into it when it leaves.
+    snapshotted into it when it leaves. ``chat_template``, ``system`` and
+    ``chat_template_config``: each text prompt through the chat template, as
+    :func:`mlx_dflash.stream_generate` takes them.
 
     Greedy, and sampling with ``accept_rule="equality"``, give each request
     the tokens :func:`mlx_dflash.generate` gives it alone. One verify width
@@ -802,8 +807,12 @@ def batch_generate(
     for i, prompt in enumerate(prompts):
         own = configs[i] if configs is not None and configs[i] is not None else config
         try:
-            ids = engine.encode(prompt)
-            boundary = prefix_cache.stable_boundary(tok, ids) if prefix_cache is not None else None
+            ids = engine.encode(
+                prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config
+            )
+            boundary = (
+                prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
+            )
             batch.add(ids, own, prefix_boundary=boundary, **options)
         except DFlashError as e:
             raise DFlashError(f"prompt {i}: {e}") from None

@@ -351,6 +351,12 @@ def test_batch_generate_shared_options_and_plain(engines):
     texts = ["def f(x):", "import os\nfor i in range(3):", "Simple is better"]
     want = [mlx_dflash.generate(engine, t, max_tokens=10, block_size=4) for t in texts]
     assert_same_results(mlx_dflash.batch_generate(engine, texts, max_batch=2, max_tokens=10, block_size=4), want)
+    # Through the chat template, with a system message, as generate takes them.
+    chat = mlx_dflash.load()
+    kw = dict(max_tokens=10, chat_template=True, system="Answer in code.")
+    want = [mlx_dflash.generate(chat, t, **kw) for t in texts]
+    assert want[0].stats.prompt_tokens > len(chat.encode(texts[0]))  # the template was applied
+    assert_same_results(mlx_dflash.batch_generate(chat, texts, max_batch=3, **kw), want)
 
 
 def test_request_with_an_early_eos_leaves_alone(engines, tok_dir):
