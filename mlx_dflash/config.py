@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple
 
-from .errors import DFlashError
+from .errors import DFlashError, is_int
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
 
 NOT_LOADED = object()  # validate() before the engine is loaded
@@ -32,10 +32,6 @@ _INTS += ("prefill_chunk", "max_tokens")
 _OPTIONAL_INTS = ("seed", "block_size", "kv_bits", "max_context")
 _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOLS = ("baseline", "adaptive", "profile")
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -94,11 +90,11 @@ class GenerationConfig:
             raise DFlashError(f"{name} must be {want}, got {v!r} ({type(v).__name__})")
 
         for name in _INTS:
-            if not _is_int(getattr(self, name)):
+            if not is_int(getattr(self, name)):
                 bad(name, "an integer")
         for name in _OPTIONAL_INTS:
             v = getattr(self, name)
-            if v is not None and not _is_int(v):
+            if v is not None and not is_int(v):
                 bad(name, "an integer (or None)")
         for name in _NUMBERS:
             v = getattr(self, name)
@@ -110,7 +106,7 @@ class GenerationConfig:
         if not isinstance(self.accept_rule, str):
             bad("accept_rule", "a string")
         w = self.draft_window
-        if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2 and all(_is_int(x) for x in w)):
+        if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2 and all(is_int(x) for x in w)):
             bad("draft_window", "None or two integers (sink, window)")
 
     def with_request(self, request, max_tokens: int) -> "GenerationConfig":

@@ -6,7 +6,6 @@ draft). ``Decoder`` holds one generation's state and has one method per
 phase; ``generate_tokens`` is the loop that asks the policy and runs them.
 """
 
-import numbers
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ import mlx.core as mx
 
 from . import ddtree
 from .config import GenerationConfig
-from .errors import DFlashError
+from .errors import DFlashError, is_int
 from .models.draft import propose as draft_propose
 from .policy import Plan, Policy, forget_costs, load_costs
 from .sampling import Sampler, speculative_rule
@@ -320,7 +319,7 @@ class Decoder:
         siblings'), else the one prefetched, else :meth:`launch`'s."""
         if plan.width == 1:
             return Proposal(plan)
-        prop = launched or (self.pending if self.pending is not None else self.launch(plan))
+        prop = launched if launched is not None else self.pending if self.pending is not None else self.launch(plan)
         self.pending = None
         if prop.logits is not None:
             prop.tree = ddtree.build(prop.logits, self.anchor, plan.width - 1, self.tree_topk)
@@ -383,18 +382,18 @@ class Decoder:
         return picks, kept, drafted
 
     @staticmethod
-    def pending_reads(prop: Proposal, picks: tuple) -> list:
-        """What :meth:`judge` reads to the host for ``picks``: evaluated
-        together, several slots' reads are one host sync."""
-        return [x for x in (picks[0], picks[1], prop.drafted) if x is not None]
+    def pending_reads(prop: Proposal, verdict: tuple) -> list:
+        """What :meth:`judge` reads to the host for ``verdict`` (:meth:`picks`'
+        result): evaluated together, several slots' reads are one host sync."""
+        return [x for x in (verdict[0], verdict[1], prop.drafted) if x is not None]
 
     def judge(
-        self, prop: Proposal, vlogits: mx.array, vfeats: Optional[mx.array], picks: Optional[tuple] = None
+        self, prop: Proposal, vlogits: mx.array, vfeats: Optional[mx.array], verdict: Optional[tuple] = None
     ) -> Verified:
         """The target's pick per verified row, read to the host, with the
-        features the verify captured; ``picks``: :meth:`picks`' result if
+        features the verify captured; ``verdict``: :meth:`picks`' result if
         the caller already made (and evaluated) it."""
-        picks, kept, drafted = picks if picks is not None else self.picks(prop, vlogits)
+        picks, kept, drafted = verdict if verdict is not None else self.picks(prop, vlogits)
         if drafted is None and prop.drafted is not None:
             mx.eval(self.pending_reads(prop, (picks, kept)))  # the one host sync of a cycle
             drafted = prop.drafted.tolist()
@@ -643,7 +642,7 @@ def check_prompt(target, prompt: Sequence[int], c: GenerationConfig) -> int:
     if not len(prompt):
         raise DFlashError("empty prompt: give at least one token")
     V = target.vocab_size
-    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V]
+    bad = [t for t in prompt if not is_int(t) or not 0 <= t < V]
     if bad:  # an id past the embedding would read outside it
         raise DFlashError(f"prompt token id {bad[0]!r} is not a token of this model (ids are integers 0..{V - 1})")
     if len(prompt) >= max_context:

@@ -1,4 +1,6 @@
-"""The one exception type for errors a user can cause."""
+"""The one exception type for errors a user can cause, and the checks of user input shared by the modules."""
+
+import numbers
 
 
 class DFlashError(Exception):
@@ -6,6 +8,11 @@ class DFlashError(Exception):
 
     The message names the cause; the CLI prints it and exits with status 2.
     """
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's), bools not counted."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_text(text: str, what: str) -> None:

@@ -40,7 +40,6 @@ Design:
 
 import hashlib
 import json
-import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import State, describe, first_rows, piece_rows
-from .errors import DFlashError
+from .errors import DFlashError, is_int
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
 # Rungs fall on multiples of this (the default prefill chunk), so they split
@@ -208,7 +207,7 @@ class PrefixCache:
         if max_bytes is None:
             max_bytes = int(DEFAULT_MEMORY_FRACTION * device_memory())
         for name, v in (("budget", max_bytes), ("rung interval", rung_interval)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+            if v is not None and not is_int(v):
                 raise DFlashError(f"prefix cache {name} must be an integer, got {v!r}")
         if max_bytes <= 0:
             raise DFlashError(f"prefix cache budget must be positive, got {max_bytes} bytes")

@@ -349,21 +349,14 @@ def test_requests_without_temperature_use_the_servers_defaults(sampled_srv):
     assert resp.output_text == gen(temperature=1.0, top_p=0.7) and resp.temperature == 1.0
 
 
-def test_a_reply_whose_text_is_timeout_is_not_a_timeout():
-    """Stream events carry ("text", text, n) and ("done", reason, stats): a
-    reply chunk that reads "timeout" (one token in Qwen's vocabulary, as in
-    ``self.timeout``) is text, not the generation timing out. The handler
-    runs in process on a server whose engine events are scripted."""
+def _scripted_app(script):
+    """The server's app in process, its engine events scripted: ("text", text, n)
+    and ("done", reason, stats) as the worker sends them."""
     from types import SimpleNamespace
-
-    from fastapi.testclient import TestClient
 
     from mlx_dflash.server.app import Server, Settings
     from mlx_dflash.server.metrics import Metrics
     from mlx_dflash.server.routes import create_app
-
-    stats = {"prompt_tokens": 3, "generated_tokens": 3, "cached_tokens": 0, "cycles": 2, "tau": 1.5, "decode_tps": 9.0}
-    script = [("text", "self.", 1), ("text", "timeout", 1), ("text", " = 5", 1), ("done", "stop", stats)]
 
     class Scripted(Server):
         def submit(self, ids, config, stops, template_kwargs=None):
@@ -373,10 +366,20 @@ def test_a_reply_whose_text_is_timeout_is_not_a_timeout():
             for ev in script:
                 yield ev
 
-    engine = mlx_dflash.load()
-    server = Scripted(Settings(), SimpleNamespace(engine=engine, alive=True), Metrics())
+    return create_app(Scripted(Settings(), SimpleNamespace(engine=mlx_dflash.load(), alive=True), Metrics()))
+
+
+def test_a_reply_whose_text_is_timeout_is_not_a_timeout():
+    """Stream events carry ("text", text, n) and ("done", reason, stats): a
+    reply chunk that reads "timeout" (one token in Qwen's vocabulary, as in
+    ``self.timeout``) is text, not the generation timing out. The handler
+    runs in process on a server whose engine events are scripted."""
+    from fastapi.testclient import TestClient
+
+    stats = {"prompt_tokens": 3, "generated_tokens": 3, "cached_tokens": 0, "cycles": 2, "tau": 1.5, "decode_tps": 9.0}
+    script = [("text", "self.", 1), ("text", "timeout", 1), ("text", " = 5", 1), ("done", "stop", stats)]
     body = {"model": "mlx-dflash", "input": "Set the timeout."}
-    with TestClient(create_app(server)) as client:
+    with TestClient(_scripted_app(script)) as client:
         r = client.post("/v1/responses", json={**body, "stream": True})
         events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
         kinds = [e["type"] for e in events]
@@ -393,29 +396,13 @@ def test_a_stream_that_times_out_keeps_its_text_in_the_failed_response():
     """A generation that times out after some text: the message item is
     closed (done events, status incomplete) with the text streamed so far,
     and response.failed carries it; the events validate as openai's types."""
-    from types import SimpleNamespace
-
     from fastapi.testclient import TestClient
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    from mlx_dflash.server.app import Server, Settings
-    from mlx_dflash.server.metrics import Metrics
-    from mlx_dflash.server.routes import create_app
-
     stats = {"prompt_tokens": 3, "generated_tokens": 2, "cached_tokens": 0, "cycles": 2, "tau": 1.0, "decode_tps": 9.0}
     script = [("text", "Rhine, ", 1), ("text", "Danube", 1), ("done", "timeout", stats)]
-
-    class Scripted(Server):
-        def submit(self, ids, config, stops, template_kwargs=None):
-            return SimpleNamespace(cancel=lambda: None)
-
-        async def events(self, job, request):
-            for ev in script:
-                yield ev
-
-    server = Scripted(Settings(), SimpleNamespace(engine=mlx_dflash.load(), alive=True), Metrics())
-    with TestClient(create_app(server)) as client:
+    with TestClient(_scripted_app(script)) as client:
         r = client.post("/v1/responses", json={"model": "mlx-dflash", "input": ASK, "stream": True})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     for e in events:

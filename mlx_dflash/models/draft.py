@@ -395,6 +395,13 @@ class DraftCache(LayerCache):
         self.length += n
         return n
 
+    def advance(self, n: int) -> None:
+        """Hold the ``n`` context rows just written after the held ones (the
+        next positions), then trim to the window."""
+        self.positions.extend(range(self.length, self.length + n))
+        self.length += n
+        self.trim()
+
     def trim(self) -> None:
         if self.window is None:
             return
@@ -524,9 +531,7 @@ class DFlashDraft(nn.Module):
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv(ctx, cache.length)
             cache.write(i, start, k, v)
-        cache.positions.extend(range(cache.length, cache.length + S))
-        cache.length += S
-        cache.trim()
+        cache.advance(S)
 
     def _extend_context(self, features: Optional[mx.array], anchor_pos: int, cache: DraftCache) -> None:
         if self._new_rows(features, anchor_pos, cache):
@@ -567,10 +572,7 @@ class DFlashDraft(nn.Module):
                 c.write(i, c.rows, k[:, :, o : o + n], v[:, :, o : o + n])
                 o += n
         for f, c in new:
-            n = f.shape[0]
-            c.positions.extend(range(c.length, c.length + n))
-            c.length += n
-            c.trim()
+            c.advance(f.shape[0])
 
     def embed(self, ids: mx.array) -> mx.array:
         h = self.target.embed(ids)
