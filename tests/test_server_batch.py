@@ -310,3 +310,137 @@ def test_serve_load_error_exits_2_every_time():
         )
         assert r.returncode == 2, r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("error: --block-size"), r.stderr
+
+
+# --- a batched step that fails ------------------------------------------------------------
+
+FAULT_PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import os\n\n\ndef read_config(path):", "The quick brown fox"]
+FAULT_SAMPLING = [{}, {"temperature": 0.8, "seed": 7}, {}, {"temperature": 1.0, "seed": 11}]
+
+
+def _in_process(eng, monkeypatch, *, fail_batch, fail_alone=lambda tokens: False):
+    """A 4-slot server app in process on ``eng``, its batched forward failing
+    where ``fail_batch(slots of each call so far)`` says, its prefill where
+    ``fail_alone(tokens)`` does."""
+    from mlx_dflash.config import GenerationConfig
+    from mlx_dflash.server import Settings, build
+
+    calls, held, worker_of = [], [], {}
+    forward_slots, prefill_steps = eng.target.forward_slots, eng.target.prefill_steps
+
+    def failing_forward_slots(*a, **k):
+        calls.append(a[0].shape[0])
+        if fail_batch(calls):
+            raise MemoryError("[metal::malloc] out of memory (injected)")
+        return forward_slots(*a, **k)
+
+    def failing_prefill_steps(tokens, *a, **k):
+        # The first prefill waits for all four requests to arrive, so that
+        # they share the batch whatever the threads' timing.
+        tic = time.monotonic()
+        while not held and time.monotonic() - tic < 30 and worker_of.get("w") is not None:
+            w = worker_of["w"]
+            if w.queue_length + w.running_count >= len(FAULT_PROMPTS):
+                held.append(1)
+            time.sleep(0.01)
+        if fail_alone(list(tokens)):
+            raise RuntimeError("injected fault of this request")
+        return prefill_steps(tokens, *a, **k)
+
+    monkeypatch.setattr(eng.target, "forward_slots", failing_forward_slots)
+    monkeypatch.setattr(eng.target, "prefill_steps", failing_prefill_steps)
+    settings = Settings(
+        max_batch=SLOTS, prompt_cache=False, generation=GenerationConfig(max_tokens=64, accept_rule="equality", **PIN)
+    )
+    app, worker = build(settings, lambda: eng)
+    worker_of["w"] = worker
+    return app, worker, calls
+
+
+def _complete_all(app, eng, lengths):
+    from fastapi.testclient import TestClient
+
+    def one(client, i):
+        body = {"model": "mlx-dflash", "prompt": eng.encode(FAULT_PROMPTS[i]), "max_tokens": lengths[i]}
+        return client.post("/v1/completions", json={**body, **FAULT_SAMPLING[i]})
+
+    with TestClient(app) as client, ThreadPoolExecutor(len(FAULT_PROMPTS)) as ex:
+        return list(ex.map(lambda i: one(client, i), range(len(FAULT_PROMPTS))))
+
+
+def _solo_fault(eng, i, n):
+    return mlx_dflash.generate(
+        eng, eng.encode(FAULT_PROMPTS[i]), max_tokens=n, accept_rule="equality", **PIN, **FAULT_SAMPLING[i]
+    )
+
+
+def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch):
+    """The batched forward fails once, mid-generation (the first step of all
+    four slots, after the first two streamed tokens): each request resumes
+    alone from what it had committed and its reply and usage equal its solo
+    run, greedy or seeded."""
+    eng = mlx_dflash.load()
+    lengths = [24, 20, 28, 16]
+    want = [_solo_fault(eng, i, n) for i, n in enumerate(lengths)]
+    app, worker, calls = _in_process(eng, monkeypatch, fail_batch=lambda calls: calls.count(4) == 1 and calls[-1] == 4)
+    try:
+        got = _complete_all(app, eng, lengths)
+    finally:
+        worker.stop()
+    assert calls[-1] == 4 and calls.count(4) == 1  # the fault with all four in the batch; alone after it
+    for r, w, i in zip(got, want, range(len(lengths))):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == w.text, i
+        assert body["usage"]["completion_tokens"] == len(w.tokens), i
+        assert body["usage"]["prompt_tokens"] == len(eng.encode(FAULT_PROMPTS[i])), i
+
+
+def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):
+    """Every step of four slots fails; the request whose own prefill fails
+    when it runs again alone gets the 500 (in the OpenAI error shape), the
+    others their solo replies."""
+    eng = mlx_dflash.load()
+    lengths = [12, 10, 14, 8]
+    poison = eng.encode(FAULT_PROMPTS[2])
+    want = [_solo_fault(eng, i, n) for i, n in enumerate(lengths)]
+
+    seen = []
+
+    def resumed_poison(tokens):  # its second prefill: the run again alone
+        seen.append(tokens[: len(poison)] == poison)
+        return tokens[: len(poison)] == poison and sum(seen) > 1
+
+    app, worker, calls = _in_process(
+        eng, monkeypatch, fail_batch=lambda calls: calls[-1] == 4, fail_alone=resumed_poison
+    )
+    try:
+        got = _complete_all(app, eng, lengths)
+    finally:
+        worker.stop()
+    assert calls[-1] == 4  # all four shared the batch that failed
+    for i, (r, w) in enumerate(zip(got, want)):
+        if i == 2:
+            assert r.status_code == 500
+            assert "injected fault of this request" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == w.text, i
+
+
+@pytest.mark.parametrize("max_batch", ["1", "4"])
+def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
+    """The engine thread frees its MLX streams as it ends: without that the
+    process aborted at exit ("terminate called without an active
+    exception", exit 134) after a clean shutdown."""
+    import signal
+
+    s = ServerProcess("--max-batch", max_batch, log=tmp_path / "log.txt")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "mlx-dflash", "prompt": "def f():", "max_tokens": 4})
+        assert r.status_code == 200
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=30) == 0, s.log.read_text()[-2000:]
+        assert "terminate called" not in s.log.read_text()
+    finally:
+        s.close()

@@ -15,6 +15,7 @@ until the batch drains, and then runs alone.
 """
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -117,6 +118,9 @@ class _Slot:
     detok: Any
     stops: StopMatcher
     stats: Any = None
+    tokens: List[int] = field(default_factory=list)  # what it committed so far
+    seed: Optional[int] = None  # its sampler's seed, kept when it resumes
+    resumed: Optional[int] = None  # once resumed alone after a failed step: the tokens it had then
 
 
 class Worker:
@@ -145,6 +149,7 @@ class Worker:
         self.prefix_cache = None
         self.running: Optional[Job] = None  # the job running alone
         self.slots: Dict[int, _Slot] = {}  # the batch's jobs by request index
+        self.resuming: List[_Slot] = []  # the jobs of a failed batched step, to run again one at a time
         self._asked = max_batch
         self.max_batch = max_batch or DEFAULT_MAX_BATCH
         self._generation = generation  # the server's defaults: KV format and context of a slot
@@ -195,6 +200,16 @@ class Worker:
 
     # --- the generation thread ---------------------------------------------------
     def _main(self) -> None:
+        try:
+            self._serve()
+        finally:
+            import mlx.core as mx
+
+            # MLX's streams of a thread are destroyed when it ends, not at
+            # process exit, when that aborts ("terminate called ...", exit 134).
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         try:
             from ..api import stream_generate
 
@@ -320,13 +335,18 @@ class Worker:
             gen.close()  # stops the decode loop now; the engine is free for the next job
         self._done(job, stops, stats, finish)
 
-    def _done(self, job: Job, stops: StopMatcher, stats, finish: Optional[str]) -> None:
-        """The rest of the text (held for a stop string that did not come) and the "done" event."""
+    def _done(self, job: Job, stops: StopMatcher, stats, finish: Optional[str], resumed: int = 0) -> None:
+        """The rest of the text (held for a stop string that did not come) and
+        the "done" event. ``resumed``: tokens committed before the run that
+        ``stats`` describe (a resumed request's prompt held them)."""
         if finish in (None, "stop", "length") and not stops.hit:
             rest = stops.flush()
             if rest:
                 job.send("text", rest, 0)
         d = _stats_dict(stats)
+        if stats is not None:
+            d["prompt_tokens"] -= resumed
+        d["generated_tokens"] += resumed
         d["stop_sequence"] = stops.matched
         self.metrics.record_generation(d, self.prefix_cache)
         job.send("done", finish or "stop", d)
@@ -351,6 +371,11 @@ class Worker:
         held: Optional[Job] = None  # a job the batch does not take: it runs once the batch drains
         while True:
             while len(self.slots) < self.max_batch and not self._stopping:
+                # A failed step's requests run again one at a time, alone, before any other.
+                if self.resuming or any(s.resumed is not None for s in self.slots.values()):
+                    if self.resuming and not self.slots:
+                        self._resume(batch, self.resuming.pop(0))
+                    break
                 if held is not None:
                     job, held = held, None
                 elif self.slots:
@@ -377,6 +402,8 @@ class Worker:
                 for index in list(self.slots):
                     batch.cancel(index)
                     self._leave(index, "cancelled")
+                for slot in self.resuming:
+                    self._done(slot.job, slot.stops, slot.stats, "cancelled")
                 return
             if not self.slots:
                 continue
@@ -398,12 +425,45 @@ class Worker:
             try:
                 for ev in batch.step():
                     self._deliver(batch, ev)
-            except Exception as e:  # a failed step leaves the batch's state unknown: end its requests
-                log.exception("batched generation failed")
-                for slot in self.slots.values():
-                    slot.job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
-                self.slots.clear()
-                batch = self._new_batch()
+            except Exception as e:  # a failed step leaves the batch's state unknown
+                batch = self._failed_step(batch, e)
+
+    def _failed_step(self, batch, error: Exception):
+        """After a batched step raised, its requests resume from what they
+        had committed, one at a time: their tokens are a function of their
+        history and of (seed, position), so a fault of the batch (memory,
+        say) costs them nothing; a request that fails again alone gets the
+        500. Returns a fresh batch."""
+        log.exception("batched generation failed")
+        seeds = {index: d.sampler.seed for index, d, *_ in (*batch.active, *batch.prefilling)}
+        for index, slot in self.slots.items():
+            if slot.resumed is not None:  # it failed running alone: the fault is its own
+                slot.job.send("error", 500, f"generation failed: {type(error).__name__}: {error}")
+            else:
+                slot.seed = seeds.get(index)
+                self.resuming.append(slot)
+        self.slots.clear()
+        return self._new_batch()
+
+    def _resume(self, batch, slot: _Slot) -> None:
+        """Run a failed step's request again from its prompt and the tokens
+        it committed, its stream and stop strings carrying on."""
+        job, n = slot.job, len(slot.tokens)
+        config = job.gen["config"]
+        config = dataclasses.replace(config, max_tokens=config.max_tokens - n, seed=slot.seed)
+        boundary = None
+        if self.prefix_cache is not None:
+            boundary = self.prefix_cache.stable_boundary(
+                self.engine.tokenizer, job.ids, job.gen.get("chat_template_config")
+            )
+        try:
+            index = batch.add(job.ids + slot.tokens, config, prefix_boundary=boundary)
+        except Exception as e:
+            log.exception("resuming a request failed")
+            job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+            return
+        slot.resumed, slot.stats = n, None  # its stats now count from the resumed run
+        self.slots[index] = slot
 
     def _admit(self, batch, job: Job) -> bool:
         """Add ``job`` to the batch (or answer it now); False if the batch
@@ -446,6 +506,7 @@ class Worker:
         if slot is None:
             return
         job, slot.stats = slot.job, ev.stats
+        slot.tokens += ev.tokens
         if job.cached_tokens is None:  # set before the first event is sent
             job.cached_tokens = int(ev.stats.cached_tokens or 0)
         eos = self.engine.tokenizer.eos_token_ids
@@ -466,4 +527,4 @@ class Worker:
 
     def _leave(self, index: int, finish: str) -> None:
         slot = self.slots.pop(index)
-        self._done(slot.job, slot.stops, slot.stats, finish)
+        self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0)
