@@ -261,16 +261,16 @@ class Decoder:
         return self.prefix_run
 
     def prefill_steps(self, chunk_size: int, prefix_cache=None, prefix_boundary=None) -> Iterator[None]:
-        """:meth:`prefill` one chunk per step (a prefix-cache prefill in one):
-        yields between chunks, so a batch runs its cycles in between. Its
-        chunks, and so its cache, are a solo prefill's."""
+        """:meth:`prefill` one chunk per step: yields between chunks, so a
+        batch runs its cycles in between. Its chunks, and so its cache, are a
+        solo prefill's."""
         prompt = list(self.history)
         tic = time.perf_counter()
         self.stats.prefill_time = 0.0
         self.prefix_run = None
         if prefix_cache is not None:
             # The draft consumes the prompt's features during this prefill.
-            logits, self.prefix_run = prefix_cache.prefill(
+            for out in prefix_cache.prefill_steps(
                 self.target,
                 prompt,
                 self.cache,
@@ -280,7 +280,12 @@ class Decoder:
                 chunk_size=chunk_size,
                 boundary=prefix_boundary,
                 stats=self.stats,
-            )
+            ):
+                if out is None:
+                    self.stats.prefill_time += time.perf_counter() - tic
+                    yield
+                    tic = time.perf_counter()
+            logits, self.prefix_run = out
         else:
             # Features only of the rows the draft's window will read.
             skip = getattr(self.dcache, "skip", None)

@@ -372,10 +372,39 @@ class PrefixCache:
         stats=None,
     ):
         """Restore the longest matching snapshot into the empty ``cache`` (and
-        ``dcache``), prefill the rest of ``prompt`` (``target.prefill``, which
-        calls back here at the stable boundary and rungs to take snapshots).
-        The draft consumes the prompt's features here.
+        ``dcache``), prefill the rest of ``prompt`` (``target.prefill_steps``,
+        which calls back here at the stable boundary and rungs to take
+        snapshots). The draft consumes the prompt's features here.
         Returns (last-row logits [1, V], a :class:`PrefixRun`)."""
+        *_, out = self.prefill_steps(
+            target,
+            prompt,
+            cache,
+            draft=draft,
+            dcache=dcache,
+            capture=capture,
+            chunk_size=chunk_size,
+            boundary=boundary,
+            stats=stats,
+        )
+        return out
+
+    def prefill_steps(
+        self,
+        target,
+        prompt: Sequence[int],
+        cache,
+        *,
+        draft=None,
+        dcache=None,
+        capture: Sequence[int] = (),
+        chunk_size: int = 512,
+        boundary: Optional[int] = None,
+        stats=None,
+    ):
+        """:meth:`prefill` one chunk per step (a batch runs its other slots'
+        cycles in between): yields None after each chunk but the last, then
+        what :meth:`prefill` returns."""
         self._check_format(cache)
         self._check_budget(target, cache)
         if draft is not None and not hasattr(draft, "add_context"):
@@ -413,7 +442,7 @@ class PrefixCache:
                 draft.add_context(f, dcache)
                 return dcache.state()
 
-        logits, _ = target.prefill(
+        for out in target.prefill_steps(
             prompt[start:],
             cache,
             capture=capture if consume is not None else (),
@@ -421,10 +450,13 @@ class PrefixCache:
             consume=consume,
             points=sorted(points),
             at_point=at_point,
-        )
+        ):
+            if out is None:
+                yield None
+        logits, _ = out
         if taken:
             base = self._commit(cache, base, taken, dcache)
-        return logits, PrefixRun(self, cache, draft, dcache, base)
+        yield logits, PrefixRun(self, cache, draft, dcache, base)
 
     def _commit(self, cache, base, snaps: List[_Snapshot], dcache=None):
         """Store ``snaps`` (all prefixes of the cache's tokens) with one new

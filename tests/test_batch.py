@@ -511,19 +511,22 @@ def test_batch_with_quantized_kv_and_a_windowed_draft(tok_dir):
     assert_same_results(mlx_dflash.batch_generate(eng, BATCH_PROMPTS, configs=configs, max_batch=4), want)
 
 
-@pytest.mark.parametrize("which", ["dense", "moe"])
-def test_long_prefill_is_interleaved_with_running_cycles(engines, which):
+@pytest.mark.parametrize("which, cached", [("dense", False), ("moe", False), ("dense", True)])
+def test_long_prefill_is_interleaved_with_running_cycles(engines, which, cached):
     """A long prompt joining a running batch prefills one chunk per step (its
     own chunk boundaries, so its solo output), while the running slots get
-    tokens in every step."""
-    from mlx_dflash import BatchDecoder
+    tokens in every step; with a prefix cache too (it prefilled in one step)."""
+    from mlx_dflash import BatchDecoder, PrefixCache
 
     engine = engines[which]
     long = [(7 * i + 3) % 400 for i in range(37)]
     prompts = [BATCH_PROMPTS[1], long, BATCH_PROMPTS[3]]
     configs = [c.update(prefill_chunk=4) for c in configs_for()[:3]]
     want = solo(engine, prompts, configs)
-    batch = BatchDecoder(engine.target, engine.draft, max_batch=3, eos_token_ids=[2], prefill_budget=4)
+    cache = PrefixCache() if cached else None
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=3, eos_token_ids=[2], prefill_budget=4, prefix_cache=cache
+    )
     batch.add(prompts[0], configs[0])
     first = batch.step()
     assert [ev.index for ev in first] == [0, 0]  # its first token, then its first cycle
