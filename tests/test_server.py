@@ -262,6 +262,11 @@ def test_kv_bits_server_serves_from_the_prefix_cache(engine, tmp_path):
         s.close()
 
 
+def tokens_to_stop(engine, tokens, stop) -> int:
+    """How many of ``tokens`` a reply cut at ``stop`` used: up to the one whose text completes it."""
+    return next(k for k in range(1, len(tokens) + 1) if stop in engine.tokenizer.decode(tokens[:k]))
+
+
 def test_stop_sequences(server, engine):
     _, want = _expected(engine, PROMPTS[0])
     stop = want.text[6:9]
@@ -270,7 +275,8 @@ def test_stop_sequences(server, engine):
         model="mlx-dflash", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_NEW, stop=[stop, "@@@"]
     )
     assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens < len(want.tokens)  # generation stopped early
+    # The tokens up to the one that completes the stop string, not what the cycle committed past it.
+    assert r.usage.completion_tokens == tokens_to_stop(engine, want.tokens, stop) < len(want.tokens)
     m = server.anthropic().messages.create(
         model="mlx-dflash",
         max_tokens=MAX_NEW,

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from test_server import KEY, ServerProcess, _free_port
+from test_server import KEY, ServerProcess, _free_port, tokens_to_stop
 
 import mlx_dflash
 from mlx_dflash.cli import main
@@ -318,10 +318,13 @@ FAULT_PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import os\n\n\ndef read
 FAULT_SAMPLING = [{}, {"temperature": 0.8, "seed": 7}, {}, {"temperature": 1.0, "seed": 11}]
 
 
-def _in_process(eng, monkeypatch, *, fail_batch, fail_alone=lambda tokens: False):
-    """A 4-slot server app in process on ``eng``, its batched forward failing
-    where ``fail_batch(slots of each call so far)`` says, its prefill where
-    ``fail_alone(tokens)`` does."""
+def _in_process(
+    eng, monkeypatch, *, fail_batch=lambda calls: False, fail_alone=lambda tokens: False, slots=SLOTS, gather=0
+):
+    """A server app of ``slots`` slots in process on ``eng``, its batched
+    forward failing where ``fail_batch(slots of each call so far)`` says, its
+    prefill where ``fail_alone(tokens)`` does; with ``gather``, the first
+    prefill waits for that many requests to arrive."""
     from mlx_dflash.config import GenerationConfig
     from mlx_dflash.server import Settings, build
 
@@ -335,12 +338,11 @@ def _in_process(eng, monkeypatch, *, fail_batch, fail_alone=lambda tokens: False
         return forward_slots(*a, **k)
 
     def failing_prefill_steps(tokens, *a, **k):
-        # The first prefill waits for all four requests to arrive, so that
-        # they share the batch whatever the threads' timing.
+        # So that the requests share the batch whatever the threads' timing.
         tic = time.monotonic()
-        while not held and time.monotonic() - tic < 30 and worker_of.get("w") is not None:
+        while gather and not held and time.monotonic() - tic < 30 and worker_of.get("w") is not None:
             w = worker_of["w"]
-            if w.queue_length + w.running_count >= len(FAULT_PROMPTS):
+            if w.queue_length + w.running_count >= gather:
                 held.append(1)
             time.sleep(0.01)
         if fail_alone(list(tokens)):
@@ -350,7 +352,7 @@ def _in_process(eng, monkeypatch, *, fail_batch, fail_alone=lambda tokens: False
     monkeypatch.setattr(eng.target, "forward_slots", failing_forward_slots)
     monkeypatch.setattr(eng.target, "prefill_steps", failing_prefill_steps)
     settings = Settings(
-        max_batch=SLOTS, prompt_cache=False, generation=GenerationConfig(max_tokens=64, accept_rule="equality", **PIN)
+        max_batch=slots, prompt_cache=False, generation=GenerationConfig(max_tokens=64, accept_rule="equality", **PIN)
     )
     app, worker = build(settings, lambda: eng)
     worker_of["w"] = worker
@@ -382,7 +384,9 @@ def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch):
     eng = mlx_dflash.load()
     lengths = [24, 20, 28, 16]
     want = [_solo_fault(eng, i, n) for i, n in enumerate(lengths)]
-    app, worker, calls = _in_process(eng, monkeypatch, fail_batch=lambda calls: calls.count(4) == 1 and calls[-1] == 4)
+    app, worker, calls = _in_process(
+        eng, monkeypatch, fail_batch=lambda calls: calls.count(4) == 1 and calls[-1] == 4, gather=4
+    )
     try:
         got = _complete_all(app, eng, lengths)
     finally:
@@ -412,7 +416,7 @@ def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):
         return tokens[: len(poison)] == poison and sum(seen) > 1
 
     app, worker, calls = _in_process(
-        eng, monkeypatch, fail_batch=lambda calls: calls[-1] == 4, fail_alone=resumed_poison
+        eng, monkeypatch, fail_batch=lambda calls: calls[-1] == 4, fail_alone=resumed_poison, gather=4
     )
     try:
         got = _complete_all(app, eng, lengths)
@@ -444,3 +448,37 @@ def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
         assert "terminate called" not in s.log.read_text()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("slots", [1, SLOTS])
+def test_usage_counts_tokens_up_to_the_stop_string(monkeypatch, slots):
+    """A cycle commits several tokens at once; a stop string that ends at the
+    first of them ends the reply's text and its token count there, one at a
+    time or batched (the count was the cycle's)."""
+    from fastapi.testclient import TestClient
+
+    eng = mlx_dflash.load()
+    ids = eng.encode(FAULT_PROMPTS[0])
+    chunks = [r.tokens for r in mlx_dflash.stream_generate(eng, ids, max_tokens=40, accept_rule="equality", **PIN)]
+    tokens = [t for c in chunks for t in c]
+    stop, used = None, 0
+    for c in chunks:  # a stop string completed by the first token of a cycle that commits more
+        text = eng.tokenizer.decode(tokens[: used + 1])
+        for n in (4, 3, 2):
+            if len(c) > 1 and text[-n:].strip() and tokens_to_stop(eng, tokens, text[-n:]) == used + 1:
+                stop = text[-n:]
+                break
+        if stop:
+            break
+        used += len(c)
+    assert stop is not None, chunks
+    app, worker, _ = _in_process(eng, monkeypatch, slots=slots)
+    try:
+        with TestClient(app) as client:
+            body = {"model": "mlx-dflash", "prompt": ids, "max_tokens": 40, "stop": [stop]}
+            r = client.post("/v1/completions", json=body).json()
+    finally:
+        worker.stop()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["text"] == eng.tokenizer.decode(tokens).split(stop)[0]
+    assert r["usage"]["completion_tokens"] == used + 1

@@ -67,6 +67,26 @@ class StopMatcher:
         return out
 
 
+def feed_tokens(detok, stops: StopMatcher, tokens: Sequence[int], eos: Sequence[int], last: bool):
+    """Detokenize ``tokens`` one at a time through the stop strings (EOS
+    adds no text; ``last``: the generation ended with them). Returns the
+    text to send and how many tokens it used: up to the one that completed
+    a stop string, as a cycle may commit tokens past it."""
+    out = []
+    for k, t in enumerate(tokens):
+        if t not in eos:
+            detok.add_token(t)
+        if last and k == len(tokens) - 1:
+            detok.finalize()
+        out.append(stops.feed(detok.last_segment))
+        if stops.hit:
+            return "".join(out), k + 1
+    if last and not tokens:
+        detok.finalize()
+        out.append(stops.feed(detok.last_segment))
+    return "".join(out), len(tokens)
+
+
 @dataclass
 class Job:
     """One generation request. Events reach ``out`` (an asyncio queue) as tuples:
@@ -306,16 +326,21 @@ class Worker:
         if self.prefix_cache is not None:
             kwargs["prefix_cache"] = self.prefix_cache
         stops = StopMatcher(job.stops)
+        # Its own detokenizer over the tokens (the text stream_generate gives),
+        # token by token, so a stop string ends the count where it ends the text.
+        detok, eos = self.engine.tokenizer.detokenizer, self.engine.tokenizer.eos_token_ids
+        detok.reset()
         gen = self._generate(self.engine, job.ids, **kwargs)
-        stats, finish = None, None
+        stats, finish, generated = None, None, 0
         try:
             for r in gen:
                 stats = r.stats
                 if job.cached_tokens is None:  # set before the first event is sent
                     job.cached_tokens = int(getattr(stats, "cached_tokens", 0) or 0)
-                text = stops.feed(r.text)
-                if text or r.tokens:
-                    job.send("text", text, len(r.tokens))
+                text, used = feed_tokens(detok, stops, r.tokens, eos, r.finish_reason is not None)
+                generated += used
+                if text or used:
+                    job.send("text", text, used)
                 if stops.hit:
                     finish = "stop"
                     break
@@ -333,12 +358,22 @@ class Worker:
             return
         finally:
             gen.close()  # stops the decode loop now; the engine is free for the next job
-        self._done(job, stops, stats, finish)
+        self._done(job, stops, stats, finish, generated=generated if stops.hit else None)
 
-    def _done(self, job: Job, stops: StopMatcher, stats, finish: Optional[str], resumed: int = 0) -> None:
+    def _done(
+        self,
+        job: Job,
+        stops: StopMatcher,
+        stats,
+        finish: Optional[str],
+        resumed: int = 0,
+        generated: Optional[int] = None,
+    ) -> None:
         """The rest of the text (held for a stop string that did not come) and
         the "done" event. ``resumed``: tokens committed before the run that
-        ``stats`` describe (a resumed request's prompt held them)."""
+        ``stats`` describe (a resumed request's prompt held them);
+        ``generated``: the tokens it used, where a stop string ended it (the
+        cycle may have committed more)."""
         if finish in (None, "stop", "length") and not stops.hit:
             rest = stops.flush()
             if rest:
@@ -347,6 +382,8 @@ class Worker:
         if stats is not None:
             d["prompt_tokens"] -= resumed
         d["generated_tokens"] += resumed
+        if generated is not None:
+            d["generated_tokens"] = generated
         d["stop_sequence"] = stops.matched
         self.metrics.record_generation(d, self.prefix_cache)
         job.send("done", finish or "stop", d)
@@ -506,18 +543,13 @@ class Worker:
         if slot is None:
             return
         job, slot.stats = slot.job, ev.stats
-        slot.tokens += ev.tokens
         if job.cached_tokens is None:  # set before the first event is sent
             job.cached_tokens = int(ev.stats.cached_tokens or 0)
         eos = self.engine.tokenizer.eos_token_ids
-        for t in ev.tokens:
-            if t not in eos:
-                slot.detok.add_token(t)
-        if ev.finish_reason is not None:
-            slot.detok.finalize()
-        text = slot.stops.feed(slot.detok.last_segment)
-        if text or ev.tokens:
-            job.send("text", text, len(ev.tokens))
+        text, used = feed_tokens(slot.detok, slot.stops, ev.tokens, eos, ev.finish_reason is not None)
+        slot.tokens += ev.tokens[:used]
+        if text or used:
+            job.send("text", text, used)
         if slot.stops.hit:
             if ev.finish_reason is None:
                 batch.cancel(ev.index)  # the slot is free for the next step
@@ -527,4 +559,5 @@ class Worker:
 
     def _leave(self, index: int, finish: str) -> None:
         slot = self.slots.pop(index)
-        self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0)
+        generated = len(slot.tokens) if slot.stops.hit else None
+        self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0, generated)
