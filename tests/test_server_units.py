@@ -236,7 +236,7 @@ class _Gen:
                 stats.cycles += 1
                 yield SimpleNamespace(
                     text=f"{self.ids[0]}.{i} ",
-                    tokens=[i],
+                    tokens=[self.ids[0] * 1000 + i],
                     stats=stats,
                     finish_reason="length" if i == self.n - 1 else None,
                 )
@@ -249,6 +249,28 @@ class _Gen:
 
 def _gen_fn(engine, ids, **kw):
     return iter(_Gen(engine, ids, **kw))
+
+
+class _Detok:
+    """The scripted generator's detokenizer: token r * 1000 + i reads "r.i "."""
+
+    def reset(self):
+        self.text, self.at = "", 0
+
+    def add_token(self, t):
+        self.text += f"{t // 1000}.{t % 1000} "
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        out, self.at = self.text[self.at :], len(self.text)
+        return out
+
+
+def _scripted_engine():
+    return SimpleNamespace(tokenizer=SimpleNamespace(detokenizer=_Detok(), eos_token_ids=[]))
 
 
 def _collect(job):
@@ -265,7 +287,7 @@ def _collect(job):
 
 def test_worker_order_cancel_timeout_and_queue_bound():
     _Gen.log = []
-    w = Worker(lambda: SimpleNamespace(), max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)
+    w = Worker(_scripted_engine, max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)
     w.start()
     try:
 
@@ -291,6 +313,7 @@ def test_worker_order_cancel_timeout_and_queue_bound():
             assert [g.ids[0] for g in _Gen.log] == [1, 2, 3]  # arrival order
             assert "".join(e[1] for e in rb if e[0] == "text") == "2.0 2.1 "  # cut at the stop string
             assert rb[-1][1] == "stop" and rb[-1][2]["stop_sequence"] == "2.2"
+            assert rb[-1][2]["generated_tokens"] == 3  # the tokens up to the stop string's end
             assert rc[-1][1] == "length" and rc[-1][2]["generated_tokens"] == 2
             # a per-request timeout stops a running generation too
             t = Job([5], {"max_tokens": 10_000, "step_delay": 0.01}, [], 0.2, loop)
@@ -302,6 +325,25 @@ def test_worker_order_cancel_timeout_and_queue_bound():
     finally:
         w.stop()
     assert not w.alive
+
+
+def test_a_queued_job_whose_client_left_frees_its_place():
+    """A client that gives up while queued leaves the queue at once: its
+    place no longer turns a live client away with a 429."""
+    w = Worker(_scripted_engine, max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)  # not started: jobs stay
+    loop = asyncio.new_event_loop()
+    try:
+        a, b, c = (Job([i], {"max_tokens": 1}, [], 30.0, loop) for i in range(3))
+        w.submit(a)
+        w.submit(b)
+        with pytest.raises(QueueFull):
+            w.submit(c)
+        a.cancel()
+        assert w.queue_length == 1
+        w.submit(c)
+        assert w.queue_length == 2
+    finally:
+        loop.close()
 
 
 @pytest.mark.parametrize(

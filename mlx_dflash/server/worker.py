@@ -206,6 +206,7 @@ class Worker:
 
     @property
     def queue_length(self) -> int:
+        self._drop_cancelled()
         return self._q.qsize()
 
     @property
@@ -216,7 +217,21 @@ class Worker:
         try:
             self._q.put_nowait(job)
         except queue.Full:
-            raise QueueFull() from None
+            self._drop_cancelled()
+            try:
+                self._q.put_nowait(job)
+            except queue.Full:
+                raise QueueFull() from None
+
+    def _drop_cancelled(self) -> None:
+        """Queued jobs whose client went away leave the queue now: their
+        places would turn live clients away (429) until the engine reached them."""
+        with self._q.mutex:
+            live = [j for j in self._q.queue if j is None or not j.cancelled.is_set()]
+            if len(live) < len(self._q.queue):
+                self._q.queue.clear()
+                self._q.queue.extend(live)
+                self._q.not_full.notify_all()
 
     # --- the generation thread ---------------------------------------------------
     def _main(self) -> None:
