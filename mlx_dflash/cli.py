@@ -1142,12 +1142,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         with warnings.catch_warnings():  # the commands print load()'s draft hint as one line of their own
             warnings.simplefilter("ignore", DraftHint)
-            app(args=argv, standalone_mode=True)
+            code = app(args=argv, standalone_mode=False, prog_name="mlx-dflash")
     except DFlashError as e:
         typer.echo(f"error: {e}", err=True)
         raise SystemExit(2)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # what the command line parser refused: one line too
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:  # a bare command: its help
+            typer.echo(ctx.get_help(), err=True)
+        else:
+            where = ctx.command_path if ctx is not None else "mlx-dflash"
+            typer.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
+        raise SystemExit(2)
+    except (KeyboardInterrupt, typer.Abort):
         raise SystemExit(130)
+    raise SystemExit(code if isinstance(code, int) else 0)  # typer.Exit(code) comes back as the code
 
 
 if __name__ == "__main__":

@@ -205,6 +205,26 @@ def test_bad_input_exits_2_with_message(capsys, tmp_path, small_ctx_model):
         assert "Traceback" not in err + out
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["generate", "hi", "--max-tokens", "abc"], "Invalid value for '--max-tokens'"),
+        (["serve", "--max-batch", "1.5"], "Invalid value for '--max-batch'"),
+        (["generate", "--nope"], "No such option: --nope"),
+        (["nonesuch"], "No such command 'nonesuch'"),
+        (["info"], "Missing argument"),
+    ],
+)
+def test_unparsable_flags_are_one_error_line(args, words, capsys):
+    """What the command line parser refuses is one ``error:`` line naming the
+    command's --help too, exit 2, not a boxed panel."""
+    code, out, err = cli(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], err
+    assert "--help" in lines[0]
+
+
 def test_bad_input_through_console_script(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "mlx_dflash", "generate", "hi", "--model", str(tmp_path / "x")],
