@@ -145,6 +145,16 @@ def load(
     return engine
 
 
+def check_engine(engine, prefix_cache=None) -> None:
+    """One clear error for an engine or prefix cache that is not one."""
+    from .prefix import PrefixCache
+
+    if not isinstance(engine, Engine):
+        raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
+    if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+        raise DFlashError(f"prefix_cache must be a mlx_dflash.PrefixCache, got {type(prefix_cache).__name__}")
+
+
 def set_compiled(target, draft, on: bool) -> None:
     """Compiled (default) or plain-ops decode-time forwards for a pair."""
     target.compiled = on
@@ -217,6 +227,7 @@ def stream_generate(
     ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
+    check_engine(engine, prefix_cache)
     config = GenerationConfig.build(config, **options)
     ids = engine.encode(prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config)
     if prefix_cache is not None:

@@ -36,7 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .api import GenerationResult
+from .api import GenerationResult, check_engine
 from .cache import SlotBatch
 from .config import GenerationConfig
 from .decode import (
@@ -50,7 +50,7 @@ from .decode import (
     make_policy,
     open_decoder,
 )
-from .errors import DFlashError
+from .errors import DFlashError, is_int
 from .models.draft import draft_logits_slots, propose_slots
 from .policy import (
     Acceptance,
@@ -63,6 +63,7 @@ from .policy import (
     machine_id,
     write_json,
 )
+from .prefix import PrefixCache
 from .sampling import Sampler
 
 
@@ -416,6 +417,14 @@ class BatchDecoder:
     ):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
+        if not hasattr(target, "forward_slots"):
+            raise DFlashError(f"target must be a loaded target (engine.target), got {type(target).__name__}")
+        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
+            raise DFlashError(f"prefix_cache must be a mlx_dflash.PrefixCache, got {type(prefix_cache).__name__}")
+        if policy is not None and not isinstance(policy, BatchPolicy):
+            raise DFlashError(f"policy must be a BatchPolicy, got {type(policy).__name__}")
+        if isinstance(eos_token_ids, (str, bytes)) or not all(is_int(t) for t in eos_token_ids):
+            raise DFlashError(f"eos_token_ids must be token ids (ints), got {eos_token_ids!r}")
         if prefill_budget < 1:
             raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
@@ -455,6 +464,8 @@ class BatchDecoder:
         """Queue a request (token ids); returns its index (0, 1, ... in order
         added). ``prefix_boundary``: its stable prompt boundary for the prefix
         cache (see ``prefix.py``)."""
+        if isinstance(prompt, (str, bytes)):
+            raise DFlashError("add takes token ids; encode a text prompt first (engine.encode(text))")
         c = GenerationConfig.build(config, **options)
         if self.done:
             self.shape = None  # a drained batch takes any shape
@@ -790,6 +801,7 @@ def batch_generate(
     per cycle for the whole batch (:class:`BatchPolicy`), pinned by
     ``block_size``; ``tree_budget``: a DDTree per slot (no ``auto_tree``).
     """
+    check_engine(engine, prefix_cache)
     if engine.stage is not None:
         raise DFlashError("batch_generate does not run on a pipeline-split target")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

@@ -223,6 +223,14 @@ def test_public_api_refuses_bad_prompts_and_batches_by_name():
         ),
         (lambda: mlx_dflash.batch_generate(eng, ["def f", ""], max_tokens=4), "prompt 1: empty prompt"),
         (lambda: mlx_dflash.batch_generate(eng, [[1, 5000]], max_tokens=4), "prompt 0: prompt token id 5000"),
+        (lambda: mlx_dflash.generate(None, "def f"), "engine must be an Engine"),
+        (lambda: mlx_dflash.batch_generate(None, ["def f"]), "engine must be an Engine"),
+        (lambda: mlx_dflash.generate(eng, "def f", prefix_cache=3), "prefix_cache must be a mlx_dflash.PrefixCache"),
+        (lambda: mlx_dflash.batch_generate(eng, ["a"], prefix_cache={}), "prefix_cache must be a"),
+        (lambda: mlx_dflash.BatchDecoder(None), "target must be a loaded target"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft, policy=3), "policy must be a BatchPolicy"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft, eos_token_ids="abc"), "eos_token_ids must be"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft).add("def f():"), "add takes token ids"),
     ]
     for call, words in cases:
         with pytest.raises(DFlashError) as e:

@@ -368,6 +368,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "temperature": -1}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    ("/v1/messages", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 4, "temperature": 5}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "gpt-9", "messages": MSG}, 404, "gpt-9"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "max_tokens": 10**9}, 400, "max_tokens"),

@@ -65,7 +65,7 @@ class MessagesRequest(CountRequest):
     max_tokens: int
     stop_sequences: Optional[List[str]] = None
     stream: Optional[bool] = False
-    temperature: Optional[float] = None
+    temperature: Optional[float] = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     seed: Optional[int] = None  # not in Anthropic's API; accepted for reproducible sampling

@@ -324,7 +324,8 @@ class Worker:
             f"{self.max_batch * per / 1e9:.2f} GB for {self.max_batch} slots, and "
             f"{max(room, 0) / 1e9:.2f} GB is left of {total / 1e9:.2f} GB after the weights "
             f"({held / 1e9:.2f} GB) and the prefix cache budget ({budget / 1e9:.2f} GB): "
-            f"at most {fits} slots fit (lower --max-batch or --prompt-cache-bytes, or use --kv-bits)"
+            f"at most {fits} slots fit (lower --max-batch or --prompt-cache-bytes"
+            + (")" if gen.kv_bits == 4 else ", or use --kv-bits 4)" if gen.kv_bits else ", or use --kv-bits)")
         )
 
     def _run(self, job: Job) -> None:
