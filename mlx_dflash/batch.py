@@ -421,8 +421,8 @@ class BatchDecoder:
             raise DFlashError(f"target must be a loaded target (engine.target), got {type(target).__name__}")
         if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
             raise DFlashError(f"prefix_cache must be a mlx_dflash.PrefixCache, got {type(prefix_cache).__name__}")
-        if policy is not None and not isinstance(policy, BatchPolicy):
-            raise DFlashError(f"policy must be a BatchPolicy, got {type(policy).__name__}")
+        if policy is not None and not all(hasattr(policy, a) for a in ("plan", "observe", "max_width")):
+            raise DFlashError(f"policy must be a BatchPolicy (plan, observe, max_width), got {type(policy).__name__}")
         if isinstance(eos_token_ids, (str, bytes)) or not all(is_int(t) for t in eos_token_ids):
             raise DFlashError(f"eos_token_ids must be token ids (ints), got {eos_token_ids!r}")
         if prefill_budget < 1:
