@@ -515,6 +515,8 @@ def test_bad_input_gets_4xx_in_the_dialects_shape(server, path, body, status, wo
         assert words in err["error"]["message"]
     else:
         assert set(err["error"]) >= {"message", "type"} and words in err["error"]["message"]
+        if words in ("temperature", "top_p", "max_tokens") and status == 400:  # the field is named
+            assert err["error"]["param"] == words, err
     # the server keeps serving
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
 

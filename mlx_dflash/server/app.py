@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from ..config import GenerationConfig
+from ..config import SAMPLING, GenerationConfig
 from ..errors import DFlashError, check_text
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
@@ -148,7 +148,15 @@ class Server:
             gen = self.settings.generation.with_request(request, max_tokens)
             gen.validate()
         except (DFlashError, TypeError, ValueError) as e:
-            raise APIError(400, str(e)) from None
+            message = str(e)
+            # The field it names first is the error's param (its words: "repetition penalty ...").
+            named = sorted(
+                (i, f)
+                for f in SAMPLING + ("max_tokens",)
+                for i in (message.find(f), message.find(f.replace("_", " ")))
+                if i >= 0
+            )
+            raise APIError(400, message, param=named[0][1] if named else None) from None
         return gen
 
     # --- prompts -------------------------------------------------------------------
