@@ -472,7 +472,7 @@ class BatchDecoder:
         c.validate(None if c.baseline else self.draft)
         if c.auto_tree:
             raise DFlashError(
-                "batched decoding does not choose trees: --auto-tree is not supported (the batch's width "
+                "batched decoding does not choose trees: auto_tree (--auto-tree) is not supported (the batch's width "
                 "policy prices chains; --tree-budget pins a tree per slot)"
             )
         check_prompt(self.target, list(prompt), c)

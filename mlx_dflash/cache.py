@@ -242,7 +242,7 @@ def check_kv_bits(bits: Optional[int], head_dim: Optional[int] = None) -> None:
     if bits is None:
         return
     if bits not in KV_BITS:
-        raise DFlashError(f"--kv-bits must be 4 or 8 (or omitted for full precision), got {bits}")
+        raise DFlashError(f"kv_bits (--kv-bits) must be 4 or 8 (or omitted for full precision), got {bits}")
     if head_dim is not None:
         if head_dim % 32:
             raise DFlashError(f"--kv-bits needs an attention head dim divisible by 32; this model's is {head_dim}")

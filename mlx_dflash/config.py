@@ -149,14 +149,16 @@ class GenerationConfig:
         check_kv_bits(self.kv_bits)
         if self.tree_budget < 0 or self.auto_tree < 0:
             raise DFlashError(
-                f"--tree-budget and --auto-tree must be >= 0, got {self.tree_budget} and {self.auto_tree}"
+                f"tree_budget and auto_tree (--tree-budget, --auto-tree) must be >= 0, got {self.tree_budget} and {self.auto_tree}"
             )
         if self.tree_topk < 1:
-            raise DFlashError(f"--tree-topk must be >= 1, got {self.tree_topk}")
+            raise DFlashError(f"tree_topk (--tree-topk) must be >= 1, got {self.tree_topk}")
         if self.auto_tree and self.tree_budget:
-            raise DFlashError("give --tree-budget (a tree every cycle) or --auto-tree (the policy's choice), not both")
+            raise DFlashError(
+                "give tree_budget (--tree-budget: a tree every cycle) or auto_tree (--auto-tree: the policy's choice), not both"
+            )
         if self.draft_window is not None and min(self.draft_window) < 0:
-            raise DFlashError("--draft-window and --draft-sink must be >= 0")
+            raise DFlashError("draft_window (--draft-window, --draft-sink) must be >= 0")
         if self.max_context is not None and self.max_context < 2:
             raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
         if self.block_size is None or self.baseline or draft is NOT_LOADED:
@@ -165,4 +167,4 @@ class GenerationConfig:
             raise DFlashError("a block size was given but no draft is loaded")
         limit = draft if isinstance(draft, int) else draft.block_size
         if not 2 <= self.block_size <= limit:
-            raise DFlashError(f"--block-size must be in 2..{limit} for this draft, got {self.block_size}")
+            raise DFlashError(f"block_size (--block-size) must be in 2..{limit} for this draft, got {self.block_size}")

@@ -16,17 +16,17 @@ PROMPT = [3, 17, 42, 5, 99, 7]
 @pytest.mark.parametrize(
     "options,draft_block,words",
     [
-        (dict(block_size=17), 16, "--block-size must be in 2..16 for this draft, got 17"),
-        (dict(block_size=1), 16, "--block-size must be in 2..16 for this draft, got 1"),
+        (dict(block_size=17), 16, "block_size (--block-size) must be in 2..16 for this draft, got 17"),
+        (dict(block_size=1), 16, "block_size (--block-size) must be in 2..16 for this draft, got 1"),
         (dict(block_size=4), None, "a block size was given but no draft is loaded"),
         (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
         (dict(prefill_chunk=0), 16, "prefill chunk must be positive, got 0"),
         (dict(accept_rule="typical"), 16, "acceptance rule must be one of"),
-        (dict(kv_bits=3), 16, "--kv-bits must be 4 or 8"),
-        (dict(tree_budget=-1), 16, "--tree-budget and --auto-tree must be >= 0, got -1 and 0"),
-        (dict(tree_topk=0), 16, "--tree-topk must be >= 1, got 0"),
+        (dict(kv_bits=3), 16, "kv_bits (--kv-bits) must be 4 or 8"),
+        (dict(tree_budget=-1), 16, "tree_budget and auto_tree (--tree-budget, --auto-tree) must be >= 0, got -1 and 0"),
+        (dict(tree_topk=0), 16, "tree_topk (--tree-topk) must be >= 1, got 0"),
         (dict(tree_budget=6, auto_tree=6), 16, "not both"),
-        (dict(draft_window=(16, -1)), 16, "--draft-window and --draft-sink must be >= 0"),
+        (dict(draft_window=(16, -1)), 16, "draft_window (--draft-window, --draft-sink) must be >= 0"),
         (dict(temperature=-1.0), 16, "temperature must be a finite number >= 0"),
         (dict(temperature=float("nan")), 16, "temperature must be a finite number >= 0, got nan"),
         (dict(temperature=float("inf")), 16, "temperature must be a finite number >= 0, got inf"),
@@ -129,7 +129,7 @@ def test_config_and_keywords_give_the_same_tokens(dense):
     c = sum(generate_tokens(target, PROMPT, cfg, draft=draft, max_tokens=5), [])
     assert c == a[:5]
     # The loop validates the config against the draft it runs with.
-    with pytest.raises(DFlashError, match="--block-size must be in 2..8 for this draft, got 9"):
+    with pytest.raises(DFlashError, match=r"block_size \(--block-size\) must be in 2..8 for this draft, got 9"):
         next(generate_tokens(target, PROMPT, cfg, draft=draft, block_size=9))
 
 

@@ -181,14 +181,14 @@ def test_kv_memory_per_token(target64):
 
 
 def test_bad_kv_bits(target64, dense, capsys):
-    with pytest.raises(DFlashError, match="--kv-bits must be 4 or 8"):
+    with pytest.raises(DFlashError, match="kv-bits. must be 4 or 8"):
         decode(target64, 4, kv_bits=3)
     with pytest.raises(DFlashError, match="head dim divisible by 32"):
         Target(dense[1]).make_cache(kv_bits=8)  # head dim 16
     with pytest.raises(SystemExit) as e:
         main(["generate", "def f():", "-n", "4", "--kv-bits", "6"])
     assert e.value.code == 2
-    assert "error: --kv-bits must be 4 or 8" in capsys.readouterr().err
+    assert "error: kv_bits (--kv-bits) must be 4 or 8" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -309,7 +309,7 @@ def test_serve_load_error_exits_2_every_time():
             timeout=300,
         )
         assert r.returncode == 2, r.stderr
-        assert r.stderr.strip().splitlines()[-1].startswith("error: --block-size"), r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: block_size (--block-size)"), r.stderr
 
 
 # --- a batched step that fails ------------------------------------------------------------
