@@ -588,9 +588,15 @@ class PrefixCache:
         ours = fingerprint(engine)
         diff = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if diff:
+            hint = ""
+            if diff in (["target_weights"], ["draft", "target_weights"]):
+                hint = (
+                    "; a file keeps the weights as loaded, so the same model at another dtype differs too "
+                    "(--dtype, or load()'s float32 cast of the embedded pair against its folders given by path)"
+                )
             raise DFlashError(
                 f"prompt cache file {path} was made for another model "
-                f"({', '.join(d.replace('_', ' ') for d in diff)} differ)"
+                f"({', '.join(d.replace('_', ' ') for d in diff)} differ{hint})"
             )
 
         def get(prefix: str, entry) -> Optional[State]:

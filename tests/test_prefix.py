@@ -349,6 +349,18 @@ def test_save_load_round_trip(engines, tmp_path):
     assert adaptive.stats.cached_tokens == len(prompt) - 1 and adaptive.tokens == cold.tokens
 
 
+def test_a_file_for_the_same_model_at_another_dtype_says_so(tmp_path):
+    """The embedded pair by load() (cast to float32) and by its folders'
+    paths (their float16): the file is refused, and the message says why."""
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    pc = PrefixCache(rung_interval=0)
+    mlx_dflash.generate(mlx_dflash.load(), "def f():", max_tokens=2, prefix_cache=pc)
+    pc.save(tmp_path / "pc.safetensors")
+    with pytest.raises(DFlashError, match="another model .*same model at another dtype"):
+        PrefixCache.load(tmp_path / "pc.safetensors", mlx_dflash.load(DEFAULT_MODEL, DEFAULT_DRAFT))
+
+
 def test_bad_cache_files(engines, tmp_path):
     eng = engines["moe"]
     pc = PrefixCache(rung_interval=0)
