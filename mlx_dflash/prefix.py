@@ -358,35 +358,10 @@ class PrefixCache:
             else:
                 dcache.restore_state([snap.draft])
 
-    def prefill(
-        self,
-        target,
-        prompt: Sequence[int],
-        cache,
-        *,
-        draft=None,
-        dcache=None,
-        capture: Sequence[int] = (),
-        chunk_size: int = 512,
-        boundary: Optional[int] = None,
-        stats=None,
-    ):
-        """Restore the longest matching snapshot into the empty ``cache`` (and
-        ``dcache``), prefill the rest of ``prompt`` (``target.prefill_steps``,
-        which calls back here at the stable boundary and rungs to take
-        snapshots). The draft consumes the prompt's features here.
-        Returns (last-row logits [1, V], a :class:`PrefixRun`)."""
-        *_, out = self.prefill_steps(
-            target,
-            prompt,
-            cache,
-            draft=draft,
-            dcache=dcache,
-            capture=capture,
-            chunk_size=chunk_size,
-            boundary=boundary,
-            stats=stats,
-        )
+    def prefill(self, target, prompt: Sequence[int], cache, **options):
+        """:meth:`prefill_steps` run to its end (``options`` as it takes them):
+        returns (last-row logits [1, V], a :class:`PrefixRun`)."""
+        *_, out = self.prefill_steps(target, prompt, cache, **options)
         return out
 
     def prefill_steps(
@@ -402,9 +377,13 @@ class PrefixCache:
         boundary: Optional[int] = None,
         stats=None,
     ):
-        """:meth:`prefill` one chunk per step (a batch runs its other slots'
-        cycles in between): yields None after each chunk but the last, then
-        what :meth:`prefill` returns."""
+        """Restore the longest matching snapshot into the empty ``cache`` (and
+        ``dcache``), prefill the rest of ``prompt`` (``target.prefill_steps``,
+        which calls back here at the stable boundary and rungs to take
+        snapshots); the draft consumes the prompt's features here. One chunk
+        per step, so a batch runs its other slots' cycles in between: yields
+        None after each chunk but the last, then (last-row logits [1, V], a
+        :class:`PrefixRun`)."""
         self._check_format(cache)
         self._check_budget(target, cache)
         if draft is not None and not hasattr(draft, "add_context"):

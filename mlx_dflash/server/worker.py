@@ -388,8 +388,8 @@ class Worker:
         """The rest of the text (held for a stop string that did not come) and
         the "done" event. ``resumed``: tokens committed before the run that
         ``stats`` describe (a resumed request's prompt held them);
-        ``generated``: the tokens it used, where a stop string ended it (the
-        cycle may have committed more)."""
+        ``generated``: the tokens it handed out, where ``stats`` do not count
+        them (a stop string's cut: the cycle may have committed more; a resume)."""
         if finish in (None, "stop", "length") and not stops.hit:
             rest = stops.flush()
             if rest:
@@ -397,7 +397,6 @@ class Worker:
         d = _stats_dict(stats)
         if stats is not None:
             d["prompt_tokens"] -= resumed
-        d["generated_tokens"] += resumed
         if generated is not None:
             d["generated_tokens"] = generated
         d["stop_sequence"] = stops.matched
@@ -504,13 +503,8 @@ class Worker:
         job, n = slot.job, len(slot.tokens)
         config = job.gen["config"]
         config = dataclasses.replace(config, max_tokens=config.max_tokens - n, seed=slot.seed)
-        boundary = None
-        if self.prefix_cache is not None:
-            boundary = self.prefix_cache.stable_boundary(
-                self.engine.tokenizer, job.ids, job.gen.get("chat_template_config")
-            )
         try:
-            index = batch.add(job.ids + slot.tokens, config, prefix_boundary=boundary)
+            index = batch.add(job.ids + slot.tokens, config, prefix_boundary=self._boundary(job))
         except Exception as e:
             log.exception("resuming a request failed")
             job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
@@ -538,11 +532,8 @@ class Worker:
         except DFlashError as e:
             job.send("error", 400, str(e))
             return True
-        boundary = None
-        if self.prefix_cache is not None:
-            boundary = self.prefix_cache.stable_boundary(eng.tokenizer, job.ids, job.gen.get("chat_template_config"))
         try:
-            index = batch.add(job.ids, config, prefix_boundary=boundary)
+            index = batch.add(job.ids, config, prefix_boundary=self._boundary(job))
         except DFlashError:
             return False
         job.started = now
@@ -551,6 +542,12 @@ class Worker:
         detok.reset()
         self.slots[index] = _Slot(job, detok, StopMatcher(job.stops))
         return True
+
+    def _boundary(self, job: Job) -> Optional[int]:
+        """The job's stable prompt boundary for the prefix cache (None without one)."""
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.stable_boundary(self.engine.tokenizer, job.ids, job.gen.get("chat_template_config"))
 
     def _deliver(self, batch, ev) -> None:
         """A request's tokens from one step: its text (through its stop
@@ -575,5 +572,6 @@ class Worker:
 
     def _leave(self, index: int, finish: str) -> None:
         slot = self.slots.pop(index)
-        generated = len(slot.tokens) if slot.stops.hit else None
+        # What it handed out: a stop string's cut, or its tokens across a resume.
+        generated = len(slot.tokens) if slot.stops.hit or slot.resumed is not None else None
         self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0, generated)
