@@ -142,7 +142,12 @@ GENERATION_FLAGS = {
         "ones); 0 = the draft's own: its sliding window when every layer slides, else keep all.",
     ),
     "draft_sink": (int, 16, ("--draft-sink",), "First context positions always kept with --draft-window."),
-    "prefill_chunk": (int, 512, ("--prefill-chunk",), "Prompt tokens per prefill forward."),
+    "prefill_chunk": (
+        int,
+        512,
+        ("--prefill-chunk", "--prefill-step-size"),
+        "Prompt tokens per prefill forward (--prefill-step-size: mlx-lm's name).",
+    ),
     "adaptive": (
         bool,
         True,
@@ -368,7 +373,9 @@ def generate(
         None, "--system", "--system-prompt", help="System message (with the chat template)."
     ),
     extra_eos_token: Optional[List[str]] = typer.Option(
-        None, "--extra-eos-token", help="Another token (text or id) that ends generation; repeatable."
+        None,
+        "--extra-eos-token",
+        help="Another token that ends generation, as the vocabulary spells it or its id; repeatable.",
     ),
     draft_quantize: Optional[int] = typer.Option(
         None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
@@ -492,7 +499,9 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 
 
 @app.command()
-@generation_options("max_tokens", "block_size", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512)
+@generation_options(
+    "max_tokens", "block_size", "num_draft_tokens", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512
+)
 def chat(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."
@@ -501,9 +510,12 @@ def chat(
         None,
         "--draft",
         "-d",
+        "--draft-model",
         help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft with the embedded target.",
     ),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for the conversation."),
+    system: Optional[str] = typer.Option(
+        None, "--system", "--system-prompt", help="System message for the conversation."
+    ),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
@@ -930,7 +942,15 @@ def info(
 
 @app.command()
 @generation_options(
-    "max_tokens", *SAMPLING, "block_size", "tree_budget", "auto_tree", "prefill_chunk", "kv_bits", max_tokens=512
+    "max_tokens",
+    *SAMPLING,
+    "block_size",
+    "num_draft_tokens",
+    "tree_budget",
+    "auto_tree",
+    "prefill_chunk",
+    "kv_bits",
+    max_tokens=512,
 )
 def serve(
     model: Optional[Path] = typer.Option(
@@ -943,6 +963,7 @@ def serve(
         None,
         "--draft",
         "-d",
+        "--draft-model",
         help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
         "with the embedded target; none (plain decoding) with another --model.",
     ),
@@ -990,11 +1011,13 @@ def serve(
     max_batch: Optional[int] = typer.Option(
         None,
         "--max-batch",
+        "--decode-concurrency",
         help="Requests decoded together in one batch (continuous batching: requests join and leave between "
         "cycles); 1 = one at a time. Default: "
         + str(DEFAULT_MAX_BATCH)
         + ", or fewer if memory (each slot's KV for the full context, its DeltaNet state and draft context) "
-        "does not hold that many; a value above what memory holds is refused.",
+        "does not hold that many; a value above what memory holds is refused. "
+        "(--decode-concurrency: mlx-lm's name.)",
     ),
     pipeline: bool = typer.Option(
         False,

@@ -87,3 +87,101 @@ def test_chat_template_config_reaches_the_template(capsys, thinking_model):
     for bad, msg in (("{nope", "not valid JSON"), ("[1, 2]", "JSON object")):
         code, _, err = cli(capsys, "generate", "x", *m, "--chat-template-config", bad)
         assert code == 2 and msg in err
+
+
+def _record_loads(monkeypatch):
+    """mlx_dflash.api.load replaced by a recorder of its (model, draft)
+    arguments, returning no engine (so nothing checks the options against one)."""
+    from types import SimpleNamespace
+
+    import mlx_dflash.api
+
+    seen = []
+
+    def load(model=None, draft=None, **kw):
+        seen.append((model, draft))
+        return SimpleNamespace(draft=None, suggested_drafts=())
+
+    monkeypatch.setattr(mlx_dflash.api, "load", load)
+    monkeypatch.setattr("mlx_dflash.config.GenerationConfig.validate", lambda self, draft=None: None)
+    return seen
+
+
+def _serve_settings(capsys, monkeypatch, *args):
+    """The Settings and loaded (model, draft) `mlx-dflash serve ARGS` starts its server with."""
+    from test_server import _free_port
+
+    import mlx_dflash.server
+
+    seen = _record_loads(monkeypatch)
+    got = {}
+
+    def fake_serve(settings, load_engine, **kw):
+        load_engine()
+        got["settings"] = settings
+
+    monkeypatch.setattr(mlx_dflash.server, "serve", fake_serve)
+    code, _, err = cli(capsys, "serve", "--port", str(_free_port()), *args)
+    assert code in (0, None), err
+    return got["settings"], seen[-1]
+
+
+def test_serve_takes_mlx_lm_server_flag_names(capsys, monkeypatch, tmp_path):
+    ours, ours_loaded = _serve_settings(
+        capsys, monkeypatch, "--draft", str(tmp_path), "--block-size", "5", "--prefill-chunk", "64", "--max-batch", "3"
+    )
+    theirs, theirs_loaded = _serve_settings(
+        capsys,
+        monkeypatch,
+        "--draft-model",
+        str(tmp_path),
+        "--num-draft-tokens",
+        "4",
+        "--prefill-step-size",
+        "64",
+        "--decode-concurrency",
+        "3",
+    )
+    assert ours_loaded == theirs_loaded == (None, tmp_path)
+    assert ours == theirs
+    assert theirs.generation.block_size == 5 and theirs.generation.prefill_chunk == 64 and theirs.max_batch == 3
+    code, _, err = cli(capsys, "serve", "--block-size", "5", "--num-draft-tokens", "4")
+    assert code == 2 and "not both" in err
+
+
+def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
+    import builtins
+
+    import mlx_dflash.session
+
+    def chat_with(*args):
+        seen = _record_loads(monkeypatch)
+        got = {}
+
+        class Session:
+            def __init__(self, engine, system=None, **kw):
+                got["system"] = system
+
+            def stream(self, line, gen):
+                got["gen"] = gen
+                return iter(())
+
+        lines = iter(["hello"])
+
+        def one_line(prompt=""):
+            try:
+                return next(lines)
+            except StopIteration:
+                raise EOFError from None
+
+        monkeypatch.setattr(mlx_dflash.session, "ChatSession", Session)
+        monkeypatch.setattr(builtins, "input", one_line)
+        monkeypatch.setattr("mlx_dflash.cli._prefix_cache", lambda *a: None)
+        code, _, err = cli(capsys, "chat", *args)
+        assert code in (0, None), err
+        return seen[-1], got
+
+    ours = chat_with("--draft", str(tmp_path), "--block-size", "3", "--system", "be brief")
+    theirs = chat_with("--draft-model", str(tmp_path), "--num-draft-tokens", "2", "--system-prompt", "be brief")
+    assert ours == theirs
+    assert theirs[0] == (None, tmp_path) and theirs[1]["system"] == "be brief" and theirs[1]["gen"].block_size == 3
