@@ -110,6 +110,7 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
         field,
         gguf_config,
         gguf_draft_config,
+        gguf_files,
         is_gguf_draft,
         lazy_target,
         mlx_form,
@@ -117,6 +118,7 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
     )
 
     reader = open_gguf(p)
+    files = gguf_files(reader, p)
     types = Counter()
     sizes = Counter()
     for ten in reader.tensors:
@@ -130,7 +132,8 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
     tail = [
         f"parameters: {n_params / 1e6:.2f} M; tensors: {len(reader.tensors)}",
         "tensor types: " + ", ".join(f"{k} x{v} ({_fmt_bytes(sizes[k])})" for k, v in sorted(types.items())),
-        f"size on disk: {_fmt_bytes(p.stat().st_size)}",
+        f"size on disk: {_fmt_bytes(sum(f.stat().st_size for f in files))}"
+        + (f" in {len(files)} parts ({files[0].name} ...)" if len(files) > 1 else ""),
     ]
     if is_gguf_draft(reader):
         d = gguf_draft_config(reader)

@@ -227,12 +227,17 @@ def convert_hf_to_gguf(
     arch=None,
     extra_ids=None,
     tokenizer: bool = True,
+    split_max_tensors: int = 0,
+    small_first_shard: bool = False,
 ):
     """Convert an HF-format Qwen3.5 folder to GGUF the way llama.cpp's converter does.
 
     ``qtype(gguf_name, array)`` picks each tensor's type (F32 default; vectors stay F32);
     ``skip`` drops tensors by GGUF name (to make broken files); ``mtp=False`` is the
-    converter's ``--no-mtp``.
+    converter's ``--no-mtp``. ``split_max_tensors`` / ``small_first_shard`` are the
+    converter's ``--split-max-tensors`` / ``--no-tensor-first-split``: a split GGUF,
+    written by gguf-py's writer as PREFIX-0000i-of-0000N.gguf beside ``out_path``
+    (returned: the first part).
     """
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -246,7 +251,7 @@ def convert_hf_to_gguf(
     per_k = n_v // n_k
     rope = t.get("rope_parameters") or {}
 
-    w = GGUFWriter(str(out_path), arch)
+    w = GGUFWriter(str(out_path), arch, split_max_tensors=split_max_tensors, small_first_shard=small_first_shard)
     w.add_block_count(n_main + n_mtp)
     w.add_context_length(t["max_position_embeddings"])
     w.add_embedding_length(t["hidden_size"])
@@ -328,7 +333,8 @@ def convert_hf_to_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return Path(out_path)
+    parts = sorted(Path(out_path).parent.glob(Path(out_path).stem + "-00001-of-*.gguf"))
+    return parts[0] if split_max_tensors and parts else Path(out_path)
 
 
 # --- DFlash drafts -----------------------------------------------------------------

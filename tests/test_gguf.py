@@ -495,6 +495,55 @@ def test_bad_gguf_files(tok_dir, tmp_path, capsys):
         assert "error:" in err and "Traceback" not in err
 
 
+# --- split files (gguf-split / the converter's --split-max-tensors) ------------------------
+
+
+@pytest.mark.parametrize("small_first", [False, True], ids=["tensors-in-every-part", "metadata-only-first-part"])
+def test_split_gguf_loads_as_the_whole_file(wide, tok_dir, tmp_path, capsys, small_first):
+    cfg, model, _ = wide[False]
+    hf = tiny.save_hf(model, cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "split").mkdir()
+    whole = convert_hf_to_gguf(hf, tmp_path / "whole" / "m.gguf", qtype_fn("Q8_0"))
+    first = convert_hf_to_gguf(
+        hf, tmp_path / "split" / "m.gguf", qtype_fn("Q8_0"), split_max_tensors=12, small_first_shard=small_first
+    )
+    parts = sorted((tmp_path / "split").glob("m-*-of-*.gguf"))
+    n = len(parts)
+    assert n >= 3 and first == parts[0] and first.name == f"m-00001-of-{n:05d}.gguf"
+    from gguf import GGUFReader
+
+    assert (len(GGUFReader(str(first)).tensors) == 0) == small_first
+    ref = mlx_dflash.load(whole)
+    for given in (first, parts[-1]):  # any part names the file
+        eng = mlx_dflash.load(given)
+        assert mx.array_equal(eng.target(PROMPT), ref.target(PROMPT)).item()
+        assert eng.tokenizer.encode("def f(x):") == ref.tokenizer.encode("def f(x):")
+        assert eng.tokenizer.eos_token_ids == ref.tokenizer.eos_token_ids
+    with pytest.raises(SystemExit):
+        main(["info", str(first)])
+    out = capsys.readouterr().out
+    assert f"in {n} parts (m-00001-of-{n:05d}.gguf ...)" in out and "Q8_0" in out
+
+    # A part missing, parts renamed, parts of two files mixed: one error naming the cause.
+    moved = tmp_path / "moved.gguf"
+    parts[1].rename(moved)
+    with pytest.raises(DFlashError, match=f"missing part.*m-00002-of-{n:05d}.gguf"):
+        open_gguf(first)
+    renamed = tmp_path / "split" / "model-part1.gguf"
+    moved.rename(parts[1])
+    first.rename(renamed)
+    with pytest.raises(DFlashError, match="is part 1 of a split GGUF.*name is not llama.cpp's"):
+        open_gguf(renamed)
+    renamed.rename(first)
+    keep = parts[1].read_bytes()
+    parts[1].write_bytes(parts[2].read_bytes())  # part 3 in part 2's place
+    with pytest.raises(DFlashError, match=f"m-00002-of-{n:05d}.gguf says it is part 3 of {n}, not part 2"):
+        open_gguf(first)
+    parts[1].write_bytes(keep)
+    assert len(open_gguf(first).tensors) == len(open_gguf(whole).tensors)
+
+
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(

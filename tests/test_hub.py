@@ -85,6 +85,11 @@ def hub(tmp_path_factory, tok_dir):
         },
         "1",
     )
+    # A split GGUF (the converter's --split-max-tensors), its parts in a subfolder as GGUF repos keep them
+    (root / "split").mkdir()
+    first = convert_hf_to_gguf(hf, root / "split" / "tiny-BF16.gguf", split_max_tensors=20)
+    parts = sorted(first.parent.glob("tiny-BF16-*-of-*.gguf"))
+    add_snapshot(cache, "test-org/split-GGUF", {f"BF16/{p.name}": p for p in parts}, "1")
     info = huggingface_hub.scan_cache_dir(cache)
     assert not info.warnings, info.warnings
     repos = {r.repo_id: r for r in info.repos}
@@ -93,6 +98,7 @@ def hub(tmp_path_factory, tok_dir):
         "test-org/tiny-draft",
         "mlx-community/Qwen3.5-9B-4bit",
         "test-org/tiny-GGUF",
+        "test-org/split-GGUF",
     }
     assert {tuple(sorted(r.refs)) for r in repos["test-org/tiny-draft"].revisions} == {("main",), ("v1",)}
     env = {
@@ -102,7 +108,7 @@ def hub(tmp_path_factory, tok_dir):
         "HF_HUB_OFFLINE": "1",
         "PYTHONWARNINGS": "default",
     }
-    return {"cache": cache, "env": env, "v1": v1, "main": main, "gguf": gguf}
+    return {"cache": cache, "env": env, "v1": v1, "main": main, "gguf": gguf, "split": [p.name for p in parts]}
 
 
 def run_py(hub, code: str) -> dict:
@@ -138,6 +144,7 @@ out["hub_draft_block"] = hub.draft.block_size
 g = mlx_dflash.load("test-org/tiny-GGUF:F32")
 out["gguf_path"] = str(g.model_path)
 out["gguf"], out["gguf_local"] = toks(g), toks(mlx_dflash.load({gguf!r}))
+out["split"] = toks(mlx_dflash.load("test-org/split-GGUF:bf16"))
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     e = mlx_dflash.load("mlx-community/Qwen3.5-9B-4bit", dtype=mx.float32)
@@ -175,6 +182,7 @@ SPECS = [
 @pytest.fixture(scope="module")
 def api(hub):
     specs = SPECS + [f"test-org/tiny-draft@{hub['v1']}"]
+    specs += ["test-org/split-GGUF:BF16", f"test-org/split-GGUF/BF16/{hub['split'][-1]}"]
     return run_py(hub, API.format(prompt=PROMPT, gguf=str(hub["gguf"]), specs=specs))
 
 
@@ -211,6 +219,15 @@ def test_gguf_repo_resolves_the_one_named_file(hub, api):
     assert "tiny-F32.gguf, tiny-Q8_0.gguf" in r["test-org/tiny-GGUF:Q5_K_M"]  # mmproj files left out
     assert "is a GGUF repo: name one file" in r["test-org/tiny-GGUF"]
     assert r["test-org/tiny-GGUF/other.gguf"].startswith("error: ")
+
+
+def test_split_gguf_repo_resolves_to_its_parts(hub, api):
+    r, names = api["resolve"], hub["split"]
+    assert len(names) >= 3
+    snap = f"{hub['cache']}/models--test-org--split-GGUF/snapshots/"
+    assert r["test-org/split-GGUF:BF16"].startswith(snap) and r["test-org/split-GGUF:BF16"].endswith("/" + names[0])
+    assert r[f"test-org/split-GGUF/BF16/{names[-1]}"].endswith("/" + names[-1])
+    assert api["split"] == api["gguf_local"]  # the parts load as the whole file does
 
 
 def test_missing_repo_is_one_clear_error(hub):
@@ -388,6 +405,7 @@ e = mlx_dflash.load("test-org/tiny-target", draft="test-org/tiny-draft@v1", dtyp
 out["tokens"] = mlx_dflash.generate(e, "def fibonacci(n):", max_tokens=16, adaptive=False).tokens
 out["draft_block"] = e.draft.block_size
 out["gguf"] = str(resolve("test-org/tiny-GGUF:F32"))
+out["split"] = str(resolve("test-org/split-GGUF:BF16"))
 for spec in ("test-org/missing", "test-org/gated", "test-org/tiny-target@nope", "test-org/tiny-GGUF/other.gguf"):
     try:
         resolve(spec)
@@ -404,6 +422,8 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     old = json.loads(draft["config.json"])
     old["block_size"] = 8
     gguf = Path(hub["gguf"]).read_bytes()
+    snap = next((hub["cache"] / "models--test-org--split-GGUF" / "snapshots").iterdir())
+    split = {f"BF16/{n}": (snap / "BF16" / n).read_bytes() for n in hub["split"]}
     extras = {
         "README.md": b"# tiny\n",
         "modeling_tiny.py": b"raise SystemExit\n",
@@ -428,6 +448,7 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
                 }
             },
             "test-org/gated": {"e" * 40: {"refs": ["main"], "files": {"config.json": b"{}"}}},
+            "test-org/split-GGUF": {"f" * 40: {"refs": ["main"], "files": split}},
         },
         gated={"test-org/gated"},
     )
@@ -443,9 +464,11 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
         [f"test-org/tiny-target/{f}" for f in target]
         + [f"test-org/tiny-draft/{f}" for f in draft]
         + ["test-org/tiny-GGUF/tiny-F32.gguf"]
-    )  # no README, code, subfolder, other GGUF
+        + [f"test-org/split-GGUF/{f}" for f in split]
+    )  # no README, code, subfolder, other GGUF; every part of a split one
     assert "Fetching" in r.stderr  # huggingface_hub's progress bars
     assert out["draft_block"] == 8 and out["gguf"].endswith("/tiny-F32.gguf")
+    assert out["split"].endswith("/BF16/" + hub["split"][0])
     assert "no repo test-org/missing on the Hub" in out["test-org/missing"]
     assert "test-org/gated is gated" in out["test-org/gated"]
     assert "has no revision 'nope'" in out["test-org/tiny-target@nope"]

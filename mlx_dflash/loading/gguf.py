@@ -30,6 +30,7 @@ changes the Hugging Face tensors in ways undone here (docs/gguf.md):
 """
 
 import json
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -144,16 +145,75 @@ def is_gguf(path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def open_gguf(path):
+# A part of a split GGUF, named as llama.cpp's gguf-split and gguf-py's writer name them.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+class SplitGGUF:
+    """The parts of a split GGUF read as one file: the metadata is the first
+    part's (the others hold only the split keys), the tensors are every
+    part's, in part order, as llama.cpp loads them."""
+
+    def __init__(self, readers, files: List[Path]):
+        self.parts, self.files = readers, files
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+
+    def get_field(self, key: str):
+        return self.parts[0].get_field(key)
+
+
+def _read_one(p: Path):
     from gguf import GGUFReader
 
-    p = Path(path).expanduser()
     if not p.exists():
         raise DFlashError(f"model path does not exist: {p}")
     try:
         return GGUFReader(str(p))
     except Exception as e:  # truncated / corrupt / unknown enum values
         raise DFlashError(f"cannot read GGUF file {p} (truncated or corrupt?): {type(e).__name__}: {e}") from None
+
+
+def open_gguf(path):
+    """A GGUF file's reader; for any part of a split GGUF (``split.count`` > 1),
+    a :class:`SplitGGUF` of all its parts, found beside it by their names."""
+    p = Path(path).expanduser()
+    reader = _read_one(p)
+    count = int(field(reader, "split.count", 1))
+    if count <= 1:
+        return reader
+    no = int(field(reader, "split.no", 0))
+    m = SPLIT_NAME.match(p.name)
+    if m is None or int(m["count"]) != count:
+        raise DFlashError(
+            f"{p} is part {no + 1} of a split GGUF of {count} parts, but its name is not llama.cpp's "
+            f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf, so the other parts cannot be found: rename the parts "
+            "as gguf-split names them"
+        )
+    files = [p.with_name(f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise DFlashError(f"split GGUF {files[0]}: missing part(s) {', '.join(missing)} (expected beside {p.name})")
+    readers = [reader if i == no else _read_one(f) for i, f in enumerate(files)]
+    for i, (r, f) in enumerate(zip(readers, files)):
+        if int(field(r, "split.no", -1)) != i or int(field(r, "split.count", 0)) != count:
+            raise DFlashError(
+                f"split GGUF: {f.name} says it is part {int(field(r, 'split.no', -1)) + 1} of "
+                f"{field(r, 'split.count')}, not part {i + 1} of {count} (parts of different files mixed?)"
+            )
+    split = SplitGGUF(readers, files)
+    names = [t.name for t in split.tensors]
+    want = field(readers[0], "split.tensors.count")
+    if want is not None and int(want) != len(names):
+        raise DFlashError(f"split GGUF {files[0]}: the parts hold {len(names)} tensors, the first part says {want}")
+    if len(set(names)) != len(names):
+        raise DFlashError(f"split GGUF {files[0]}: a tensor is in more than one part")
+    return split
+
+
+def gguf_files(reader, path) -> List[Path]:
+    """The files ``reader`` (from :func:`open_gguf` of ``path``) reads."""
+    return list(getattr(reader, "files", [Path(path).expanduser()]))
 
 
 def gguf_sizes(path) -> Dict[str, int]:

@@ -83,12 +83,16 @@ def _download_repo(repo: str, rev: Optional[str]) -> Path:
 def _download_file(repo: str, file: str, rev: Optional[str]) -> Path:
     from huggingface_hub import hf_hub_download
 
-    if re.search(r"-\d{5}-of-\d{5}\.gguf$", file):
-        raise DFlashError(
-            f"{repo}/{file} is one part of a split GGUF, which is not supported; merge the parts "
-            "with llama.cpp's `llama-gguf-split --merge` and pass the merged file"
-        )
-    return Path(_offline_first(hf_hub_download, repo, file, revision=rev))
+    from .gguf import SPLIT_NAME
+
+    m = SPLIT_NAME.match(file)
+    if m is None:
+        return Path(_offline_first(hf_hub_download, repo, file, revision=rev))
+    # A part of a split GGUF: every part, into one snapshot folder; the loader finds them by name.
+    count = int(m["count"])
+    parts = [f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf" for i in range(count)]
+    paths = [Path(_offline_first(hf_hub_download, repo, f, revision=rev)) for f in parts]
+    return paths[int(m["no"]) - 1]
 
 
 def _no_network(e: BaseException) -> bool:
@@ -132,6 +136,8 @@ def _gguf_names(files) -> list:
 
 def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
     """The GGUF file of ``repo`` whose name carries the tag ``quant`` (case-insensitive, as llama.cpp matches)."""
+    from .gguf import SPLIT_NAME
+
     files = _gguf_names(_repo_files(repo, rev))
     tag = re.compile(rf"(?:^|[-_.]){re.escape(quant)}(?:[-_.]|$)", re.IGNORECASE)
     hits = [f for f in files if tag.search(Path(f).name[: -len(".gguf")])]
@@ -140,10 +146,15 @@ def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
             f"{repo} has no GGUF file tagged {quant!r}"
             + (f" (files: {', '.join(files)})" if files else " (no .gguf files)")
         )
-    whole = [f for f in hits if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f)]
-    if len(whole) > 1:
-        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(whole)}); name one as {repo}/FILE.gguf")
-    return whole[0] if whole else hits[0]  # a split file: _download_file says why it is refused
+    # A split GGUF counts once, as its first part (the name llama.cpp's -hf takes).
+    models = sorted({f if SPLIT_NAME.match(f) is None else SPLIT_NAME.sub(_first_part, f) for f in hits})
+    if len(models) > 1:
+        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(models)}); name one as {repo}/FILE.gguf")
+    return models[0]
+
+
+def _first_part(m) -> str:
+    return f"{m['prefix']}-00001-of-{m['count']}.gguf"
 
 
 class _hub_errors:
