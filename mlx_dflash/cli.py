@@ -124,7 +124,7 @@ GENERATION_FLAGS = {
         int,
         0,
         ("--tree-budget",),
-        "Verify a DDTree of this many draft nodes per cycle instead of a chain; 0 = chain.",
+        "Verify a DDTree of this many draft nodes (at most 1024) per cycle instead of a chain; 0 = chain.",
     ),
     "tree_topk": (int, 4, ("--tree-topk",), "Candidate tokens per depth when building the tree."),
     "auto_tree": (

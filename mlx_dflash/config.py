@@ -13,6 +13,10 @@ from .errors import DFlashError, is_int
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
 
 NOT_LOADED = object()  # validate() before the engine is loaded
+# A tree commits at most the draft's block of tokens, whatever its size, while its
+# verify grows with every node (and its masks with the square): far past any budget
+# that pays, and short of one that exhausts memory.
+MAX_TREE_NODES = 1024
 # The sampler's filter options, by the names Sampler and Sampler.check take.
 SAMPLER_OPTIONS = (
     "temperature",
@@ -150,6 +154,11 @@ class GenerationConfig:
         if self.tree_budget < 0 or self.auto_tree < 0:
             raise DFlashError(
                 f"tree_budget and auto_tree (--tree-budget, --auto-tree) must be >= 0, got {self.tree_budget} and {self.auto_tree}"
+            )
+        if max(self.tree_budget, self.auto_tree) > MAX_TREE_NODES:
+            raise DFlashError(
+                f"tree_budget and auto_tree (--tree-budget, --auto-tree) must be at most {MAX_TREE_NODES} draft "
+                f"nodes, got {max(self.tree_budget, self.auto_tree)}"
             )
         if self.tree_topk < 1:
             raise DFlashError(f"tree_topk (--tree-topk) must be >= 1, got {self.tree_topk}")

@@ -25,6 +25,8 @@ PROMPT = [3, 17, 42, 5, 99, 7]
         (dict(kv_bits=3), 16, "kv_bits (--kv-bits) must be 4 or 8"),
         (dict(tree_budget=-1), 16, "tree_budget and auto_tree (--tree-budget, --auto-tree) must be >= 0, got -1 and 0"),
         (dict(tree_topk=0), 16, "tree_topk (--tree-topk) must be >= 1, got 0"),
+        (dict(tree_budget=100000), 16, "must be at most 1024 draft nodes, got 100000"),
+        (dict(auto_tree=5000), 16, "must be at most 1024 draft nodes, got 5000"),
         (dict(tree_budget=6, auto_tree=6), 16, "not both"),
         (dict(draft_window=(16, -1)), 16, "draft_window (--draft-window, --draft-sink) must be >= 0"),
         (dict(temperature=-1.0), 16, "temperature must be a finite number >= 0"),
