@@ -544,6 +544,41 @@ def test_split_gguf_loads_as_the_whole_file(wide, tok_dir, tmp_path, capsys, sma
     assert len(open_gguf(first).tensors) == len(open_gguf(whole).tensors)
 
 
+def run_cli_inprocess(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_gguf_tokenizer_folder_is_made_once_and_removed_at_exit(tok_dir, tmp_path):
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    code = (
+        "import os, mlx_dflash\n"
+        f"for _ in range(3): mlx_dflash.load({str(path)!r})\n"
+        "print(len([n for n in os.listdir(os.environ['TMPDIR']) if n.startswith('mlx_dflash_gguf_tok_')]))\n"
+    )
+    env = dict(os.environ, TMPDIR=str(scratch), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "1"  # three loads, one folder
+    assert not any(n.startswith("mlx_dflash_gguf_tok_") for n in os.listdir(scratch))  # gone at exit
+
+
+def test_convert_refuses_a_folder_and_a_type_the_file_lacks(tok_dir, tmp_path, capsys):
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
+    code, _, err = run_cli_inprocess(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "out1"))
+    assert code == 2 and f"{tmp_path / 'hf'} is a folder, not a GGUF file" in err
+    code, _, err = run_cli_inprocess(capsys, "convert", str(path), str(tmp_path / "out2"), "--bits", "Q9_K=4")
+    assert code == 2 and "has no Q9_K tensors to requantize (its types: F32)" in err, err
+
+
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(

@@ -90,6 +90,7 @@ def hub(tmp_path_factory, tok_dir):
     first = convert_hf_to_gguf(hf, root / "split" / "tiny-BF16.gguf", split_max_tensors=20)
     parts = sorted(first.parent.glob("tiny-BF16-*-of-*.gguf"))
     add_snapshot(cache, "test-org/split-GGUF", {f"BF16/{p.name}": p for p in parts}, "1")
+    add_snapshot(cache, "test-org/broken-split-GGUF", {f"BF16/{p.name}": p for p in parts[:1] + parts[2:]}, "1")
     info = huggingface_hub.scan_cache_dir(cache)
     assert not info.warnings, info.warnings
     repos = {r.repo_id: r for r in info.repos}
@@ -99,6 +100,7 @@ def hub(tmp_path_factory, tok_dir):
         "mlx-community/Qwen3.5-9B-4bit",
         "test-org/tiny-GGUF",
         "test-org/split-GGUF",
+        "test-org/broken-split-GGUF",
     }
     assert {tuple(sorted(r.refs)) for r in repos["test-org/tiny-draft"].revisions} == {("main",), ("v1",)}
     env = {
@@ -183,6 +185,7 @@ SPECS = [
 def api(hub):
     specs = SPECS + [f"test-org/tiny-draft@{hub['v1']}"]
     specs += ["test-org/split-GGUF:BF16", f"test-org/split-GGUF/BF16/{hub['split'][-1]}"]
+    specs += ["test-org/broken-split-GGUF:BF16", f"test-org/broken-split-GGUF/BF16/{hub['split'][-1]}"]
     return run_py(hub, API.format(prompt=PROMPT, gguf=str(hub["gguf"]), specs=specs))
 
 
@@ -228,6 +231,9 @@ def test_split_gguf_repo_resolves_to_its_parts(hub, api):
     assert r["test-org/split-GGUF:BF16"].startswith(snap) and r["test-org/split-GGUF:BF16"].endswith("/" + names[0])
     assert r[f"test-org/split-GGUF/BF16/{names[-1]}"].endswith("/" + names[-1])
     assert api["split"] == api["gguf_local"]  # the parts load as the whole file does
+    # A part missing: named, whichever part (or the tag) was asked for, before anything is fetched.
+    for spec in ("test-org/broken-split-GGUF:BF16", f"test-org/broken-split-GGUF/BF16/{names[-1]}"):
+        assert r[spec].startswith("error: ") and r[spec].endswith(f"holds no BF16/{names[1]}"), r[spec]
 
 
 def test_missing_repo_is_one_clear_error(hub):

@@ -29,8 +29,10 @@ changes the Hugging Face tensors in ways undone here (docs/gguf.md):
   DFlash does not use them: they are checked and skipped.
 """
 
+import atexit
 import json
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -168,6 +170,8 @@ def _read_one(p: Path):
 
     if not p.exists():
         raise DFlashError(f"model path does not exist: {p}")
+    if p.is_dir():
+        raise DFlashError(f"{p} is a folder, not a GGUF file")
     try:
         return GGUFReader(str(p))
     except Exception as e:  # truncated / corrupt / unknown enum values
@@ -201,13 +205,24 @@ def open_gguf(path):
                 f"split GGUF: {f.name} says it is part {int(field(r, 'split.no', -1)) + 1} of "
                 f"{field(r, 'split.count')}, not part {i + 1} of {count} (parts of different files mixed?)"
             )
-    split = SplitGGUF(readers, files)
-    names = [t.name for t in split.tensors]
     want = field(readers[0], "split.tensors.count")
-    if want is not None and int(want) != len(names):
-        raise DFlashError(f"split GGUF {files[0]}: the parts hold {len(names)} tensors, the first part says {want}")
-    if len(set(names)) != len(names):
-        raise DFlashError(f"split GGUF {files[0]}: a tensor is in more than one part")
+    for r, f in zip(readers[1:], files[1:]):
+        if field(r, "split.tensors.count") != want:
+            raise DFlashError(
+                f"split GGUF: {f.name} belongs to a split of {field(r, 'split.tensors.count')} tensors, "
+                f"{files[0].name} to one of {want} (parts of different files mixed?)"
+            )
+    split = SplitGGUF(readers, files)
+    if want is not None and int(want) != len(split.tensors):
+        raise DFlashError(
+            f"split GGUF {files[0]}: the parts hold {len(split.tensors)} tensors, the first part says {want}"
+        )
+    seen: Dict[str, str] = {}
+    for r, f in zip(readers, files):
+        for t in r.tensors:
+            if t.name in seen:
+                raise DFlashError(f"split GGUF: tensor {t.name} is in both {seen[t.name]} and {f.name}")
+            seen[t.name] = f.name
     return split
 
 
@@ -694,14 +709,15 @@ def default_dtype(reader):
     return mx.float32
 
 
-def _progress_bar(path, total_bytes: int):
+def _progress_bar(files: List[Path], total_bytes: int):
     from tqdm import tqdm
 
+    name = files[0].name + (f" (+{len(files) - 1} parts)" if len(files) > 1 else "")
     return tqdm(
         total=total_bytes,
         unit="B",
         unit_scale=True,
-        desc=f"decoding {Path(path).name}",
+        desc=f"decoding {name}",
         leave=False,
         dynamic_ncols=True,
     )
@@ -768,6 +784,12 @@ def load_gguf_target(
     if missing:
         raise DFlashError(f"GGUF {path}: missing tensors {missing[:5]}")
     dt = dtype or default_dtype(reader)
+    held = sorted({t.tensor_type.name for t in tensors.values()})
+    absent = sorted(set(bits or ()) - set(held))
+    if absent:
+        raise DFlashError(
+            f"GGUF {path} has no {', '.join(absent)} tensors to requantize (its types: {', '.join(held)})"
+        )
 
     def parts(pname: str, kind: str) -> List[str]:
         if kind == "gate_up":
@@ -800,7 +822,11 @@ def load_gguf_target(
     if plan:
         nn.quantize(model, class_predicate=lambda p, m: qconf.get(p, False))
     total = len(names)
-    bar = _progress_bar(path, sum(int(tensors[g].n_bytes) for g in names)) if progress is True else None
+    bar = (
+        _progress_bar(gguf_files(reader, path), sum(int(tensors[g].n_bytes) for g in names))
+        if progress is True
+        else None
+    )
     done_bytes = 0
     try:
         for n, (gname, (pname, kind)) in enumerate(names.items(), 1):
@@ -968,10 +994,23 @@ def write_tokenizer(reader, out_dir) -> Path:
     return out
 
 
+_TOKENIZER_DIRS: Dict[Tuple[str, int], Path] = {}
+
+
 def tokenizer_dir_for(path) -> Path:
-    """A folder holding the GGUF's tokenizer files (made once per process)."""
+    """A folder holding the GGUF's tokenizer files: made once per file and
+    process, and removed when the process ends."""
+    p = Path(path).expanduser()  # not resolved: a split's parts are found beside the name given (hub links)
+    reader = open_gguf(p)
+    key = (str(p.absolute()), p.stat().st_mtime_ns)
+    d = _TOKENIZER_DIRS.get(key)
+    if d is not None and d.exists():
+        return d
+    if not _TOKENIZER_DIRS:
+        atexit.register(lambda: [shutil.rmtree(x, ignore_errors=True) for x in _TOKENIZER_DIRS.values()])
     d = Path(tempfile.mkdtemp(prefix="mlx_dflash_gguf_tok_"))
-    return write_tokenizer(open_gguf(path), d)
+    _TOKENIZER_DIRS[key] = d
+    return write_tokenizer(reader, d)
 
 
 # --- drafts ----------------------------------------------------------------------------

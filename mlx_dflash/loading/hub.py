@@ -91,6 +91,11 @@ def _download_file(repo: str, file: str, rev: Optional[str]) -> Path:
     # A part of a split GGUF: every part, into one snapshot folder; the loader finds them by name.
     count = int(m["count"])
     parts = [f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf" for i in range(count)]
+    listed = set(_repo_files(repo, rev))
+    missing = [f for f in parts if f not in listed]
+    if missing:  # before fetching the others (many GB, on the models that come split)
+        where = "the Hugging Face cache holds" if _offline() else "the repo lists"
+        raise DFlashError(f"{repo}/{parts[0]} is split in {count} parts, and {where} no {', '.join(missing)}")
     paths = [Path(_offline_first(hf_hub_download, repo, f, revision=rev)) for f in parts]
     return paths[int(m["no"]) - 1]
 
@@ -131,13 +136,16 @@ def _repo_files(repo: str, rev: Optional[str]) -> list:
 
 
 def _gguf_names(files) -> list:
-    return [f for f in files if f.endswith(".gguf") and "mmproj" not in f.lower()]
+    """The model GGUFs among ``files``, a split one once, as its first part (the
+    name llama.cpp's -hf takes)."""
+    from .gguf import SPLIT_NAME
+
+    names = [f for f in files if f.endswith(".gguf") and "mmproj" not in f.lower()]
+    return sorted({f if SPLIT_NAME.match(f) is None else SPLIT_NAME.sub(_first_part, f) for f in names})
 
 
 def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
     """The GGUF file of ``repo`` whose name carries the tag ``quant`` (case-insensitive, as llama.cpp matches)."""
-    from .gguf import SPLIT_NAME
-
     files = _gguf_names(_repo_files(repo, rev))
     tag = re.compile(rf"(?:^|[-_.]){re.escape(quant)}(?:[-_.]|$)", re.IGNORECASE)
     hits = [f for f in files if tag.search(Path(f).name[: -len(".gguf")])]
@@ -146,11 +154,9 @@ def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
             f"{repo} has no GGUF file tagged {quant!r}"
             + (f" (files: {', '.join(files)})" if files else " (no .gguf files)")
         )
-    # A split GGUF counts once, as its first part (the name llama.cpp's -hf takes).
-    models = sorted({f if SPLIT_NAME.match(f) is None else SPLIT_NAME.sub(_first_part, f) for f in hits})
-    if len(models) > 1:
-        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(models)}); name one as {repo}/FILE.gguf")
-    return models[0]
+    if len(hits) > 1:
+        raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(hits)}); name one as {repo}/FILE.gguf")
+    return hits[0]
 
 
 def _first_part(m) -> str:
