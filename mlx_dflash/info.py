@@ -26,7 +26,7 @@ def _params(module) -> int:
 
 
 def describe(path, draft: Optional[Path] = None) -> str:
-    from .loading import load_draft, load_target
+    from .loading import load_target
     from .models.draft import DraftConfig
 
     p = Path(path).expanduser()
@@ -81,22 +81,24 @@ def describe(path, draft: Optional[Path] = None) -> str:
         f"size on disk: {_fmt_bytes(_size_on_disk(p))}",
     ]
     if draft is not None:
-        try:
-            d = load_draft(draft, target)
-            lines.append(
-                f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
-            )
-        except DFlashError as e:
-            lines.append(f"draft {draft}: does NOT fit: {e}")
+        lines.append(_draft_fit(draft, target))
     return "\n".join(lines)
 
 
 def _draft_fit(draft: Path, target) -> str:
+    """Whether ``draft`` fits ``target``; a draft that cannot be read at all
+    (missing, a split GGUF's part gone, no config) is an error, not a misfit."""
     from .loading import load_draft
+    from .loading.gguf import is_gguf, open_gguf
 
+    p = Path(draft).expanduser()
+    if is_gguf(p):
+        open_gguf(p)
+    else:
+        read_config(p, "draft")
     try:
-        d = load_draft(draft, target)
-        return f"draft {draft}: fits (block size {d.block_size}, target layers {d.target_layer_ids})"
+        d = load_draft(p, target)
+        return f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
     except DFlashError as e:
         return f"draft {draft}: does NOT fit: {e}"
 

@@ -412,6 +412,13 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
         main(["info", str(gg)])
     out = capsys.readouterr().out
     assert "DFlash v1 draft" in out and "block size: 8" in out
+    # A draft that cannot be read is an error, not a misfit.
+    (tmp_path / "empty").mkdir()
+    trunc = tmp_path / "trunc.gguf"
+    trunc.write_bytes(gg.read_bytes()[:1000])
+    for d, words in ((tmp_path / "empty", "draft folder has no config.json"), (trunc, "truncated or corrupt")):
+        code, out, err = run_cli_inprocess(capsys, "info", str(path), "--draft", str(d))
+        assert code == 2 and words in err and "fit" not in out, (d, out, err)
 
 
 @pytest.mark.parametrize(
