@@ -1007,7 +1007,15 @@ def serve(
     no_prompt_cache: bool = typer.Option(
         False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."
     ),
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn/server log level: debug, info, warning, error."),
+    log_level: str = typer.Option(
+        "info", "--log-level", help="uvicorn/server log level: debug, info, warning, error, critical (any case)."
+    ),
+    allowed_origins: str = typer.Option(
+        "*",
+        "--allowed-origins",
+        help="Comma list of origins browser clients may call from (CORS), as mlx-lm's server takes it; "
+        "'*' any, '' none (no CORS headers).",
+    ),
     max_batch: Optional[int] = typer.Option(
         None,
         "--max-batch",
@@ -1047,8 +1055,9 @@ def serve(
         raise DFlashError("--max-queue, --timeout and --max-body-mb must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
+    log_level = log_level.lower()
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
-        raise DFlashError(f"--log-level must be debug, info, warning or error, got {log_level!r}")
+        raise DFlashError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
     if max_batch is not None and max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1 (1 = one request at a time), got {max_batch}")
     if pipeline and max_batch is not None and max_batch > 1:
@@ -1078,6 +1087,7 @@ def serve(
         prompt_cache=not no_prompt_cache and not pipeline,
         prompt_cache_bytes=prompt_cache_bytes,
         max_batch=1 if pipeline else max_batch,
+        allowed_origins=tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
     )
     get_engine = _engine_loader(
         model,
@@ -1096,6 +1106,10 @@ def serve(
         engine = get_engine()
         _say_draft_hint(engine)
         gen.validate(engine.draft)
+        if gen.max_tokens > engine.target.max_context:  # else every request without max_tokens gets a 400
+            raise DFlashError(
+                f"--max-tokens {gen.max_tokens} is more than this model's context ({engine.target.max_context} tokens)"
+            )
         return engine
 
     try:

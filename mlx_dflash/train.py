@@ -14,6 +14,7 @@ head's loss); its convolutions start as the identity.
 
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -370,6 +371,13 @@ def train_draft(
         raise DFlashError(f"--arch must be 'dflash' or 'dflash2', got {tc.arch!r}")
     if tc.arch == "dflash2" and min(tc.selector_rank, tc.selector_top_k, tc.conv_kernel_size) < 1:
         raise DFlashError("selector rank, selector top-k and conv kernel size must be positive")
+    out = Path(out).expanduser()
+    try:  # now, not after the training: a folder that cannot be made loses the draft
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot make the output folder {out}: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK):
+        raise DFlashError(f"the output folder {out} is not writable")
     engine = engine or load(target_path, dtype=mx.float32)
     target, tok = engine.target, engine.tokenizer
     if tc.target_layer_ids is not None:
@@ -382,7 +390,6 @@ def train_draft(
         mask_id = vocab.get("<|mask|>", target.vocab_size - 1)
     if not 0 <= mask_id < target.vocab_size:
         raise DFlashError(f"mask token id {mask_id} outside the target vocab")
-    out = Path(out)
     ckpt = out / "checkpoint"
     dcfg = make_draft_config(target, tc, mask_id)
     ids = dcfg["dflash_config"]["target_layer_ids"]

@@ -100,7 +100,7 @@ def _record_loads(monkeypatch):
 
     def load(model=None, draft=None, **kw):
         seen.append((model, draft))
-        return SimpleNamespace(draft=None, suggested_drafts=())
+        return SimpleNamespace(draft=None, suggested_drafts=(), target=SimpleNamespace(max_context=4096))
 
     monkeypatch.setattr(mlx_dflash.api, "load", load)
     monkeypatch.setattr("mlx_dflash.config.GenerationConfig.validate", lambda self, draft=None: None)
@@ -185,3 +185,10 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
     theirs = chat_with("--draft-model", str(tmp_path), "--num-draft-tokens", "2", "--system-prompt", "be brief")
     assert ours == theirs
     assert theirs[0] == (None, tmp_path) and theirs[1]["system"] == "be brief" and theirs[1]["gen"].block_size == 3
+
+
+def test_serve_allowed_origins_and_log_level_as_mlx_lm_takes_them(capsys, monkeypatch):
+    settings, _ = _serve_settings(capsys, monkeypatch, "--allowed-origins", "http://a.example, http://b.example")
+    assert settings.allowed_origins == ("http://a.example", "http://b.example")
+    assert _serve_settings(capsys, monkeypatch, "--log-level", "INFO")[0].allowed_origins == ("*",)
+    assert _serve_settings(capsys, monkeypatch, "--allowed-origins", "")[0].allowed_origins == ()

@@ -298,6 +298,18 @@ def test_bad_max_batch_is_one_error_line_and_exit_2(args, words, capsys):
     assert "Traceback" not in err
 
 
+def test_serve_refuses_a_default_max_tokens_beyond_the_context():
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(_free_port()), "-n", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --max-tokens 100000 is more than this model's context ("), r.stderr
+
+
 def test_serve_load_error_exits_2_every_time():
     # The engine loads on its own thread; the interpreter's teardown after
     # that thread ran MLX used to abort now and then (exit 134, about 1 in 3).

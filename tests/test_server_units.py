@@ -384,3 +384,35 @@ def test_serve_on_a_port_in_use_is_one_error_before_loading(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot listen on 127.0.0.1:") and "in use" in err
+
+
+@pytest.mark.parametrize("origins", [("*",), ("http://app.example",), ()], ids=["any", "one", "none"])
+def test_browser_clients_get_cors_as_allowed_origins_say(origins):
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from mlx_dflash.server.app import Server, Settings
+    from mlx_dflash.server.routes import create_app
+
+    worker = SimpleNamespace(engine=None, alive=True, queue_length=0)
+    app = create_app(Server(Settings(allowed_origins=origins), worker, Metrics()))
+    origin = {"Origin": "http://app.example"}
+    with TestClient(app) as client:
+        pre = client.options(
+            "/v1/chat/completions",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization",
+            },
+        )
+        got = client.get("/health", headers=origin)
+    assert got.status_code == 200
+    if origins:
+        assert pre.status_code == 200, pre.text
+        assert pre.headers["access-control-allow-origin"] in ("*", "http://app.example")
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        assert got.headers["access-control-allow-origin"] in ("*", "http://app.example")
+    else:
+        assert pre.status_code == 405 and "access-control-allow-origin" not in got.headers

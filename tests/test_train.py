@@ -176,7 +176,13 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     base = ["train-draft", "-m", str(path), "-o", str(tmp_path / "x")]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
     for args, msg in [
+        (
+            ["train-draft", "-m", str(path), "-o", str(a_file / "out"), "--corpus", str(corpus)],
+            f"cannot make the output folder {a_file / 'out'}",
+        ),
         (base + ["--corpus", str(tmp_path / "nope.txt")], "corpus path does not exist"),
         (base + ["--corpus", str(empty)], "corpus is empty"),
         (

@@ -38,6 +38,7 @@ class Settings:
     prompt_cache: bool = True
     prompt_cache_bytes: Optional[int] = None  # None: the prefix cache's default budget
     max_batch: Optional[int] = None  # requests decoded together; None: batch.DEFAULT_MAX_BATCH as memory allows
+    allowed_origins: Sequence[str] = ("*",)  # origins browsers may call from (CORS); () sends no CORS headers
 
 
 class APIError(Exception):

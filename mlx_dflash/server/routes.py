@@ -8,6 +8,7 @@ import logging
 import time
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from . import anthropic, openai, responses
@@ -86,6 +87,13 @@ def create_app(server: Server) -> FastAPI:
         log.exception("unhandled error")
         return error_response(request.url.path, 500, f"internal error: {type(e).__name__}")
 
+    if server.settings.allowed_origins:  # browser clients: preflights answered, responses marked
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server.settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(CountRequests, metrics=server.metrics)
 
     @app.get("/health")
