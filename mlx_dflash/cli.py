@@ -17,7 +17,26 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Lossless DFlash speculative decoding of Qwen3.5/3.6 models on MLX.",
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # -h as mlx-lm's argparse tools take it
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"mlx-dflash {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Lossless DFlash speculative decoding of Qwen3.5/3.6 models on MLX."""
+
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _FROM_COMMAND_LINE = False  # main() runs as the process's own command line (may re-exec)
@@ -208,6 +227,8 @@ def generation_config(flags: dict):
 
     flags = dict(flags)
     ndt = flags.pop("num_draft_tokens", None)
+    if ndt is not None and ndt < 1:
+        raise DFlashError(f"--num-draft-tokens must be at least 1 (a block of 2), got {ndt}")
     if ndt is not None:
         if flags.get("block_size") is not None:
             raise DFlashError("give --block-size or --num-draft-tokens, not both")
@@ -226,6 +247,8 @@ def generation_config(flags: dict):
                 ("--block-size", gen.block_size is not None),
                 ("--tree-budget", bool(gen.tree_budget)),
                 ("--auto-tree", bool(gen.auto_tree)),
+                ("--draft-window", gen.draft_window is not None),
+                ("--no-adaptive", not gen.adaptive),
             )
             if on
         ]
@@ -244,7 +267,17 @@ def _local(path: Optional[Path]) -> Optional[Path]:
     """A path argument that may be a Hugging Face id, as a local path (see loading/hub.py)."""
     from .loading.hub import resolve
 
+    _not_a_count(path)
     return resolve(path)
+
+
+def _not_a_count(model: Optional[Path]) -> None:
+    """-m given a number: mlx-lm's -m (the token count), not a model path."""
+    if model is not None and str(model).isdigit() and not Path(model).exists():
+        raise DFlashError(
+            f"no model {str(model)!r}: -m is --model here (mlx-lm's generate and chat take -m for the "
+            "token count; that is -n here)"
+        )
 
 
 def _engine_loader(
@@ -257,6 +290,7 @@ def _engine_loader(
     from .api import load
 
     dt = _dtype(dtype)  # a bad --dtype is an error before anything loads
+    _not_a_count(model)
 
     def get(**extra):
         return load(model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_, **extra)
@@ -445,11 +479,7 @@ def generate(
     engine = load_engine()
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
-    for tok in extra_eos_token or ():
-        try:
-            engine.tokenizer.add_eos_token(tok)
-        except ValueError:
-            raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
+    _add_eos_tokens(engine, extra_eos_token)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
@@ -473,6 +503,18 @@ def generate(
     if verbose and stats is not None:
         mode = "dflash" if engine.draft is not None and not gen.baseline else "baseline (plain decoding)"
         typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
+
+
+def _add_eos_tokens(engine, tokens: Optional[List[str]]) -> None:
+    """--extra-eos-token: each a token as the vocabulary spells it, or an id of the vocabulary."""
+    for tok in tokens or ():
+        vocab = engine.target.vocab_size
+        if tok.strip().lstrip("-").isdigit() and not 0 <= int(tok) < vocab:
+            raise DFlashError(f"--extra-eos-token {tok}: not a token id of this vocabulary (0..{vocab - 1})")
+        try:
+            engine.tokenizer.add_eos_token(tok)
+        except ValueError:
+            raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
 
 
 def _check_output(path: Path, flag: str) -> None:
@@ -500,7 +542,15 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
 
 @app.command()
 @generation_options(
-    "max_tokens", "block_size", "num_draft_tokens", "baseline", *SAMPLING, "tree_budget", "auto_tree", max_tokens=512
+    "max_tokens",
+    "block_size",
+    "num_draft_tokens",
+    "baseline",
+    *SAMPLING,
+    "tree_budget",
+    "auto_tree",
+    "prefill_chunk",
+    max_tokens=512,
 )
 def chat(
     model: Optional[Path] = typer.Option(
@@ -515,6 +565,14 @@ def chat(
     ),
     system: Optional[str] = typer.Option(
         None, "--system", "--system-prompt", help="System message for the conversation."
+    ),
+    extra_eos_token: Optional[List[str]] = typer.Option(
+        None,
+        "--extra-eos-token",
+        help="Another token that ends a reply, as the vocabulary spells it or its id; repeatable.",
+    ),
+    draft_quantize: Optional[int] = typer.Option(
+        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
     ),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
     compile_: bool = COMPILE_OPTION,
@@ -540,9 +598,11 @@ def chat(
     from .api import load
     from .session import ChatSession
 
-    engine = load(model, draft, dtype=_dtype(dtype), compile=compile_)
+    _not_a_count(model)
+    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_)
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
+    _add_eos_tokens(engine, extra_eos_token)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
@@ -552,6 +612,7 @@ def chat(
         try:
             line = input(">> ")
         except EOFError:
+            sys.stdout.write("\n")  # the shell's prompt on a line of its own
             break
         if not line.strip():
             continue
@@ -928,6 +989,8 @@ def info(
     """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
     from .info import describe
 
+    if stages and stages < 2:
+        raise DFlashError(f"--stages must be 2 or more, got {stages}")
     path, draft = _local(path), _local(draft)
     if draft is not None and not Path(draft).exists():  # a draft that is not there is an error, not a misfit
         raise DFlashError(f"draft path does not exist: {draft}")
@@ -935,8 +998,6 @@ def info(
     if stages:
         from .distributed import stage_plan
 
-        if stages < 2:
-            raise DFlashError(f"--stages must be 2 or more, got {stages}")
         typer.echo(stage_plan(path, stages, draft).describe())
 
 
@@ -1055,6 +1116,8 @@ def serve(
         raise DFlashError("--max-queue, --timeout and --max-body-mb must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
+    if no_prompt_cache and prompt_cache_bytes is not None:
+        raise DFlashError("--prompt-cache-bytes sizes the prefix cache that --no-prompt-cache turns off; drop one")
     log_level = log_level.lower()
     if log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
         raise DFlashError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")

@@ -194,6 +194,14 @@ def bad_cases(tmp_path, small_ctx_model):
         (["bench", "--name", "../x", "--out", str(tmp_path)], "--name must be a plain file name"),
         (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
         (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
+        # mlx-lm's habits and contradictions that used to pass silently or mislead
+        (["generate", "hi", "-m", "64"], "-m is --model here (mlx-lm's generate and chat take -m for the token count"),
+        (["chat", "-m", "64"], "-m is --model here"),
+        (["generate", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1"),
+        (["generate", "hi", "--baseline", "--draft-window", "8"], "--draft-window would do nothing"),
+        (["generate", "hi", "--baseline", "--no-adaptive"], "--no-adaptive would do nothing"),
+        (["serve", "--no-prompt-cache", "--prompt-cache-bytes", "1000"], "--no-prompt-cache turns off"),
+        (["info", str(tmp_path), "--stages", "-1"], "--stages must be 2 or more"),
     ]
 
 
@@ -247,3 +255,14 @@ def test_info(capsys, small_ctx_model):
     assert "does NOT fit" in out and "hidden_size" in out
     code, out, _ = cli(capsys, "info", str(DEFAULT_DRAFT))
     assert "DFlash v1 draft" in out and "block size: 16" in out
+
+
+def test_short_help_and_version(capsys):
+    import mlx_dflash
+
+    code, out, _ = cli(capsys, "-h")
+    assert code == 0 and "generate" in out and "serve" in out
+    code, out, _ = cli(capsys, "serve", "-h")
+    assert code == 0 and "--allowed-origins" in out
+    code, out, _ = cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"mlx-dflash {mlx_dflash.__version__}"

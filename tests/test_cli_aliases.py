@@ -57,6 +57,9 @@ def test_extra_eos_token_stops_generation(capsys):
         assert st["finish reason"] == "stop" and int(st["generated tokens"]) == i + 1, spelling
     code, _, err = cli(capsys, "generate", "x", "--extra-eos-token", "<|no-such-token|>")
     assert code == 2 and "not a token" in err
+    for bad in ("99999999", "-1"):
+        code, _, err = cli(capsys, "generate", "x", "--extra-eos-token", bad)
+        assert code == 2 and f"--extra-eos-token {bad}: not a token id of this vocabulary" in err, err
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,9 @@ def _record_loads(monkeypatch):
 
     def load(model=None, draft=None, **kw):
         seen.append((model, draft))
-        return SimpleNamespace(draft=None, suggested_drafts=(), target=SimpleNamespace(max_context=4096))
+        return SimpleNamespace(
+            draft=None, suggested_drafts=(), target=SimpleNamespace(max_context=4096, vocab_size=2048)
+        )
 
     monkeypatch.setattr(mlx_dflash.api, "load", load)
     monkeypatch.setattr("mlx_dflash.config.GenerationConfig.validate", lambda self, draft=None: None)
@@ -181,10 +186,20 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
         assert code in (0, None), err
         return seen[-1], got
 
-    ours = chat_with("--draft", str(tmp_path), "--block-size", "3", "--system", "be brief")
-    theirs = chat_with("--draft-model", str(tmp_path), "--num-draft-tokens", "2", "--system-prompt", "be brief")
+    ours = chat_with("--draft", str(tmp_path), "--block-size", "3", "--system", "be brief", "--prefill-chunk", "64")
+    theirs = chat_with(
+        "--draft-model",
+        str(tmp_path),
+        "--num-draft-tokens",
+        "2",
+        "--system-prompt",
+        "be brief",
+        "--prefill-step-size",
+        "64",
+    )
     assert ours == theirs
     assert theirs[0] == (None, tmp_path) and theirs[1]["system"] == "be brief" and theirs[1]["gen"].block_size == 3
+    assert theirs[1]["gen"].prefill_chunk == 64
 
 
 def test_serve_allowed_origins_and_log_level_as_mlx_lm_takes_them(capsys, monkeypatch):
