@@ -450,14 +450,33 @@ def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
     process aborted at exit ("terminate called without an active
     exception", exit 134) after a clean shutdown."""
     import signal
+    import threading
 
     s = ServerProcess("--max-batch", max_batch, log=tmp_path / "log.txt")
     try:
         r = httpx.post(s.url + "/v1/completions", json={"model": "mlx-dflash", "prompt": "def f():", "max_tokens": 4})
         assert r.status_code == 200
+        # A stream still running at Ctrl-C ends as a finished reply, not a cut connection.
+        lines, started = [], threading.Event()
+
+        def stream():
+            body = {"model": "mlx-dflash", "prompt": "def fib(n):", "max_tokens": 4000, "stream": True}
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        tic = time.monotonic()
         s.proc.send_signal(signal.SIGINT)
         assert s.proc.wait(timeout=30) == 0, s.log.read_text()[-2000:]
-        assert "terminate called" not in s.log.read_text()
+        t.join(30)
+        log = s.log.read_text()
+        assert time.monotonic() - tic < 4, log[-2000:]  # not the 5 s graceful-shutdown timeout
+        assert "terminate called" not in log and "Traceback" not in log, log[-2000:]
+        assert [x for x in lines if x][-1] == "data: [DONE]" and '"finish_reason": "stop"' in "".join(lines[-4:])
     finally:
         s.close()
 

@@ -101,7 +101,18 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C ends the replies in flight first, each with its last event, so
+            # the graceful shutdown finds their connections closed instead of
+            # cutting them (and logging their cancelled tasks) after its timeout.
+            worker.cancel_all()
+            super().handle_exit(sig, frame)
+
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+    except KeyboardInterrupt:  # uvicorn raises the captured Ctrl-C again once it has shut down
+        pass
     finally:
         worker.stop()

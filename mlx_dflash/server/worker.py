@@ -200,6 +200,21 @@ class Worker:
                 self.running.cancel()
             self._thread.join(timeout=10)
 
+    def cancel_all(self) -> None:
+        """The server is shutting down: no new job starts, running ones end at
+        their next cycle boundary, queued ones now, each with its last event
+        (so a stream ends as a finished reply, not a cut connection)."""
+        self._stopping = True
+        with self._q.mutex:
+            queued = [j for j in self._q.queue if j is not None]
+            self._q.queue.clear()
+        for job in queued:
+            job.cancel()
+            job.send("done", "cancelled", _stats_dict(None))
+        job = self.running  # a batch's slots are ended by its loop once it sees _stopping
+        if job is not None:
+            job.cancel()
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
