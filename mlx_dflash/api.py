@@ -10,7 +10,7 @@ import mlx.core as mx
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError, check_text, is_int
-from .loading import load_draft, load_target, load_tokenizer, tokenizer_folder
+from .loading import check_draft_files, load_draft, load_target, load_tokenizer, tokenizer_folder
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -128,6 +128,8 @@ def load(
             return Engine(target, None, model_path=Path(model), stage=stage)
     else:
         tok_dir = tokenizer_folder(model)  # a GGUF's tokenizer is checked before its weights are decoded
+        if draft is not None:
+            check_draft_files(draft)  # and the draft's files
         target = load_target(model, dtype=dtype, progress=True)
     eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
     tokenizer = load_tokenizer(tok_dir or tokenizer_folder(model), eos_token_ids=eos)

@@ -88,14 +88,10 @@ def describe(path, draft: Optional[Path] = None) -> str:
 def _draft_fit(draft: Path, target) -> str:
     """Whether ``draft`` fits ``target``; a draft that cannot be read at all
     (missing, a split GGUF's part gone, no config) is an error, not a misfit."""
-    from .loading import load_draft
-    from .loading.gguf import is_gguf, open_gguf
+    from .loading import check_draft_files, load_draft
 
     p = Path(draft).expanduser()
-    if is_gguf(p):
-        open_gguf(p)
-    else:
-        read_config(p, "draft")
+    check_draft_files(p)
     try:
         d = load_draft(p, target)
         return f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"

@@ -157,3 +157,19 @@ def test_draft_with_wrong_weights_or_bits(dense, draft_dir, tmp_path):
     mx.save_safetensors(str(dst / "model.safetensors"), w)
     with pytest.raises(DFlashError, match="missing"):
         load_draft(dst, target)
+
+
+def test_a_draft_that_cannot_be_read_fails_before_the_target_loads(tmp_path, monkeypatch):
+    import mlx_dflash.api
+    from mlx_dflash.api import DEFAULT_MODEL
+
+    def decoded(*a, **k):
+        raise AssertionError("the target was loaded before the draft's files were checked")
+
+    monkeypatch.setattr(mlx_dflash.api, "load_target", decoded)
+    (tmp_path / "empty").mkdir()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(16))
+    for draft, words in ((tmp_path / "empty", "draft folder has no config.json"), (bad, "truncated or corrupt")):
+        with pytest.raises(DFlashError, match=words):
+            mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)

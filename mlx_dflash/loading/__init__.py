@@ -46,6 +46,17 @@ def load_tokenizer(path, eos_token_ids=None):
     return load_folder_tokenizer(tokenizer_folder(path), eos_token_ids=eos_token_ids)
 
 
+def check_draft_files(path) -> None:
+    """That a draft's files can be read, from their headers alone: checked
+    before a target's weights are decoded (minutes on a large GGUF) so that
+    a draft missing a part or its config fails first."""
+    p = Path(path).expanduser()
+    if is_gguf(p):
+        open_gguf(p)
+    else:
+        read_config(p, "draft")
+
+
 def load_draft(path, target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None):
     """A DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft GGUF
     file), bound to ``target``; ``quantize_bits`` (4 or 8) quantizes it at load."""
