@@ -483,19 +483,24 @@ def generate(
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
-    stats = None
-    for r in stream_generate(
-        engine,
-        text,
-        config=gen,
-        chat_template=chat_template,
-        system=system,
-        chat_template_config=template_kwargs,
-        prefix_cache=pc,
-    ):
-        sys.stdout.write(r.text)
-        sys.stdout.flush()
-        stats = r.stats
+    stats, interrupted = None, False
+    try:
+        for r in stream_generate(
+            engine,
+            text,
+            config=gen,
+            chat_template=chat_template,
+            system=system,
+            chat_template_config=template_kwargs,
+            prefix_cache=pc,
+        ):
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            stats = r.stats
+    except KeyboardInterrupt:  # Ctrl-C: the text so far stands, and its stats and cache file are kept
+        interrupted = True
+        if stats is not None:
+            stats.finish_reason = "interrupted"
     sys.stdout.write("\n")
     sys.stdout.flush()
     if pc is not None:
@@ -503,6 +508,8 @@ def generate(
     if verbose and stats is not None:
         mode = "dflash" if engine.draft is not None and not gen.baseline else "baseline (plain decoding)"
         typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
+    if interrupted:
+        raise SystemExit(130)
 
 
 def _add_eos_tokens(engine, tokens: Optional[List[str]]) -> None:

@@ -193,3 +193,29 @@ def test_chat_and_generate_help_list_the_cache_flags(capsys, monkeypatch):
         assert flag in out, flag
     code, out, _ = cli(capsys, "generate", "--help")
     assert "--prompt-cache-file" in out and "--prompt-cache-bytes" in out
+
+
+def test_ctrl_c_keeps_the_text_its_stats_and_the_cache_file(tmp_path):
+    import signal
+    import subprocess
+
+    cache = tmp_path / "c.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "generate", "def fib(n):", "--baseline", "-v"]
+    p = subprocess.Popen(
+        cmd + ["-n", "100000", "--prompt-cache-file", str(cache)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    first = p.stdout.read(8)  # generation has begun
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130 and first and "Traceback" not in err, err
+    assert re.search(r"finish reason\s+interrupted", err) and re.search(r"generated tokens\s+[1-9]", err), err
+    again = subprocess.run(
+        cmd + ["-n", "4", "--prompt-cache-file", str(cache)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert again.returncode == 0, again.stderr
+    assert int(re.search(r"cached tokens\s+(\d+)", again.stderr).group(1)) > 0  # the file it saved restores
