@@ -89,6 +89,15 @@ COMPILE_OPTION = typer.Option(
 )
 
 
+DTYPE_OPTION = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load.")
+DRAFT_QUANTIZE_OPTION = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load.")
+EXTRA_EOS_OPTION = typer.Option(
+    None,
+    "--extra-eos-token",
+    help="Another token that ends generation, as the vocabulary spells it or its id; repeatable.",
+)
+
+
 # Generation options (GenerationConfig's fields, and the CLI's aliases of them): each
 # flag defined once; a command takes the ones it offers with @generation_options
 # (every sampling flag, config.SAMPLING, wherever it samples).
@@ -406,15 +415,9 @@ def generate(
     system: Optional[str] = typer.Option(
         None, "--system", "--system-prompt", help="System message (with the chat template)."
     ),
-    extra_eos_token: Optional[List[str]] = typer.Option(
-        None,
-        "--extra-eos-token",
-        help="Another token that ends generation, as the vocabulary spells it or its id; repeatable.",
-    ),
-    draft_quantize: Optional[int] = typer.Option(
-        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
-    ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
+    draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     verbose: bool = typer.Option(
         False,
@@ -573,15 +576,9 @@ def chat(
     system: Optional[str] = typer.Option(
         None, "--system", "--system-prompt", help="System message for the conversation."
     ),
-    extra_eos_token: Optional[List[str]] = typer.Option(
-        None,
-        "--extra-eos-token",
-        help="Another token that ends a reply, as the vocabulary spells it or its id; repeatable.",
-    ),
-    draft_quantize: Optional[int] = typer.Option(
-        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
-    ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
+    draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
         None,
@@ -819,7 +816,7 @@ def bench(
         help="Linux: 'auto' preloads OpenBLAS when installed, "
         "'openblas' requires it, 'bundled' keeps mlx's reference BLAS.",
     ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     tree_budget: int = typer.Option(
         0, "--tree-budget", help="Also run DFlash with a DDTree of this many nodes; 0 = chain only."
@@ -1048,10 +1045,8 @@ def serve(
         help="Model id clients send and /v1/models lists (default: the --model "
         "argument, or 'mlx-dflash' for the embedded pair).",
     ),
-    draft_quantize: Optional[int] = typer.Option(
-        None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load."
-    ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load."),
+    draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
     timeout: float = typer.Option(

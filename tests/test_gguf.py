@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf_writer import convert_draft_to_gguf, convert_hf_to_gguf, encode_q4_k, encode_q6_k
 from support.reference import reference_greedy
+from test_cli import cli
 
 import mlx_dflash
 from mlx_dflash.cli import main
@@ -417,7 +418,7 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
     trunc = tmp_path / "trunc.gguf"
     trunc.write_bytes(gg.read_bytes()[:1000])
     for d, words in ((tmp_path / "empty", "draft folder has no config.json"), (trunc, "truncated or corrupt")):
-        code, out, err = run_cli_inprocess(capsys, "info", str(path), "--draft", str(d))
+        code, out, err = cli(capsys, "info", str(path), "--draft", str(d))
         assert code == 2 and words in err and "fit" not in out, (d, out, err)
 
 
@@ -551,13 +552,6 @@ def test_split_gguf_loads_as_the_whole_file(wide, tok_dir, tmp_path, capsys, sma
     assert len(open_gguf(first).tensors) == len(open_gguf(whole).tensors)
 
 
-def run_cli_inprocess(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        main(list(args))
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 def test_gguf_tokenizer_folder_is_made_once_and_removed_at_exit(tok_dir, tmp_path):
     cfg = tiny.target_config()
     hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
@@ -580,9 +574,9 @@ def test_convert_refuses_a_folder_and_a_type_the_file_lacks(tok_dir, tmp_path, c
     cfg = tiny.target_config()
     hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
     path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
-    code, _, err = run_cli_inprocess(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "out1"))
+    code, _, err = cli(capsys, "convert", str(tmp_path / "hf"), str(tmp_path / "out1"))
     assert code == 2 and f"{tmp_path / 'hf'} is a folder, not a GGUF file" in err
-    code, _, err = run_cli_inprocess(capsys, "convert", str(path), str(tmp_path / "out2"), "--bits", "Q9_K=4")
+    code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "out2"), "--bits", "Q9_K=4")
     assert code == 2 and "has no Q9_K tensors to requantize (its types: F32)" in err, err
 
 
