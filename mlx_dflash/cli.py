@@ -89,6 +89,7 @@ COMPILE_OPTION = typer.Option(
 )
 
 
+PIPELINE_TIMEOUT = 60.0  # --pipeline-timeout's default, seconds
 DTYPE_OPTION = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load.")
 DRAFT_QUANTIZE_OPTION = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load.")
 EXTRA_EOS_OPTION = typer.Option(
@@ -247,6 +248,9 @@ def generation_config(flags: dict):
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
     if window:
         flags["draft_window"] = (sink, window)
+    topk_given = "tree_topk" in flags and flags["tree_topk"] != GENERATION_FLAGS["tree_topk"][1]
+    if topk_given and "tree_budget" in flags and not flags["tree_budget"] and not flags.get("auto_tree"):
+        raise DFlashError("--tree-topk shapes a tree: give --tree-budget or --auto-tree too, or drop it")
     gen = GenerationConfig(**flags)
     gen.validate()  # before loading anything; the draft's block limit once it is loaded
     if gen.baseline:  # flags that only shape drafting would be silently ignored
@@ -298,6 +302,8 @@ def _engine_loader(
     until rank 0 is done and gets None (the command then returns)."""
     from .api import load
 
+    if not pipeline and pipeline_timeout != PIPELINE_TIMEOUT:
+        raise DFlashError("--pipeline-timeout is for --pipeline runs; give --pipeline or drop it")
     dt = _dtype(dtype)  # a bad --dtype is an error before anything loads
     _not_a_count(model)
 
@@ -433,7 +439,7 @@ def generate(
         "(one contiguous stage each, balanced by weight bytes); rank 0 prints.",
     ),
     pipeline_timeout: float = typer.Option(
-        60.0,
+        PIPELINE_TIMEOUT,
         "--pipeline-timeout",
         help="With --pipeline: seconds a rank waits for the previous one during "
         "a generation before ending every rank with an error.",
@@ -835,7 +841,7 @@ def bench(
         "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results.",
     ),
     pipeline_timeout: float = typer.Option(
-        60.0,
+        PIPELINE_TIMEOUT,
         "--pipeline-timeout",
         help="With --pipeline: seconds a rank waits for the previous one during "
         "a generation before ending every rank with an error.",
@@ -1097,7 +1103,7 @@ def serve(
         "rank 0 serves HTTP, the other ranks run their stages (no prefix cache). Runs one request at a time.",
     ),
     pipeline_timeout: float = typer.Option(
-        60.0,
+        PIPELINE_TIMEOUT,
         "--pipeline-timeout",
         help="With --pipeline: seconds a rank waits for the previous one during "
         "a generation before ending every rank with an error.",

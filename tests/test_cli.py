@@ -202,6 +202,8 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--baseline", "--no-adaptive"], "--no-adaptive would do nothing"),
         (["serve", "--no-prompt-cache", "--prompt-cache-bytes", "1000"], "--no-prompt-cache turns off"),
         (["info", str(tmp_path), "--stages", "-1"], "--stages must be 2 or more"),
+        (["generate", "hi", "--tree-topk", "8"], "--tree-topk shapes a tree"),
+        (["generate", "hi", "--pipeline-timeout", "5"], "--pipeline-timeout is for --pipeline runs"),
     ]
 
 
