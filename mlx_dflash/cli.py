@@ -592,7 +592,10 @@ def chat(
         help="JSON object of extra chat-template arguments, e.g. '{\"enable_thinking\": false}'.",
     ),
     prompt_cache_file: Optional[Path] = typer.Option(
-        None, "--prompt-cache-file", help="Start from the prefix snapshots in this file (if it exists)."
+        None,
+        "--prompt-cache-file",
+        help="Start from the prefix snapshots in this file (if it exists), and save the conversation's to it "
+        "at the end (/quit or end of input).",
     ),
     prompt_cache_bytes: Optional[int] = typer.Option(
         None,
@@ -609,6 +612,8 @@ def chat(
     from .session import ChatSession
 
     _not_a_count(model)
+    if prompt_cache_file is not None:
+        _check_output(prompt_cache_file, "--prompt-cache-file")
     engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_)
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
@@ -660,6 +665,9 @@ def chat(
                 f"{s.generated_tokens} generated, tau {s.tau:.2f}, {s.decode_tps:.1f} tok/s]",
                 err=True,
             )
+    if prompt_cache_file is not None:
+        pc.save(prompt_cache_file, engine)
+        typer.echo(f"(saved {len(pc)} snapshots to {prompt_cache_file})", err=True)
 
 
 @app.command("train-draft")

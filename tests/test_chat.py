@@ -219,3 +219,21 @@ def test_ctrl_c_keeps_the_text_its_stats_and_the_cache_file(tmp_path):
     )
     assert again.returncode == 0, again.stderr
     assert int(re.search(r"cached tokens\s+(\d+)", again.stderr).group(1)) > 0  # the file it saved restores
+
+
+def test_chat_saves_its_prompt_cache_file_at_the_end(tmp_path):
+    import subprocess
+
+    cache = tmp_path / "chat.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
+    runs = [
+        subprocess.run(cmd, input="def fib(n):\n", capture_output=True, text=True, env=env, timeout=120)
+        for _ in range(2)
+    ]
+    for r in runs:
+        assert r.returncode == 0 and f"to {cache})" in r.stderr, r.stderr
+    first, second = (re.search(r"\[(\d+) prompt tokens: (\d+) cached", r.stderr).groups() for r in runs)
+    assert first[1] == "0" and int(second[1]) > 0  # the second session starts from the first one's file
+    r = subprocess.run(cmd[:-1] + [str(tmp_path)], input="", capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "is a folder" in r.stderr
