@@ -1272,6 +1272,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(2)
     except (KeyboardInterrupt, typer.Abort):
         raise SystemExit(130)
+    except OSError as e:  # the output could not be written: a closed pipe ends quietly, a full disk says so
+        import errno
+
+        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        try:  # so that the interpreter's last flush of stdout does not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        if e.errno != errno.EPIPE:
+            typer.echo(f"error: cannot write the output: {e.strerror}", err=True)
+        raise SystemExit(1)
     raise SystemExit(code if isinstance(code, int) else 0)  # typer.Exit(code) comes back as the code
 
 

@@ -1,6 +1,7 @@
 """The mlx-dflash CLI: help, the embedded default run, and bad input (exit 2, no traceback)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -268,3 +269,20 @@ def test_short_help_and_version(capsys):
     assert code == 0 and "--allowed-origins" in out
     code, out, _ = cli(capsys, "--version")
     assert code == 0 and out.strip() == f"mlx-dflash {mlx_dflash.__version__}"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full (writes fail with ENOSPC)")
+def test_output_that_cannot_be_written_is_one_error_line():
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "mlx_dflash", "generate", "def fib(n):", "-n", "16"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    assert (
+        r.returncode == 1
+        and r.stderr.strip().splitlines()[-1] == "error: cannot write the output: No space left on device"
+    )
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
