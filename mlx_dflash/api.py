@@ -149,10 +149,14 @@ def load(
 
 def check_engine(engine, prefix_cache=None) -> None:
     """One clear error for an engine or prefix cache that is not one."""
-    from .prefix import PrefixCache
-
     if not isinstance(engine, Engine):
         raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
+    check_prefix_cache(prefix_cache)
+
+
+def check_prefix_cache(prefix_cache) -> None:
+    from .prefix import PrefixCache
+
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise DFlashError(f"prefix_cache must be a mlx_dflash.PrefixCache, got {type(prefix_cache).__name__}")
 

@@ -36,7 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .api import GenerationResult, check_engine
+from .api import GenerationResult, check_engine, check_prefix_cache
 from .cache import SlotBatch
 from .config import GenerationConfig
 from .decode import (
@@ -63,7 +63,6 @@ from .policy import (
     machine_id,
     write_json,
 )
-from .prefix import PrefixCache
 from .sampling import Sampler
 
 
@@ -419,8 +418,7 @@ class BatchDecoder:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
         if not hasattr(target, "forward_slots"):
             raise DFlashError(f"target must be a loaded target (engine.target), got {type(target).__name__}")
-        if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
-            raise DFlashError(f"prefix_cache must be a mlx_dflash.PrefixCache, got {type(prefix_cache).__name__}")
+        check_prefix_cache(prefix_cache)
         if policy is not None and not all(hasattr(policy, a) for a in ("plan", "observe", "max_width")):
             raise DFlashError(f"policy must be a BatchPolicy (plan, observe, max_width), got {type(policy).__name__}")
         if isinstance(eos_token_ids, (str, bytes)) or not all(is_int(t) for t in eos_token_ids):

@@ -298,30 +298,29 @@ def test_bad_max_batch_is_one_error_line_and_exit_2(args, words, capsys):
     assert "Traceback" not in err
 
 
-def test_serve_refuses_a_default_max_tokens_beyond_the_context():
+def _serve_load_error(*args) -> str:
+    """The last stderr line of `mlx-dflash serve ARGS`, which must fail at load with exit 2."""
     r = subprocess.run(
-        [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(_free_port()), "-n", "100000"],
+        [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(_free_port()), *args],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 2, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --max-tokens 100000 is more than this model's context ("), r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_serve_refuses_a_default_max_tokens_beyond_the_context():
+    last = _serve_load_error("-n", "100000")
+    assert last.startswith("error: --max-tokens 100000 is more than this model's context ("), last
 
 
 def test_serve_load_error_exits_2_every_time():
     # The engine loads on its own thread; the interpreter's teardown after
     # that thread ran MLX used to abort now and then (exit 134, about 1 in 3).
     for _ in range(4):
-        r = subprocess.run(
-            [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(_free_port()), "--block-size", "99"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert r.returncode == 2, r.stderr
-        assert r.stderr.strip().splitlines()[-1].startswith("error: block_size (--block-size)"), r.stderr
+        last = _serve_load_error("--block-size", "99")
+        assert last.startswith("error: block_size (--block-size)"), last
 
 
 # --- a batched step that fails ------------------------------------------------------------

@@ -151,6 +151,16 @@ def is_gguf(path) -> bool:
 SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
+def split_parts(name: str) -> Optional[List[str]]:
+    """Every part's name, first to last, of the split GGUF whose part is
+    named ``name`` (a file name or a path in a repo); None for another name."""
+    m = SPLIT_NAME.match(name)
+    if m is None:
+        return None
+    n = int(m["count"])
+    return [f"{m['prefix']}-{i + 1:05d}-of-{n:05d}.gguf" for i in range(n)]
+
+
 class SplitGGUF:
     """The parts of a split GGUF read as one file: the metadata is the first
     part's (the others hold only the split keys), the tensors are every
@@ -187,14 +197,14 @@ def open_gguf(path):
     if count <= 1:
         return reader
     no = int(field(reader, "split.no", 0))
-    m = SPLIT_NAME.match(p.name)
-    if m is None or int(m["count"]) != count:
+    names = split_parts(p.name)
+    if names is None or len(names) != count:
         raise DFlashError(
             f"{p} is part {no + 1} of a split GGUF of {count} parts, but its name is not llama.cpp's "
             f"PREFIX-{no + 1:05d}-of-{count:05d}.gguf, so the other parts cannot be found: rename the parts "
             "as gguf-split names them"
         )
-    files = [p.with_name(f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+    files = [p.with_name(n) for n in names]
     missing = [f.name for f in files if not f.exists()]
     if missing:
         raise DFlashError(f"split GGUF {files[0]}: missing part(s) {', '.join(missing)} (expected beside {p.name})")
@@ -1001,11 +1011,11 @@ def tokenizer_dir_for(path) -> Path:
     """A folder holding the GGUF's tokenizer files: made once per file and
     process, and removed when the process ends."""
     p = Path(path).expanduser()  # not resolved: a split's parts are found beside the name given (hub links)
-    reader = open_gguf(p)
-    key = (str(p.absolute()), p.stat().st_mtime_ns)
+    key = (str(p.absolute()), p.stat().st_mtime_ns) if p.is_file() else None
     d = _TOKENIZER_DIRS.get(key)
     if d is not None and d.exists():
         return d
+    reader = open_gguf(p)  # also the error for a path that is not a GGUF file
     if not _TOKENIZER_DIRS:
         atexit.register(lambda: [shutil.rmtree(x, ignore_errors=True) for x in _TOKENIZER_DIRS.values()])
     d = Path(tempfile.mkdtemp(prefix="mlx_dflash_gguf_tok_"))

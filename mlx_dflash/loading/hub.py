@@ -83,21 +83,19 @@ def _download_repo(repo: str, rev: Optional[str]) -> Path:
 def _download_file(repo: str, file: str, rev: Optional[str]) -> Path:
     from huggingface_hub import hf_hub_download
 
-    from .gguf import SPLIT_NAME
+    from .gguf import split_parts
 
-    m = SPLIT_NAME.match(file)
-    if m is None:
+    parts = split_parts(file)
+    if parts is None:
         return Path(_offline_first(hf_hub_download, repo, file, revision=rev))
     # A part of a split GGUF: every part, into one snapshot folder; the loader finds them by name.
-    count = int(m["count"])
-    parts = [f"{m['prefix']}-{i + 1:05d}-of-{count:05d}.gguf" for i in range(count)]
     listed = set(_repo_files(repo, rev))
     missing = [f for f in parts if f not in listed]
     if missing:  # before fetching the others (many GB, on the models that come split)
         where = "the Hugging Face cache holds" if _offline() else "the repo lists"
-        raise DFlashError(f"{repo}/{parts[0]} is split in {count} parts, and {where} no {', '.join(missing)}")
+        raise DFlashError(f"{repo}/{parts[0]} is split in {len(parts)} parts, and {where} no {', '.join(missing)}")
     paths = [Path(_offline_first(hf_hub_download, repo, f, revision=rev)) for f in parts]
-    return paths[int(m["no"]) - 1]
+    return paths[parts.index(file)]
 
 
 def _no_network(e: BaseException) -> bool:
@@ -138,10 +136,10 @@ def _repo_files(repo: str, rev: Optional[str]) -> list:
 def _gguf_names(files) -> list:
     """The model GGUFs among ``files``, a split one once, as its first part (the
     name llama.cpp's -hf takes)."""
-    from .gguf import SPLIT_NAME
+    from .gguf import split_parts
 
     names = [f for f in files if f.endswith(".gguf") and "mmproj" not in f.lower()]
-    return sorted({f if SPLIT_NAME.match(f) is None else SPLIT_NAME.sub(_first_part, f) for f in names})
+    return sorted({(split_parts(f) or [f])[0] for f in names})
 
 
 def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
@@ -157,10 +155,6 @@ def _pick_gguf(repo: str, rev: Optional[str], quant: str) -> str:
     if len(hits) > 1:
         raise DFlashError(f"{repo}:{quant} matches several files ({', '.join(hits)}); name one as {repo}/FILE.gguf")
     return hits[0]
-
-
-def _first_part(m) -> str:
-    return f"{m['prefix']}-00001-of-{m['count']}.gguf"
 
 
 class _hub_errors:
