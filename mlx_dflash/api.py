@@ -10,7 +10,14 @@ import mlx.core as mx
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError, check_text, is_int
-from .loading import check_draft_files, load_draft, load_target, load_tokenizer, tokenizer_folder
+from .loading import (
+    check_adapter_files,
+    check_draft_files,
+    load_draft,
+    load_target,
+    load_tokenizer,
+    tokenizer_folder,
+)
 from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
@@ -49,6 +56,7 @@ class Engine:
     # Loaded without a draft: the published DFlash draft(s) that fit the target (hub ids).
     suggested_drafts: List[str] = field(default_factory=list)
     stage: Optional[object] = None
+    adapter_path: Optional[Path] = None  # fine-tuning adapters applied to the target
 
     def encode(
         self,
@@ -90,6 +98,7 @@ def load(
     draft_dtype: Optional[mx.Dtype] = None,
     compile: bool = True,
     pipeline=None,
+    adapter_path: Union[str, Path, None] = None,
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
@@ -108,6 +117,12 @@ def load(
     every rank of an ``mlx.launch`` run; each loads only its stage of the
     target's layers (``Engine.stage``). Rank 0 also loads the tokenizer and
     the draft and generates; the other ranks call ``engine.stage.serve()``.
+    ``adapter_path``: a folder of fine-tuning adapters as mlx-lm's lora
+    trainer writes it (LoRA, DoRA or full; ``adapter_config.json`` and
+    ``adapters.safetensors``), applied to the target as ``mlx_lm.load(...,
+    adapter_path=...)`` applies it. The draft is used as given: one trained
+    for the base target proposes for the adapted one (the output is the
+    adapted target's either way; acceptance may be lower).
     """
     name = str(model) if model is not None else ""
     if model is None:
@@ -117,27 +132,37 @@ def load(
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
     model, draft = resolve(model), resolve(draft)
+    if adapter_path is not None:
+        adapter_path = check_adapter_files(adapter_path)  # before a load the adapters would not fit anyway
     stage, tok_dir = None, None
     if pipeline:
         from .distributed import Pipeline, load_stage
 
-        stage = load_stage(model, draft, dtype=dtype, pipeline=pipeline if isinstance(pipeline, Pipeline) else None)
+        stage = load_stage(
+            model,
+            draft,
+            dtype=dtype,
+            pipeline=pipeline if isinstance(pipeline, Pipeline) else None,
+            adapter_path=adapter_path,
+        )
         target = stage.target
         if stage.rank != 0:  # its layers only: it serves rank 0
             set_compiled(target, None, compile)
-            return Engine(target, None, model_path=Path(model), stage=stage)
+            return Engine(target, None, model_path=Path(model), stage=stage, adapter_path=adapter_path)
     else:
         tok_dir = tokenizer_folder(model)  # a GGUF's tokenizer is checked before its weights are decoded
         if draft is not None:
             check_draft_files(draft)  # and the draft's files
-        target = load_target(model, dtype=dtype, progress=True)
+        target = load_target(model, dtype=dtype, progress=True, adapter_path=adapter_path)
     eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
     tokenizer = load_tokenizer(tok_dir or tokenizer_folder(model), eos_token_ids=eos)
     d = None
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
     set_compiled(target, d, compile)
-    engine = Engine(target, tokenizer, d, Path(model), Path(draft) if draft else None, stage=stage)
+    engine = Engine(
+        target, tokenizer, d, Path(model), Path(draft) if draft else None, stage=stage, adapter_path=adapter_path
+    )
     if stage is not None:
         stage.load_peak_memory = mx.get_peak_memory() / 1e9
     if d is None:

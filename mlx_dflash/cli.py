@@ -92,6 +92,12 @@ COMPILE_OPTION = typer.Option(
 PIPELINE_TIMEOUT = 60.0  # --pipeline-timeout's default, seconds
 DTYPE_OPTION = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load.")
 DRAFT_QUANTIZE_OPTION = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load.")
+ADAPTER_OPTION = typer.Option(
+    None,
+    "--adapter-path",
+    help="Folder of fine-tuning adapters as mlx-lm's lora writes it (LoRA, DoRA or full: "
+    "adapter_config.json, adapters.safetensors), applied to the target at load.",
+)
 EXTRA_EOS_OPTION = typer.Option(
     None,
     "--extra-eos-token",
@@ -294,7 +300,7 @@ def _not_a_count(model: Optional[Path]) -> None:
 
 
 def _engine_loader(
-    model, draft, *, dtype, compile_, pipeline: bool, pipeline_timeout: float, draft_quantize=None
+    model, draft, *, dtype, compile_, pipeline: bool, pipeline_timeout: float, draft_quantize=None, adapter_path=None
 ) -> Optional[Callable[[], object]]:
     """How a command gets its engine: a function that loads it (call it where
     the engine is used). With --pipeline every rank loads its stage now: rank 0
@@ -308,7 +314,9 @@ def _engine_loader(
     _not_a_count(model)
 
     def get(**extra):
-        return load(model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_, **extra)
+        return load(
+            model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_, adapter_path=adapter_path, **extra
+        )
 
     if not pipeline:
         return get
@@ -423,6 +431,7 @@ def generate(
     ),
     extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     verbose: bool = typer.Option(
@@ -471,6 +480,7 @@ def generate(
         draft,
         dtype=dtype,
         draft_quantize=draft_quantize,
+        adapter_path=adapter_path,
         compile_=compile_,
         pipeline=pipeline,
         pipeline_timeout=pipeline_timeout,
@@ -584,6 +594,7 @@ def chat(
     ),
     extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     chat_template_config: Optional[str] = typer.Option(
@@ -614,7 +625,9 @@ def chat(
     _not_a_count(model)
     if prompt_cache_file is not None:
         _check_output(prompt_cache_file, "--prompt-cache-file")
-    engine = load(model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_)
+    engine = load(
+        model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_, adapter_path=adapter_path
+    )
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
     _add_eos_tokens(engine, extra_eos_token)
@@ -1060,6 +1073,7 @@ def serve(
         "argument, or 'mlx-dflash' for the embedded pair).",
     ),
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine; more get HTTP 429."),
@@ -1173,6 +1187,7 @@ def serve(
         draft,
         dtype=dtype,
         draft_quantize=draft_quantize,
+        adapter_path=adapter_path,
         compile_=compile_,
         pipeline=pipeline,
         pipeline_timeout=pipeline_timeout,

@@ -444,6 +444,24 @@ def _cli(model, draft, extra):
     ]
 
 
+def test_two_stage_generate_with_adapters_equals_one_process(tmp_path, pair_dirs):
+    """--adapter-path under --pipeline: each rank adapts its own layers; the
+    text is one process's with the same adapters (and not the base model's)."""
+    from test_adapters import write_adapters
+
+    import mlx_dflash
+
+    model, draft = pair_dirs["dense"]
+    adapters = write_adapters(model, tmp_path / "lora", "lora", num_layers=4)
+    outs = wait_all(launch(tmp_path, 2, _cli(model, draft, ["--adapter-path", str(adapters), "-n", "16"]), False), 300)
+    for rc, _, err in outs:
+        assert rc == 0, err[-2000:]
+    engine = mlx_dflash.load(str(model), str(draft), adapter_path=adapters)
+    want = mlx_dflash.generate(engine, "def fibonacci(n):", max_tokens=16).text
+    base = mlx_dflash.generate(mlx_dflash.load(str(model), str(draft)), "def fibonacci(n):", max_tokens=16).text
+    assert want != base and outs[0][1].rstrip("\n") == want
+
+
 def _wait_for_output(proc, timeout):
     """Block until rank 0 has printed generated text (the generation is under way)."""
     import select

@@ -367,7 +367,7 @@ class Stage:
             self.target.stop()
 
 
-def load_stage(model, draft=None, *, dtype=None, pipeline: Optional[Pipeline] = None) -> Stage:
+def load_stage(model, draft=None, *, dtype=None, pipeline: Optional[Pipeline] = None, adapter_path=None) -> Stage:
     """This rank's share of a pipeline-parallel target (``model``: a local
     folder or GGUF file; ``draft`` only sizes rank 0's share here).
 
@@ -393,7 +393,8 @@ def load_stage(model, draft=None, *, dtype=None, pipeline: Optional[Pipeline] = 
         return embed if "embed_tokens" in name else rank == 0
 
     # A folder maps lazily (nothing read until evaluated); a GGUF decodes only this rank's tensors.
-    base = load_target(model, dtype=dtype, lazy=True, only=owned)
+    # Adapters wrap every adapted layer; a rank evaluates only its own layers' weights.
+    base = load_target(model, dtype=dtype, lazy=True, only=owned, adapter_path=adapter_path)
     if rank == 0:
         t = PipelineTarget(base.model, base.config, start, end, link, embed=draft is not None or stage == 0)
     else:

@@ -3,15 +3,19 @@
 either. Hub ids are resolved to local paths first (:func:`.hub.resolve`,
 called by ``api.load``, the engine factory)."""
 
+import json
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from ..errors import DFlashError
 from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
 from .hf import build_draft, read_config, read_draft, safetensors_sizes
 from .hf import load_target as load_folder_target
 from .hf import load_tokenizer as load_folder_tokenizer
 
 __all__ = [
+    "apply_adapters",
+    "check_adapter_files",
     "load_draft",
     "load_target",
     "load_tokenizer",
@@ -22,18 +26,82 @@ __all__ = [
 ]
 
 
-def load_target(path, dtype=None, lazy: bool = False, *, only: Optional[Callable[[str], bool]] = None, progress=None):
+def load_target(
+    path,
+    dtype=None,
+    lazy: bool = False,
+    *,
+    only: Optional[Callable[[str], bool]] = None,
+    progress=None,
+    adapter_path=None,
+):
     """A Qwen3.5/3.6 target from a folder or a llama.cpp GGUF file.
 
     ``lazy`` (folders): weights stay unread until used. ``only(parameter
     name)`` (GGUF): decode just those tensors, the rest stay lazy placeholders
     (a pipeline stage's share; give a folder ``lazy`` for the same).
     ``progress``: a GGUF's decode progress (see :func:`.gguf.load_gguf_target`).
+    ``adapter_path``: fine-tuning adapters applied on top (:func:`apply_adapters`).
     """
     if is_gguf(path):
         target, _ = load_gguf_target(path, dtype=dtype, only=only, progress=progress)
+    else:
+        target = load_folder_target(path, dtype=dtype, lazy=lazy)
+    if adapter_path is None:
         return target
-    return load_folder_target(path, dtype=dtype, lazy=lazy)
+    from ..models.qwen35 import Target
+
+    apply_adapters(target.model, adapter_path)
+    return Target(target.model, target.config)  # a fresh wrapper: it holds the modules it calls
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")
+FINE_TUNE_TYPES = ("lora", "dora", "full")
+
+
+def check_adapter_files(path) -> Path:
+    """The adapter folder ``path`` as mlx-lm's lora trainer writes it, its
+    config read and checked (one clear error otherwise): done before a
+    target loads, so a typo costs no load."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DFlashError(f"adapter path does not exist: {p}")
+    if not p.is_dir():
+        raise DFlashError(f"adapter path is not a folder (mlx-lm's lora writes {' and '.join(ADAPTER_FILES)}): {p}")
+    missing = [f for f in ADAPTER_FILES if not (p / f).is_file()]
+    if missing:
+        raise DFlashError(f"adapter folder {p} has no {' or '.join(missing)} (not an mlx-lm adapter folder?)")
+    try:
+        cfg = json.loads((p / ADAPTER_FILES[0]).read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot read {p / ADAPTER_FILES[0]}: {e}") from None
+    kind = cfg.get("fine_tune_type", "lora") if isinstance(cfg, dict) else None
+    if kind not in FINE_TUNE_TYPES:
+        raise DFlashError(f"{p / ADAPTER_FILES[0]}: fine_tune_type {kind!r} is not one of {', '.join(FINE_TUNE_TYPES)}")
+    if kind != "full":
+        lp = cfg.get("lora_parameters")
+        if not isinstance(cfg.get("num_layers"), int) or not isinstance(lp, dict):
+            raise DFlashError(f"{p / ADAPTER_FILES[0]}: a {kind} adapter needs num_layers and lora_parameters")
+        absent = [k for k in ("rank", "scale") if k not in lp]
+        if absent:
+            raise DFlashError(f"{p / ADAPTER_FILES[0]}: lora_parameters lacks {', '.join(absent)}")
+    return p
+
+
+def apply_adapters(model, path) -> None:
+    """Apply mlx-lm fine-tuning adapters (LoRA, DoRA or full, as ``mlx_lm.lora``
+    saves them) to an mlx-lm model in place, by mlx-lm's own ``load_adapters``:
+    the adapted layers compute what they compute under ``mlx_lm.load(...,
+    adapter_path=...)``, unfused."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    p = check_adapter_files(path)
+    try:
+        load_adapters(model, str(p))
+    except Exception as e:  # mlx-lm raises ValueError/KeyError for adapters of another model
+        msg = " ".join(str(e).split())
+        raise DFlashError(f"adapters {p} do not fit this model: {type(e).__name__}: {msg}") from None
+    model.eval()
 
 
 def tokenizer_folder(path) -> Path:
