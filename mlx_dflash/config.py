@@ -147,9 +147,11 @@ class GenerationConfig:
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")
         if self.prefill_chunk < 1:
-            raise DFlashError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+            raise DFlashError(f"prefill_chunk (--prefill-chunk) must be positive, got {self.prefill_chunk}")
         if self.accept_rule not in ACCEPT_RULES:
-            raise DFlashError(f"acceptance rule must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}")
+            raise DFlashError(
+                f"accept_rule (--accept-rule) must be one of {', '.join(ACCEPT_RULES)}, got {self.accept_rule!r}"
+            )
         check_kv_bits(self.kv_bits)
         if self.tree_budget < 0 or self.auto_tree < 0:
             raise DFlashError(

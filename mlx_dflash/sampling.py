@@ -74,19 +74,21 @@ class Sampler:
     ) -> None:
         """The ranges of the sampling options (the one place they are checked)."""
         if not math.isfinite(temperature) or temperature < 0:
-            raise DFlashError(f"temperature must be a finite number >= 0, got {temperature}")
+            raise DFlashError(f"temperature (--temp) must be a finite number >= 0, got {temperature}")
         if not 0.0 <= top_p <= 1.0:
-            raise DFlashError(f"top_p must be in [0, 1] (0 or 1: off), got {top_p}")
+            raise DFlashError(f"top_p (--top-p) must be in [0, 1] (0 or 1: off), got {top_p}")
         if top_k < 0:
-            raise DFlashError(f"top_k must be >= 0, got {top_k}")
+            raise DFlashError(f"top_k (--top-k) must be >= 0, got {top_k}")
         if not 0.0 <= min_p <= 1.0:
-            raise DFlashError(f"min_p must be in [0, 1], got {min_p}")
+            raise DFlashError(f"min_p (--min-p) must be in [0, 1], got {min_p}")
         if min_tokens_to_keep < 1:
-            raise DFlashError(f"min_tokens_to_keep must be >= 1, got {min_tokens_to_keep}")
+            raise DFlashError(f"min_tokens_to_keep (--min-tokens-to-keep) must be >= 1, got {min_tokens_to_keep}")
         if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
-            raise DFlashError(f"repetition penalty must be a finite positive number, got {repetition_penalty}")
+            raise DFlashError(
+                f"repetition_penalty (--repetition-penalty) must be a finite positive number, got {repetition_penalty}"
+            )
         if repetition_context_size < 1:
-            raise DFlashError("repetition context size must be positive")
+            raise DFlashError("repetition_context_size (--repetition-context-size) must be positive")
 
     @property
     def greedy(self) -> bool:

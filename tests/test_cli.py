@@ -172,9 +172,12 @@ def bad_cases(tmp_path, small_ctx_model):
             "context limit is 16",
         ),
         (["generate", "hi", "--temp", "-1"], "temperature"),
-        (["generate", "hi", "--temp", "nan"], "temperature must be a finite number"),
-        (["generate", "hi", "--repetition-penalty", "inf"], "repetition penalty must be a finite"),
-        (["serve", "--temp", "nan"], "temperature must be a finite number"),
+        (["generate", "hi", "--temp", "nan"], "temperature (--temp) must be a finite number"),
+        (
+            ["generate", "hi", "--repetition-penalty", "inf"],
+            "repetition_penalty (--repetition-penalty) must be a finite",
+        ),
+        (["serve", "--temp", "nan"], "temperature (--temp) must be a finite number"),
         # An invalid UTF-8 byte on the command line reaches Python as a lone surrogate.
         (["generate", "a\udcffb"], "not valid UTF-8 text (byte 0xff"),
         (["generate", "hi", "--system", "x\udcfe"], "system prompt is not valid UTF-8"),

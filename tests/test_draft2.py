@@ -502,7 +502,7 @@ def test_sampled_decoding_runs_with_either_rule(dense, tmp_path):
     plain, _ = run(target, prompt, 16, sampler=Sampler(0.9, seed=3))
     eq, _ = run(target, prompt, 16, draft=draft, sampler=Sampler(0.9, seed=3), accept_rule="equality")
     assert plain == eq
-    with pytest.raises(DFlashError, match="acceptance rule"):
+    with pytest.raises(DFlashError, match="accept_rule"):
         run(target, prompt, 4, draft=draft, sampler=Sampler(0.9, seed=3), accept_rule="typical")
 
 
@@ -616,6 +616,6 @@ def test_bench_and_generate_take_a_dflash2_draft(dense, tok_dir, tmp_path, capsy
         )
         assert code in (0, None), out
     code, out = cli("generate", "-m", str(path), "-d", str(d2), "--temp", "0.8", "--accept-rule", "typical", "x")
-    assert code == 2 and "acceptance rule must be" in out and "Traceback" not in out
+    assert code == 2 and "accept_rule (--accept-rule) must be" in out and "Traceback" not in out
     code, out = cli("info", str(d2))
     assert "kind: DFlash 2 draft" in out
