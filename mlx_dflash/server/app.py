@@ -5,6 +5,7 @@ prompt rendering, job submission and the event stream of a running job
 import asyncio
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
@@ -20,6 +21,7 @@ from .tools import prompt_opens_thinking
 from .worker import Job, QueueFull, Worker
 
 log = logging.getLogger("mlx_dflash.server")
+FLAGS = re.compile(r" \(--[a-z-]+(?:, --[a-z-]+)*\)")  # "top_p (--top-p) must ..." -> "top_p must ..."
 
 
 @dataclass
@@ -149,7 +151,7 @@ class Server:
             gen = self.settings.generation.with_request(request, max_tokens)
             gen.validate()
         except (DFlashError, TypeError, ValueError) as e:
-            message = str(e)
+            message = FLAGS.sub("", str(e))  # a client sent fields, not command-line flags
             # The field it names first is the error's param (its words: "repetition penalty ...").
             named = sorted(
                 (i, f)
