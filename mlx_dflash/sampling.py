@@ -22,6 +22,8 @@ ACCEPT_RULES = ("speculative", "equality")
 # The one default of every layer (decode loop, API, CLI, server): it kept
 # more drafted tokens in all four cases of bench/results/accept-rules.md.
 DEFAULT_ACCEPT_RULE = "speculative"
+# The least temperature above 0: its reciprocal, which scales the scores, is a float32.
+MIN_TEMPERATURE = 1e-38
 
 
 class Sampler:
@@ -75,6 +77,10 @@ class Sampler:
         """The ranges of the sampling options (the one place they are checked)."""
         if not math.isfinite(temperature) or temperature < 0:
             raise DFlashError(f"temperature (--temp) must be a finite number >= 0, got {temperature}")
+        if 0 < temperature < MIN_TEMPERATURE:  # 1 / temperature scales the scores: it must be a float32
+            raise DFlashError(
+                f"temperature (--temp) must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {temperature}"
+            )
         if not 0.0 <= top_p <= 1.0:
             raise DFlashError(f"top_p (--top-p) must be in [0, 1] (0 or 1: off), got {top_p}")
         if top_k < 0:
@@ -119,8 +125,9 @@ class Sampler:
         return logprobs
 
     def _scores(self, logits: mx.array, contexts) -> mx.array:
-        """Penalized log-probabilities (greedy) or filtered, tempered ones, in
-        the logits' dtype, as mlx-lm computes them."""
+        """Penalized log-probabilities (greedy: in the logits' dtype, as mlx-lm
+        computes them) or filtered ones tempered in float32 (a half-precision
+        1 / temperature overflows from temperature 1.5e-5 down)."""
         if self.needs_context:
             if contexts is None:
                 raise ValueError("repetition penalty needs each row's context")
@@ -128,7 +135,7 @@ class Sampler:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.greedy:
             return logprobs
-        return self._filter(logprobs) * (1.0 / self.temperature)
+        return self._filter(logprobs).astype(mx.float32) * (1.0 / self.temperature)
 
     def noise(self, positions: Sequence[int], vocab: int) -> mx.array:
         """Gumbel noise [N, V], a fixed function of (seed, position)."""

@@ -98,6 +98,18 @@ def test_filters_follow_mlx_lm_order_and_precision():
         assert Sampler(0.0, seed=0)(lg, [0]).item() == want.item()
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_vanishing_temperature_samples_the_greedy_token(dtype):
+    # In float16 1 / 1e-6 is inf: tempered in the logits' dtype, every score
+    # was -inf or nan and every draw token 0.
+    rows = mx.concatenate([logits_row(dtype, seed) for seed in range(8)])
+    greedy = Sampler(0.0, seed=0)(rows, list(range(8)))
+    for t in (1e-6, 1e-30, 1e-38):
+        assert Sampler(t, seed=3)(rows, list(range(8))).tolist() == greedy.tolist(), t
+    with pytest.raises(DFlashError, match="must be 0 \\(greedy\\) or at least 1e-38"):
+        Sampler(1e-39, seed=0)
+
+
 def test_mlx_lm_flag_values_and_bad_values():
     logits = logits_row(mx.float32)
     # mlx-lm's "off" values: top_p 0 or 1, min_p 0, top_k 0 (and top_k >= V keeps all).
