@@ -38,6 +38,19 @@ def token_ids(prompt) -> List[int]:
     return [int(t) for t in prompt]
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_of(value, what: str = "dtype"):
+    """A float dtype given as an mx.Dtype or by name ("float32", "bfloat16",
+    "float16"); None stays None. Anything else is one error naming ``what``."""
+    if value is None or isinstance(value, mx.Dtype) and value in tuple(getattr(mx, n) for n in DTYPES):
+        return value
+    if isinstance(value, str) and value in DTYPES:
+        return getattr(mx, value)
+    raise DFlashError(f"{what} must be one of {', '.join(DTYPES)}, got {value!r}")
+
+
 @dataclass
 class Engine:
     """A loaded target (+ optional draft) and its tokenizer; made by :func:`load`.
@@ -69,7 +82,14 @@ class Engine:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
         with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
+            if chat_template or system or chat_template_config:
+                raise DFlashError(
+                    "a prompt of token ids is used as given: chat_template, system and "
+                    "chat_template_config apply to text prompts"
+                )
             return token_ids(prompt)
+        if (system or chat_template_config) and not chat_template:
+            raise DFlashError("system and chat_template_config are parts of the chat template: give chat_template=True")
         if not prompt.strip():
             raise DFlashError("empty prompt: give some text")
         check_text(prompt, "the prompt")
@@ -109,7 +129,8 @@ def load(
     With no ``model`` the embedded default pair is loaded (target and draft, as float32).
     A target loaded without a draft for which a published DFlash draft exists
     gets ``suggested_drafts`` and a :class:`~mlx_dflash.loading.hub.DraftHint` warning.
-    ``dtype`` casts float weights (e.g. ``mx.float32`` on a CPU);
+    ``dtype`` casts float weights (``mx.float32`` or "float32" on a CPU; also
+    bfloat16, float16);
     ``draft_quantize`` = 4 or 8 quantizes the draft at load.
     ``compile`` (default): decode-time forwards run as ``mx.compile``'d
     pieces (same results, fewer dispatches); False runs plain MLX ops.
@@ -125,6 +146,7 @@ def load(
     adapted target's either way; acceptance may be lower).
     """
     name = str(model) if model is not None else ""
+    dtype, draft_dtype = dtype_of(dtype), dtype_of(draft_dtype, "draft_dtype")
     if model is None:
         model = DEFAULT_MODEL
         if draft is None:
@@ -195,12 +217,25 @@ def set_compiled(target, draft, on: bool) -> None:
 
 @dataclass
 class GenerationResponse:
-    """One streamed step: the text and token ids committed in it."""
+    """One streamed step: the text and token ids committed in it (a drafted
+    cycle commits several). ``stats`` is the generation's, live (it ends as
+    the final counts in every response); the fields after it are mlx-lm's
+    response fields, as they stood when this step was yielded."""
 
     text: str
     tokens: List[int]
     stats: GenerationStats
     finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0  # prefilled tokens per second (restored ones not counted)
+    generation_tokens: int = 0  # generated so far, this step's included
+    generation_tps: float = 0.0  # after the first token, as mlx-lm counts it
+    peak_memory: float = 0.0  # GB
+
+    @property
+    def token(self) -> Optional[int]:
+        """The last token of this step (mlx-lm yields one token per step)."""
+        return self.tokens[-1] if self.tokens else None
 
 
 @dataclass
@@ -285,20 +320,57 @@ def stream_generate(
                     detok.add_token(t)
             if stats.finish_reason is not None:
                 detok.finalize()
-            yield GenerationResponse(detok.last_segment, tokens, stats, stats.finish_reason)
+            yield GenerationResponse(
+                detok.last_segment,
+                tokens,
+                stats,
+                stats.finish_reason,
+                prompt_tokens=stats.prompt_tokens,
+                prompt_tps=stats.prefill_tps,
+                generation_tokens=stats.generated_tokens,
+                generation_tps=stats.decode_tps,
+                peak_memory=stats.peak_memory,
+            )
     finally:
         if engine.stage is not None:  # the other stages apply the last rollback, then wait unbounded
             engine.stage.sync()
 
 
 def generate(
-    engine: Engine, prompt: Union[str, Sequence[int]], config: Optional[GenerationConfig] = None, **kwargs
+    engine: Engine,
+    prompt: Union[str, Sequence[int]],
+    config: Optional[GenerationConfig] = None,
+    *,
+    verbose: bool = False,
+    **kwargs,
 ) -> GenerationResult:
     """Generate to completion; returns text, token ids and stats.
 
-    Takes the arguments of :func:`stream_generate`.
+    Takes the arguments of :func:`stream_generate`. ``verbose``: print the
+    text as it comes and then the counts, as mlx-lm's ``generate`` does
+    (with the tokens per cycle and the widths chosen).
     """
-    return collect(stream_generate(engine, prompt, config, **kwargs))
+    pieces = stream_generate(engine, prompt, config, **kwargs)
+    if not verbose:
+        return collect(pieces)
+    print("=" * 10)
+    result = collect(_echo(pieces))
+    print("\n" + "=" * 10)
+    s = result.stats
+    restored = f" ({s.cached_tokens} restored from the prefix cache)" if s.cached_tokens else ""
+    print(f"Prompt: {s.prompt_tokens} tokens{restored}, {s.prefill_tps:.3f} tokens-per-sec")
+    print(f"Generation: {s.generated_tokens} tokens, {s.decode_tps:.3f} tokens-per-sec")
+    if s.cycles:
+        widths = " ".join(f"{w}:{n}" for w, n in s.widths.items())
+        print(f"Tokens per cycle: {s.tau:.2f} (widths {widths}; 1 = plain steps)")
+    print(f"Peak memory: {s.peak_memory:.3f} GB")
+    return result
+
+
+def _echo(pieces):
+    for r in pieces:
+        print(r.text, end="", flush=True)
+        yield r
 
 
 def collect(pieces) -> GenerationResult:

@@ -38,18 +38,13 @@ def _main(
     """Lossless DFlash speculative decoding of Qwen3.5/3.6 models on MLX."""
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
 _FROM_COMMAND_LINE = False  # main() runs as the process's own command line (may re-exec)
 
 
 def _dtype(name: Optional[str]):
-    import mlx.core as mx
+    from .api import dtype_of
 
-    if name is None:
-        return None
-    if name not in _DTYPES:
-        raise DFlashError(f"--dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
-    return getattr(mx, name)
+    return dtype_of(name, "--dtype")
 
 
 def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:

@@ -29,6 +29,18 @@ SAMPLER_OPTIONS = (
 )
 # The fields a server request may set (by the same name in its body).
 SAMPLING = SAMPLER_OPTIONS + ("seed", "accept_rule")
+# mlx-lm's generate() keywords with no field of that name, and what to give instead.
+MLX_LM_NAMES = {
+    "temp": "temp is make_sampler's name; give temperature",
+    "sampler": "sampler: give the sampling fields (temperature, top_p, top_k, min_p); exact speculative "
+    "sampling needs the distribution they define, not a callable",
+    "logits_processors": "logits_processors: give repetition_penalty and repetition_context_size; exact "
+    "speculative sampling needs the distribution they define, not a callable",
+    "prompt_cache": "prompt_cache: give prefix_cache=mlx_dflash.PrefixCache()",
+    "draft_model": "draft_model: give the draft to load(model, draft)",
+    "num_draft_tokens": "num_draft_tokens N: give block_size=N + 1",
+    "max_kv_size": "max_kv_size: a rotating KV cache is not implemented",
+}
 # Each option's kind, checked before its range: a string, a float where a count
 # belongs or NaN would otherwise fail deep inside (or never stop).
 _INTS = ("top_k", "min_tokens_to_keep", "repetition_context_size", "tree_budget", "tree_topk", "auto_tree")
@@ -73,7 +85,10 @@ class GenerationConfig:
         """A copy with ``options`` set; an unknown name is an error (not silently dropped)."""
         unknown = sorted(set(options) - set(self.names()))
         if unknown:
-            raise DFlashError(f"unknown generation option(s): {', '.join(unknown)}")
+            hints = [MLX_LM_NAMES[u] for u in unknown if u in MLX_LM_NAMES]
+            raise DFlashError(
+                f"unknown generation option(s): {', '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else "")
+            )
         return replace(self, **options) if options else self
 
     @classmethod
@@ -144,6 +159,8 @@ class GenerationConfig:
 
         self.check_types()
         Sampler.check(**self.sampler_options())
+        if self.seed is not None and not 0 <= self.seed < 2**63:  # the keys are taken modulo 2**63
+            raise DFlashError(f"seed (--seed) must be in 0..2**63 - 1, got {self.seed}")
         if self.max_tokens < 1:
             raise DFlashError(f"max_tokens (--max-tokens) must be positive, got {self.max_tokens}")
         if self.prefill_chunk < 1:

@@ -540,6 +540,9 @@ class PrefixCache:
         for another model, a truncated or corrupt one raise
         :class:`~mlx_dflash.errors.DFlashError` (nothing is half-loaded).
         Snapshots beyond ``max_bytes`` are dropped, least recently used first."""
+        from .api import check_engine
+
+        check_engine(engine)
         path = Path(path)
         if not path.is_file():
             raise DFlashError(f"prompt cache file not found: {path}")

@@ -1,5 +1,7 @@
 """Speculative greedy output equals mlx-lm's greedy generation, token for token."""
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -231,14 +233,45 @@ def test_public_api_refuses_bad_prompts_and_batches_by_name():
         (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft, policy=3), "policy must be a BatchPolicy"),
         (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft, eos_token_ids="abc"), "eos_token_ids must be"),
         (lambda: mlx_dflash.BatchDecoder(eng.target, eng.draft).add("def f():"), "add takes token ids"),
+        (lambda: mlx_dflash.generate(eng, "def f", system="be brief"), "give chat_template=True"),
+        (lambda: mlx_dflash.generate(eng, [1, 2], chat_template=True), "token ids is used as given"),
+        (lambda: mlx_dflash.generate(eng, "def f", seed=-1), "seed (--seed) must be in 0..2**63 - 1, got -1"),
+        (lambda: mlx_dflash.generate(eng, "def f", seed=2**63), "seed (--seed) must be in 0..2**63 - 1"),
+        (lambda: mlx_dflash.generate(eng, "def f", temp=0.7), "temp is make_sampler's name; give temperature"),
+        (lambda: mlx_dflash.generate(eng, "def f", num_draft_tokens=3), "give block_size=N + 1"),
+        (lambda: mlx_dflash.generate(eng, "def f", prompt_cache=[]), "give prefix_cache="),
+        (lambda: mlx_dflash.load(dtype="float64"), "dtype must be one of float32, bfloat16, float16"),
+        (lambda: mlx_dflash.load(dtype=mx.int32), "dtype must be one of"),
+        (lambda: mlx_dflash.PrefixCache.load("p.safetensors", None), "engine must be an Engine"),
     ]
     for call, words in cases:
         with pytest.raises(DFlashError) as e:
             call()
         assert words in str(e.value)
+    assert mlx_dflash.load(dtype="bfloat16").target.embed_tokens.weight.dtype == mx.bfloat16
     assert mlx_dflash.generate(eng, np.array([1, 5, 3]), max_tokens=4).tokens == (
         mlx_dflash.generate(eng, [1, 5, 3], max_tokens=4).tokens
     )
+
+
+def test_stream_responses_carry_mlx_lms_fields_as_they_stood(capsys):
+    """Each streamed response has mlx-lm's counters of its own step (the live
+    ``stats`` ends at the final counts in all of them); generate(verbose=True)
+    prints the text and the counts as mlx-lm's generate does."""
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    pieces = list(mlx_dflash.stream_generate(eng, "def f(x):", max_tokens=12))
+    counts = [r.generation_tokens for r in pieces]
+    assert counts == list(itertools.accumulate(len(r.tokens) for r in pieces)) and counts[-1] == 12
+    assert len(set(counts)) == len(pieces) > 1  # a count per step, not the last one everywhere
+    assert [r.token for r in pieces] == [r.tokens[-1] for r in pieces]
+    assert all(r.prompt_tokens == pieces[-1].stats.prompt_tokens > 0 and r.prompt_tps > 0 for r in pieces)
+    assert pieces[-1].generation_tps > 0 and pieces[-1].peak_memory > 0
+    result = mlx_dflash.generate(eng, "def f(x):", max_tokens=12, verbose=True)
+    out = capsys.readouterr().out
+    assert out.startswith("==========\n" + result.text + "\n==========\n")
+    assert "Prompt: 5 tokens, " in out and "Generation: 12 tokens, " in out and "Peak memory: " in out
 
 
 def test_generation_stops_at_context_limit(dense):
