@@ -436,10 +436,19 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(res: dict, folder: Path, name: str) -> List[Path]:
+def can_plot() -> bool:
+    """Whether matplotlib (the ``bench`` extra) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def write_results(res: dict, folder: Path, name: str, *, with_plot: bool = True) -> List[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     js, md, png = folder / f"{name}.json", folder / f"{name}.md", folder / f"{name}.png"
     js.write_text(json.dumps(res, indent=1))
     md.write_text(to_markdown(res))
+    if not with_plot:
+        return [js, md]
     plot(res, png)
     return [js, md, png]

@@ -32,7 +32,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(
     version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit.", metavar=""
     ),
 ) -> None:
     """Lossless DFlash speculative decoding of Qwen3.5/3.6 models on MLX."""
@@ -79,6 +79,7 @@ def _template_config(text: Optional[str]) -> Optional[dict]:
 COMPILE_OPTION = typer.Option(
     True,
     "--compile/--no-compile",
+    metavar="",  # a switch: no <bool> after it
     help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
     "--no-compile runs plain MLX ops (for troubleshooting).",
 )
@@ -110,7 +111,8 @@ GENERATION_FLAGS = {
         Optional[int],
         None,
         ("--block-size", "-b"),
-        "Tokens verified per cycle, 2..the draft's block size (default: the draft's).",
+        "Pin the tokens verified per cycle, 2..the draft's block size (default: chosen each cycle by the "
+        "adaptive policy, up to the draft's block; see --no-adaptive).",
     ),
     "num_draft_tokens": (
         Optional[int],
@@ -120,7 +122,7 @@ GENERATION_FLAGS = {
     ),
     "baseline": (bool, False, ("--baseline",), "Plain autoregressive decoding, no draft (for comparison)."),
     "temperature": (float, 0.0, ("--temp",), "Sampling temperature; 0 = greedy (exactly the target's greedy output)."),
-    "top_p": (float, 1.0, ("--top-p",), "Nucleus sampling mass (with --temp > 0)."),
+    "top_p": (float, 1.0, ("--top-p",), "Nucleus sampling mass (with --temp > 0); 1 or 0 = off."),
     "top_k": (int, 0, ("--top-k",), "Sample among the k most likely tokens; 0 = off."),
     "min_p": (float, 0.0, ("--min-p",), "Drop tokens below min_p x the top probability; 0 = off."),
     "min_tokens_to_keep": (int, 1, ("--min-tokens-to-keep",), "Tokens --min-p always keeps (the most likely ones)."),
@@ -198,8 +200,8 @@ GENERATION_FLAGS = {
         bool,
         False,
         ("--profile",),
-        "Synchronise after each phase so --verbose splits the time per cycle into draft / verify / "
-        "rollback (a little slower).",
+        "With --verbose: synchronise after each phase so the stats split the time per cycle into "
+        "draft / verify / rollback (a little slower).",
     ),
 }
 
@@ -218,7 +220,10 @@ def generation_options(*names: str, **defaults):
             default = defaults.get(n, default)
             extra.append(
                 inspect.Parameter(
-                    n, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=typer.Option(default, *flags, help=text)
+                    n,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=kind,
+                    default=typer.Option(default, *flags, help=text, metavar="" if kind is bool else None),
                 )
             )
 
@@ -412,9 +417,10 @@ def generate(
         None,
         "--chat-template/--no-chat-template",
         help="Wrap the prompt in the tokenizer's chat template (default: on when the tokenizer has one).",
+        metavar="",
     ),
     ignore_chat_template: bool = typer.Option(
-        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt."
+        False, "--ignore-chat-template", help="mlx-lm's name for --no-chat-template: use the raw prompt.", metavar=""
     ),
     chat_template_config: Optional[str] = typer.Option(
         None,
@@ -435,12 +441,14 @@ def generate(
         "-v",
         help="Print a stats table (tau, acceptance, tok/s) to stderr, and a line per change "
         "of verify width saying why (the candidates' expected tok/s, the acceptance evidence).",
+        metavar="",
     ),
     pipeline: bool = typer.Option(
         False,
         "--pipeline",
         help="Split the target's layers across the processes of an `mlx.launch` run "
         "(one contiguous stage each, balanced by weight bytes); rank 0 prints.",
+        metavar="",
     ),
     pipeline_timeout: float = typer.Option(
         PIPELINE_TIMEOUT,
@@ -675,7 +683,7 @@ def chat(
             )
     if prompt_cache_file is not None:
         pc.save(prompt_cache_file, engine)
-        typer.echo(f"(saved {len(pc)} snapshots to {prompt_cache_file})", err=True)
+        typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {prompt_cache_file})", err=True)
 
 
 @app.command("train-draft")
@@ -699,7 +707,9 @@ def train_draft_cmd(
     feature_cache: Optional[Path] = typer.Option(
         None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."
     ),
-    resume: bool = typer.Option(False, "--resume", help="Continue from OUT/checkpoint (weights, optimizer, step)."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from OUT/checkpoint (weights, optimizer, step).", metavar=""
+    ),
     block_size: int = typer.Option(16, "--block-size", "-b", help="Draft block size (anchor + B-1 masks)."),
     layers: int = typer.Option(2, "--layers", help="Draft transformer layers."),
     target_layer_ids: Optional[str] = typer.Option(
@@ -829,6 +839,7 @@ def bench(
         True,
         "--chat-template/--no-chat-template",
         help="Wrap prompts in the tokenizer's chat template (when it has one).",
+        metavar="",
     ),
     out: Path = typer.Option(Path("bench/results"), "--out", help="Folder for NAME.json, NAME.md and NAME.png."),
     name: str = typer.Option("bench", "--name", help="Base name of the result files."),
@@ -855,6 +866,7 @@ def bench(
         "--pipeline",
         help="Run under `mlx.launch`, the target split across its processes "
         "(no mlx-lm mode: plain decoding is the reference); rank 0 writes the results.",
+        metavar="",
     ),
     pipeline_timeout: float = typer.Option(
         PIPELINE_TIMEOUT,
@@ -870,10 +882,11 @@ def bench(
     ),
     gen=None,
 ):
-    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ
-    from plain decoding's (agreement with mlx-lm is reported, not required)."""
+    """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ from plain decoding's.
+
+    Agreement with mlx-lm is reported, not required."""
     from . import blas
-    from .benchmark import read_prompts, run_bench, write_results
+    from .benchmark import can_plot, read_prompts, run_bench, write_results
 
     if blas_mode not in ("auto", "openblas", "bundled"):
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
@@ -893,6 +906,9 @@ def bench(
         raise DFlashError(f"--out {out}: the folder is not writable")
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+    with_plot = can_plot()
+    if not with_plot:  # said now, not after a run of many minutes
+        typer.echo(f"mlx-dflash: no matplotlib: {name}.png is not drawn (pip install 'mlx-dflash[bench]')", err=True)
     texts = read_prompts(prompts)
     load_engine = _engine_loader(
         model, draft, dtype=dtype, compile_=compile_, pipeline=pipeline, pipeline_timeout=pipeline_timeout
@@ -932,7 +948,7 @@ def bench(
         contexts=context or (),
         adaptive=gen.adaptive,
     )
-    for p in write_results(res, out, name):
+    for p in write_results(res, out, name, with_plot=with_plot):
         typer.echo(f"wrote {p}")
 
 
@@ -944,7 +960,7 @@ def convert(
         "(org/name:QUANT or org/name/FILE.gguf).",
     ),
     out: Path = typer.Argument(..., help="Output MLX folder (safetensors, config.json, tokenizer, chat template)."),
-    keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float."),
+    keep_precision: bool = typer.Option(False, "--keep-precision", help="Store every tensor as float.", metavar=""),
     bits: Optional[List[str]] = typer.Option(
         None,
         "--bits",
@@ -1091,7 +1107,10 @@ def serve(
         "(default: the prefix cache's own, a quarter of device memory).",
     ),
     no_prompt_cache: bool = typer.Option(
-        False, "--no-prompt-cache", help="Prefill every prompt in full (no prefix cache shared across requests)."
+        False,
+        "--no-prompt-cache",
+        help="Prefill every prompt in full (no prefix cache shared across requests).",
+        metavar="",
     ),
     log_level: str = typer.Option(
         "info", "--log-level", help="uvicorn/server log level: debug, info, warning, error, critical (any case)."
@@ -1118,6 +1137,7 @@ def serve(
         "--pipeline",
         help="Split the target's layers across the processes of an `mlx.launch` run; "
         "rank 0 serves HTTP, the other ranks run their stages (no prefix cache). Runs one request at a time.",
+        metavar="",
     ),
     pipeline_timeout: float = typer.Option(
         PIPELINE_TIMEOUT,
@@ -1249,6 +1269,14 @@ def _pipeline_server(stage, no_prompt_cache: bool):
     return generate_fn
 
 
+def _bundled_bench(args: List[str]) -> bool:
+    """Whether a command line is ``bench ... --blas bundled``."""
+    if "bench" not in args:
+        return False
+    after = args[args.index("bench") + 1 :]
+    return "--blas=bundled" in after or any(a == "--blas" and b == "bundled" for a, b in zip(after, after[1:]))
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: user errors print one line and exit 2, no traceback.
 
@@ -1260,7 +1288,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if argv is None:
         from . import blas
 
-        blas.ensure_openblas("auto", argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
+        # bench --blas bundled asks for the reference BLAS: preloading OpenBLAS
+        # here, for bench to re-execute without it, would go round forever.
+        mode = "bundled" if _bundled_bench(sys.argv[1:]) else "auto"
+        blas.ensure_openblas(mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     import warnings
 
     from .loading.hub import DraftHint

@@ -1,6 +1,8 @@
 """mlx-dflash bench: side-by-side modes, identical-token check, result files."""
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -107,6 +109,37 @@ def test_bench_runs_outside_a_checkout_with_the_shipped_prompts(tmp_path, monkey
     assert e.value.code in (0, None), capsys.readouterr().err
     res = json.loads((tmp_path / "o" / "bench.json").read_text())
     assert {r["prompt"] for r in res["results"]} == set(read_prompts())
+
+
+def test_bench_with_the_bundled_blas_runs_from_the_command_line(tmp_path):
+    # The entry point preloaded OpenBLAS and bench re-executed without it,
+    # round and round: the command never ran on a machine with OpenBLAS.
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "one.txt").write_text("def add(a, b):\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", "bench", "--blas", "bundled", "--prompts", str(tmp_path / "p")]
+        + ["-n", "2", "--repeats", "1", "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "BLAS: mlx-cpu bundled reference BLAS" in r.stderr
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["results"]
+
+
+def test_bench_without_matplotlib_says_so_first_and_writes_the_tables(tmp_path, monkeypatch, capsys):
+    import mlx_dflash.benchmark
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "one.txt").write_text("def add(a, b):\n")
+    monkeypatch.setattr(mlx_dflash.benchmark, "can_plot", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompts", str(tmp_path / "p"), "-n", "2", "--repeats", "1", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr()
+    assert e.value.code in (0, None), out.err
+    assert out.err.startswith("mlx-dflash: no matplotlib: bench.png is not drawn")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["bench.json", "bench.md"]
 
 
 def test_bench_cli_bad_prompts(tmp_path, capsys):
