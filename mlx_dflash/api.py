@@ -82,11 +82,9 @@ class Engine:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
         with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
         if not isinstance(prompt, str):
-            if chat_template or system or chat_template_config:
-                raise DFlashError(
-                    "a prompt of token ids is used as given: chat_template, system and "
-                    "chat_template_config apply to text prompts"
-                )
+            # (chat_template_config may say how the ids were rendered: the prefix cache reads it)
+            if chat_template or system:
+                raise DFlashError("a prompt of token ids is used as given: chat_template and system apply to text")
             return token_ids(prompt)
         if (system or chat_template_config) and not chat_template:
             raise DFlashError("system and chat_template_config are parts of the chat template: give chat_template=True")

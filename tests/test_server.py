@@ -156,6 +156,23 @@ def test_openai_chat_equals_generate(server, engine):
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == len(want.tokens)
 
 
+def test_a_think_marker_in_a_message_opens_no_reasoning(server, engine):
+    """Only what the template adds for the reply can open a reasoning block: a
+    "<think>" in a user's text (code, a tool result) left the reply all reasoning."""
+    content = "# <think>\nSTART = '<think>'\n"
+    ids, want = _expected(engine, content)
+    assert want.text
+    r = server.openai().chat.completions.create(
+        model="mlx-dflash", messages=[{"role": "user", "content": content}], max_tokens=MAX_NEW, temperature=0
+    )
+    msg = r.choices[0].message
+    assert msg.content == want.text and not getattr(msg, "reasoning_content", None)
+    m = server.anthropic().messages.create(
+        model="mlx-dflash", max_tokens=MAX_NEW, messages=[{"role": "user", "content": content}]
+    )
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.text
+
+
 def test_openai_completions_equals_generate(server, engine):
     ids, want = _expected(engine, PROMPTS[1], chat=False)
     client = server.openai()
@@ -396,6 +413,8 @@ BAD = [
         "limit",
     ),
     ("/v1/messages", b"{", 400, "malformed JSON"),
+    ("/v1/completions", b'{"prompt": "x", "metadata": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, 400, "too deeply"),
+    ("/v1/messages", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "too deeply"),
     ("/v1/messages", {"model": "mlx-dflash", "messages": MSG}, 400, "max_tokens"),
     ("/v1/messages", {"model": "claude-x", "max_tokens": 5, "messages": MSG}, 404, "claude-x"),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": -5, "messages": MSG}, 400, "max_tokens"),

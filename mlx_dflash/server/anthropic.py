@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, event_stream, parse_body, read_json, sse
+from .app import APIError, Server, error_body, event_stream, off_loop, read_request, sse
 from .tools import OutputParser
 
 router = APIRouter()
@@ -179,19 +179,19 @@ def _stop_reason(finish: str, d: Dict[str, Any], tool_calls: bool):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     server: Server = request.app.state.server
-    req = parse_body(CountRequest, await read_json(request, server.settings.max_body_bytes))
+    req = await read_request(request, CountRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
-    ids, _, _ = _prompt(server, req)
+    ids, _, _ = await off_loop(_prompt, server, req)
     return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     server: Server = request.app.state.server
-    req: MessagesRequest = parse_body(MessagesRequest, await read_json(request, server.settings.max_body_bytes))
+    req: MessagesRequest = await read_request(request, MessagesRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
-    ids, thinking, tools = _prompt(server, req)
+    ids, thinking, tools = await off_loop(_prompt, server, req)
     job = server.submit(ids, server.config(req, max_tokens), req.stop_sequences or [], _template_kwargs(req))
     parser = OutputParser(reasoning=thinking, tools=tools)
     mid, model = "msg_" + uuid.uuid4().hex[:24], server.settings.model_id

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ..config import SAMPLING, GenerationConfig
 from ..errors import DFlashError, check_text
@@ -177,16 +178,24 @@ class Server:
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
         kwargs = self.template_args(template_kwargs)
-        try:
-            text = tok.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False, **kwargs
+
+        def render(generation_prompt: bool) -> str:
+            return tok.apply_chat_template(
+                messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False, **kwargs
             )
+
+        try:
+            text = render(True)
+            before = render(False)
         except Exception as e:  # a template that rejects these messages (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {e}") from None
         text += prefill
         ids = list(tok.encode(text, add_special_tokens=False))
         self.check_prompt(ids)
-        return ids, prompt_opens_thinking(text)
+        # Only what the template adds for the reply (and the prefill) can open a
+        # reasoning block: a "<think>" in a message's own text does not.
+        added = text[len(before) :] if text.startswith(before) else text
+        return ids, prompt_opens_thinking(added)
 
     def template_args(self, template_kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """The server's chat-template arguments with a request's on top."""
@@ -272,17 +281,38 @@ async def read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
+    return await off_loop(_decode_json, b"".join(chunks))
+
+
+async def off_loop(fn, *args):
+    """``fn(*args)`` on a worker thread: parsing, rendering and tokenizing a
+    large request take seconds, which the event loop, serving every other
+    client and stream, must not wait for."""
+    return await run_in_threadpool(fn, *args)
+
+
+async def read_request(request: Request, model: type, limit: int) -> BaseModel:
+    """The request body, read, decoded and validated into ``model`` (off the event loop)."""
+    return await off_loop(parse_body, model, await read_json(request, limit))
+
+
+def _decode_json(data: bytes) -> Any:
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
 
 
 def parse_body(model: type, body: Any) -> BaseModel:
     """Validate a JSON body into ``model``; one clear 400 naming the first bad field."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    _check_strings(body, [])
+    try:
+        _check_strings(body, [])
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     try:
         return model.model_validate(body, strict=True)  # no coercion: "8" or true is not a number
     except ValidationError as e:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, event_stream, parse_body, read_json, sse
+from .app import APIError, Server, error_body, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -222,7 +222,7 @@ def _start(server: Server, ids, req, max_tokens: int, template_kwargs=None):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     server: Server = request.app.state.server
-    req: ChatRequest = parse_body(ChatRequest, await read_json(request, server.settings.max_body_bytes))
+    req: ChatRequest = await read_request(request, ChatRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
     _refuse_unsupported(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None:
@@ -236,7 +236,7 @@ async def chat_completions(request: Request):
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
-    ids, thinking = server.render_chat(template_messages(req.messages), tools, kwargs)
+    ids, thinking = await off_loop(server.render_chat, template_messages(req.messages), tools, kwargs)
     job = _start(server, ids, req, max_tokens, kwargs)
     parser = OutputParser(reasoning=thinking, tools=tools)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
@@ -320,14 +320,14 @@ async def chat_completions(request: Request):
 @router.post("/v1/completions")
 async def completions(request: Request):
     server: Server = request.app.state.server
-    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, server.settings.max_body_bytes))
+    req: CompletionRequest = await read_request(request, CompletionRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
     _refuse_unsupported(req)
     max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     prompt = _one_prompt(req.prompt)
     if isinstance(prompt, str) and not prompt:
         raise APIError(400, "empty prompt", param="prompt")
-    ids = server.encode_text(prompt)
+    ids = await off_loop(server.encode_text, prompt)
     job = _start(server, ids, req, max_tokens)
     cid, created, model = "cmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, Server, event_stream, parse_body, read_json, sse
+from .app import APIError, Server, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -315,7 +315,7 @@ class _Output:
 @router.post("/v1/responses")
 async def responses(request: Request):
     server: Server = request.app.state.server
-    req: ResponsesRequest = parse_body(ResponsesRequest, await read_json(request, server.settings.max_body_bytes))
+    req: ResponsesRequest = await read_request(request, ResponsesRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
     if req.previous_response_id is not None:
         raise APIError(
@@ -330,7 +330,7 @@ async def responses(request: Request):
     max_tokens = server.check_max_tokens(req.max_output_tokens, "max_output_tokens")
     tools = _tools(req)
     kwargs = _template_kwargs(req)
-    ids, thinking = server.render_chat(template_messages(req), tools, kwargs)
+    ids, thinking = await off_loop(server.render_chat, template_messages(req), tools, kwargs)
     gen = server.config(req, max_tokens)
     job = server.submit(ids, gen, [], kwargs)
     parser = OutputParser(reasoning=thinking, tools=tools)
