@@ -3,7 +3,7 @@
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
@@ -255,6 +255,7 @@ def stream_generate(
     system: Optional[str] = None,
     chat_template_config: Optional[dict] = None,
     prefix_cache=None,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     **options,
 ) -> Iterator[GenerationResponse]:
     """Yield text pieces as tokens are committed; ``stats`` is live.
@@ -286,6 +287,9 @@ def stream_generate(
     ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
     prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
     and this request's prompt and reply are snapshotted into it.
+    ``prompt_progress_callback(processed, total)``: prefill progress, as
+    mlx-lm's (after each chunk, then ``(total, total)``); an exception it
+    raises stops the generation before its first token.
     ``adaptive`` (default on): each cycle's verify width is chosen from the
     pair's measured costs and the acceptance so far, down to plain steps;
     ``block_size`` / ``tree_budget`` pin it. ``kv_bits`` 8 or 4 stores the
@@ -309,6 +313,7 @@ def stream_generate(
             eos_token_ids=tok.eos_token_ids,
             stats=stats,
             prefix_cache=prefix_cache,
+            prompt_progress_callback=prompt_progress_callback,
             prefix_boundary=(
                 prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
             ),

@@ -2,10 +2,9 @@
 
 A :class:`BatchDecoder` holds up to ``max_batch`` slots. A request takes a
 free slot between cycles and prefills alone (B = 1, its own chunks, so its
-cache is its solo run's), then samples its first token and joins. While
-other slots are decoding, a step runs prefill chunks (round robin) only
-until ``prefill_budget`` tokens are done (at least one chunk), then one
-cycle: running slots keep streaming, a cycle delayed by about one budget's
+cache is its solo run's), then samples its first token and joins. A step
+runs prefill chunks (round robin) only until ``prefill_budget`` tokens are
+done (at least one chunk), then one cycle: running slots keep streaming, a cycle delayed by about one budget's
 prefill at most, and short prompts join several at a time. Each cycle drafts for
 every active slot in one draft forward (``propose_slots``; each slot's
 context on its own), verifies all slots' chains (or, with ``tree_budget``,
@@ -511,14 +510,15 @@ class BatchDecoder:
 
     def step(self) -> List[SlotEvent]:
         """Admit queued requests to free slots, run prefill chunks up to
-        ``prefill_budget`` tokens (and on to a first token while no slot is
-        decoding), then one cycle of the decoding slots. Returns what each
-        request committed."""
+        ``prefill_budget`` tokens (at least one chunk), then one cycle of the
+        decoding slots. Returns what each request committed. A long prompt
+        thus takes several steps even with nothing decoding, and between
+        them its caller can cancel it or admit others."""
         while self.queue and len(self.prefilling) + len(self.active) < self.max_batch:
             self._admit(*self.queue.popleft())
         events = []
         spent = 0
-        while self.prefilling and (spent < self.prefill_budget or not self.active):
+        while self.prefilling and spent < self.prefill_budget:
             d = self.prefilling[0][1]
             before = d.cache.offset
             ev = self._prefill_chunk()

@@ -600,6 +600,7 @@ def generate_tokens(
     cache=None,
     prefix_cache=None,
     prefix_boundary: Optional[int] = None,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     **options,
 ) -> Iterator[List[int]]:
     """Yield lists of newly committed token ids until EOS or ``max_tokens``.
@@ -619,6 +620,10 @@ def generate_tokens(
     ``prefix_cache``: a :class:`~mlx_dflash.prefix.PrefixCache` to restore the
     longest cached prefix of the prompt from and to snapshot into
     (``prefix_boundary``: the stable prompt boundary, see ``prefix.py``).
+    ``prompt_progress_callback(processed, total)``: called after each prefill
+    chunk with the prompt tokens in the cache (restored ones included), and
+    once at the end with ``(total, total)``, as mlx-lm calls it; an exception
+    it raises ends the generation there (a server's cancel or timeout).
     """
     yield from _generate_tokens(
         target,
@@ -630,6 +635,7 @@ def generate_tokens(
         cache=cache,
         prefix_cache=prefix_cache,
         prefix_boundary=prefix_boundary,
+        prompt_progress_callback=prompt_progress_callback,
         **options,
     )
 
@@ -733,6 +739,7 @@ def _generate_tokens(
     cache=None,
     prefix_cache=None,
     prefix_boundary=None,
+    prompt_progress_callback=None,
     **options,
 ) -> Iterator[List[int]]:
     """:func:`generate_tokens` with ``hooks`` (tests call this directly)."""
@@ -753,7 +760,12 @@ def _generate_tokens(
     )
     d.stats.policy = policy.describe() if draft is not None else "plain"
     mx.reset_peak_memory()
-    prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary)
+    for _ in d.prefill_steps(c.prefill_chunk, prefix_cache, prefix_boundary):
+        if prompt_progress_callback is not None:
+            prompt_progress_callback(d.cache.offset, len(prompt))
+    prefix_run = d.prefix_run
+    if prompt_progress_callback is not None:
+        prompt_progress_callback(len(prompt), len(prompt))
     yield d.emit([d.anchor])
     if d.finished:  # the first token was EOS, or max_tokens == 1
         return

@@ -472,6 +472,28 @@ def test_cancel_frees_the_slot_and_leaves_the_others(engines):
     assert reasons == {0: "length", 1: "cancelled", 2: "length", 3: "cancelled"}
 
 
+def test_a_long_prefill_takes_several_steps_and_can_be_cancelled_between_them(engines):
+    """With nothing decoding, a step still ends after its prefill budget, so a
+    caller (the server) can cancel a long prompt or admit others mid-prefill;
+    the request after it gets its solo tokens."""
+    from mlx_dflash import BatchDecoder, GenerationConfig
+
+    engine = engines["dense"]
+    long, short = BATCH_PROMPTS[2], BATCH_PROMPTS[0]
+    c = GenerationConfig(max_tokens=8, block_size=4, prefill_chunk=4)
+    batch = BatchDecoder(engine.target, engine.draft, max_batch=2, eos_token_ids=[2], prefill_budget=4)
+    first = batch.add(long, c)
+    assert len(long) > 8
+    assert batch.step() == [] and batch.step() == []  # two chunks in, no first token yet
+    ev = batch.cancel(first)
+    assert ev.finish_reason == "cancelled" and ev.tokens == [] and batch.done
+    second = batch.add(short, c)
+    got = []
+    while not batch.done:
+        got += [t for e in batch.step() if e.index == second for t in e.tokens]
+    assert got == solo(engine, [short], [c])[0].tokens
+
+
 def test_batch_generate_equals_solo_in_bfloat16(tok_dir):
     """bf16 verify rows are computed as single steps are (row_exact): the
     batched path gives each request its solo tokens there too."""

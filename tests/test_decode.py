@@ -274,6 +274,34 @@ def test_stream_responses_carry_mlx_lms_fields_as_they_stood(capsys):
     assert "Prompt: 5 tokens, " in out and "Generation: 12 tokens, " in out and "Peak memory: " in out
 
 
+def test_prompt_progress_callback_reports_chunks_and_can_stop_the_prefill():
+    """mlx-lm's prompt_progress_callback: (processed, total) after each
+    prefill chunk, then (total, total); an exception it raises ends the
+    generation before its first token, and the engine decodes on as before."""
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    prompt = list(range(3, 40))
+    want = mlx_dflash.generate(eng, prompt, max_tokens=8)
+    seen = []
+    got = mlx_dflash.generate(
+        eng, prompt, max_tokens=8, prefill_chunk=8, prompt_progress_callback=lambda a, b: seen.append((a, b))
+    )
+    assert got.tokens == want.tokens
+    assert seen == [(8, 37), (16, 37), (24, 37), (32, 37), (37, 37)]
+
+    class Gone(Exception):
+        pass
+
+    def stop(done, total):
+        if done >= 16:
+            raise Gone
+
+    with pytest.raises(Gone):
+        mlx_dflash.generate(eng, prompt, max_tokens=8, prefill_chunk=8, prompt_progress_callback=stop)
+    assert mlx_dflash.generate(eng, prompt, max_tokens=8).tokens == want.tokens
+
+
 def test_generation_stops_at_context_limit(dense):
     _, model = dense
     target = Target(model)

@@ -327,6 +327,46 @@ def test_worker_order_cancel_timeout_and_queue_bound():
     assert not w.alive
 
 
+def _prefilling_gen(chunks: list):
+    """A stand-in for stream_generate whose prompt prefills in 100 chunks of
+    0.02 s, reporting each as stream_generate does; ``chunks`` records them."""
+
+    def gen(engine, ids, *, prompt_progress_callback, **kw):
+        for k in range(1, 101):
+            time.sleep(0.02)
+            chunks.append(k)
+            prompt_progress_callback(k * 64, 6400)
+        yield SimpleNamespace(text="x ", tokens=[1], stats=None, finish_reason="length")
+
+    return gen
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+def test_a_long_prefill_stops_when_its_client_does(how):
+    """A cancel or a timeout is noticed between prefill chunks, not only once
+    the whole prompt is in (then the engine stayed busy for a gone client)."""
+    chunks = []
+    w = Worker(_scripted_engine, max_queue=2, metrics=Metrics(), generate_fn=_prefilling_gen(chunks))
+    w.start()
+    try:
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            job = Job([1], {}, [], 0.3 if how == "timeout" else 30.0, loop)
+            w.submit(job)
+            if how == "cancel":
+                while len(chunks) < 3:
+                    await asyncio.sleep(0.01)
+                job.cancel()
+            return await _collect(job)()
+
+        events = asyncio.run(main())
+    finally:
+        w.stop()
+    assert events[-1][:2] == ("done", "timeout" if how == "timeout" else "cancelled")
+    assert len(chunks) < 50  # of 100: stopped within a chunk or so, not after the prefill
+
+
 def test_a_queued_job_whose_client_left_frees_its_place():
     """A client that gives up while queued leaves the queue at once: its
     place no longer turns a live client away with a 429."""

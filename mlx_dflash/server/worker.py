@@ -34,6 +34,10 @@ class QueueFull(Exception):
     pass
 
 
+class _Stopped(Exception):
+    """A request cancelled or out of time while its prompt prefills."""
+
+
 class StopMatcher:
     """Cut streamed text at the first stop string; hold back text that may start one."""
 
@@ -356,6 +360,14 @@ class Worker:
         kwargs = dict(job.gen)
         if self.prefix_cache is not None:
             kwargs["prefix_cache"] = self.prefix_cache
+
+        def between_chunks(done: int, total: int) -> None:  # a long prefill stops when its client does
+            if job.cancelled.is_set():
+                raise _Stopped("cancelled")
+            if time.monotonic() - job.arrived > job.timeout:
+                raise _Stopped("timeout")
+
+        kwargs["prompt_progress_callback"] = between_chunks
         stops = StopMatcher(job.stops)
         # Its own detokenizer over the tokens (the text stream_generate gives),
         # token by token, so a stop string ends the count where it ends the text.
@@ -384,6 +396,8 @@ class Worker:
                 if time.monotonic() - job.arrived > job.timeout:
                     finish = "timeout"
                     break
+        except _Stopped as e:
+            finish = e.args[0]
         except DFlashError as e:
             job.send("error", 400, str(e))
             return
