@@ -271,6 +271,10 @@ BAD = [
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "json_schema"),
     ({"input": 5}, "input"),
     ({"model": "gpt-9", "input": "hi"}, "gpt-9"),
+    ({"input": "hi", "text": {"format": "json"}}, "text.format must be an object"),
+    ({"input": "hi", "top_logprobs": 3}, "log-probabilities"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"]}, "log-probabilities"),
+    ({"input": "hi", "top_p": 0}, "top_p must be above 0"),
 ]
 
 

@@ -413,6 +413,17 @@ BAD = [
         "limit",
     ),
     ("/v1/messages", b"{", 400, "malformed JSON"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "functions": [{"name": "f"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "function_call": "auto"}, 400, "tool_choice"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "top_p": 0}, 400, "top_p must be above 0"),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "stop": [str(i) for i in range(65)]}, 400, "stop"),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 4, "messages": MSG, "stop_sequences": ["x" * 1001]},
+        400,
+        "stop",
+    ),
     ("/v1/completions", b'{"prompt": "x", "metadata": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, 400, "too deeply"),
     ("/v1/messages", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "too deeply"),
     ("/v1/messages", {"model": "mlx-dflash", "messages": MSG}, 400, "max_tokens"),
@@ -621,6 +632,11 @@ def test_api_key(server):
     ok = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "mlx-dflash"
     assert [m.id for m in server.openai().models.list()] == ["mlx-dflash"]
+    # One model by id, as both SDKs ask for it; another id is a 404.
+    assert server.openai().models.retrieve("mlx-dflash").id == "mlx-dflash"
+    assert server.anthropic().models.retrieve("mlx-dflash").id == "mlx-dflash"
+    with pytest.raises(openai.NotFoundError):
+        server.openai().models.retrieve("gpt-9")
 
 
 def test_either_key_header_may_carry_the_key(server):

@@ -456,3 +456,16 @@ def test_browser_clients_get_cors_as_allowed_origins_say(origins):
         assert got.headers["access-control-allow-origin"] in ("*", "http://app.example")
     else:
         assert pre.status_code == 405 and "access-control-allow-origin" not in got.headers
+
+
+def test_a_request_that_never_ran_reports_its_prompt_and_no_cache_lookup():
+    from mlx_dflash.server.worker import _stats_dict
+
+    d = _stats_dict(None, 7)  # cancelled in the queue, or at shutdown
+    assert d["prompt_tokens"] == 7 and d["generated_tokens"] == 0
+    m = Metrics()
+    m.record_generation(d, prefix_cache=object())
+    m.record_generation(dict(d, generated_tokens=3), prefix_cache=None)  # --no-prompt-cache
+    assert m.cache_lookups == 0 and m.prompt_tokens == 14
+    m.record_generation(dict(d, generated_tokens=3), prefix_cache=object())
+    assert m.cache_lookups == 1

@@ -68,7 +68,10 @@ class MessagesRequest(CountRequest):
     temperature: Optional[float] = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: Optional[float] = None
     top_k: Optional[int] = None
-    seed: Optional[int] = None  # not in Anthropic's API; accepted for reproducible sampling
+    # Not in Anthropic's API; accepted as the other dialects accept them.
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = None
 
 
 def _text(blocks, where: str) -> str:

@@ -22,6 +22,7 @@ from .tools import prompt_opens_thinking
 from .worker import Job, QueueFull, Worker
 
 log = logging.getLogger("mlx_dflash.server")
+MAX_STOPS, MAX_STOP_CHARS = 64, 1000
 FLAGS = re.compile(r" \(--[a-z-]+(?:, --[a-z-]+)*\)")  # "top_p (--top-p) must ..." -> "top_p must ..."
 
 
@@ -148,6 +149,11 @@ class Server:
 
     def config(self, request, max_tokens: int) -> GenerationConfig:
         """The server's generation options with a request's on top (by field name), checked."""
+        if getattr(request, "top_p", None) == 0:
+            # OpenAI's API reads 0 as the top token only, mlx-lm (and --top-p) as off: ambiguous.
+            raise APIError(
+                400, "top_p must be above 0 (1 for off; a small value keeps only the top tokens)", param="top_p"
+            )
         try:
             gen = self.settings.generation.with_request(request, max_tokens)
             gen.validate()
@@ -225,6 +231,11 @@ class Server:
         """Queue a generation; ``template_kwargs`` (a chat request's) let the prefix cache find
         the prompt's stable boundary as this request's template renders it."""
         s = self.settings
+        if len(stops) > MAX_STOPS or any(len(x) > MAX_STOP_CHARS for x in stops):
+            # Every stop string is matched against every token, on the thread all requests share.
+            raise APIError(
+                400, f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each", param="stop"
+            )
         gen = dict(config=config)
         if template_kwargs is not None:
             gen["chat_template_config"] = self.template_args(template_kwargs)

@@ -66,7 +66,7 @@ class Metrics:
             self.prompt_tokens += d["prompt_tokens"]
             self.generated_tokens += d["generated_tokens"]
             self.cached_tokens += d["cached_tokens"]
-            if d["prompt_tokens"]:
+            if prefix_cache is not None and d["generated_tokens"]:  # prefilled, so looked up
                 self.cache_lookups += 1
                 self.cache_hits += d["cached_tokens"] > 0
             self.cycles += d["cycles"]

@@ -87,6 +87,9 @@ class ChatRequest(_Sampling):
     response_format: Optional[Dict[str, Any]] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    # OpenAI's deprecated function calling, read to refuse it (tools replace it).
+    functions: Optional[List[Dict[str, Any]]] = None
+    function_call: Union[str, Dict[str, Any], None] = None
 
 
 class CompletionRequest(_Sampling):
@@ -105,11 +108,14 @@ def _refuse_unsupported(req: _Sampling) -> None:
         ("presence_penalty", bool(req.presence_penalty), "use repetition_penalty"),
         ("frequency_penalty", bool(req.frequency_penalty), "use repetition_penalty"),
         ("logit_bias", bool(req.logit_bias), ""),
-        ("logprobs", bool(getattr(req, "logprobs", None)), ""),
+        # A completion's logprobs: 0 still asks for the sampled tokens' log-probabilities.
+        ("logprobs", getattr(req, "logprobs", None) is not None and getattr(req, "logprobs") is not False, ""),
         ("top_logprobs", bool(getattr(req, "top_logprobs", None)), ""),
         ("echo", bool(getattr(req, "echo", None)), ""),
         ("suffix", bool(getattr(req, "suffix", None)), ""),
         ("best_of", (getattr(req, "best_of", None) or 1) > 1, "one completion per request"),
+        ("functions", bool(getattr(req, "functions", None)), "OpenAI deprecated it: give tools"),
+        ("function_call", getattr(req, "function_call", None) not in (None, "none"), "give tool_choice"),
     ]
     fmt = getattr(req, "response_format", None) or {}
     unsupported.append(("response_format", fmt.get("type", "text") != "text", "only plain text"))

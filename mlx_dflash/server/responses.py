@@ -48,6 +48,9 @@ class ResponsesRequest(_Model):
     previous_response_id: Optional[str] = None
     text: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
+    # Read to refuse them: no log-probabilities are returned.
+    top_logprobs: Optional[int] = None
+    include: Optional[List[str]] = None
     # Not in OpenAI's API; accepted as /v1/chat/completions accepts them.
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -325,8 +328,12 @@ async def responses(request: Request):
             param="previous_response_id",
         )
     fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, 'text.format must be an object such as {"type": "text"}', param="text.format")
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         raise APIError(400, f"text.format '{fmt.get('type')}' is not supported; only plain text", param="text.format")
+    if req.top_logprobs or any("logprobs" in x for x in req.include or []):
+        raise APIError(400, "log-probabilities are not returned by this server", param="top_logprobs")
     max_tokens = server.check_max_tokens(req.max_output_tokens, "max_output_tokens")
     tools = _tools(req)
     kwargs = _template_kwargs(req)

@@ -114,11 +114,10 @@ def create_app(server: Server) -> FastAPI:
     async def metrics():
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=deps)
-    async def models():
-        # One listing both SDKs accept: OpenAI's fields and Anthropic's side by side.
+    def model_entry() -> dict:
+        # One entry both SDKs accept: OpenAI's fields and Anthropic's side by side.
         mid = server.settings.model_id
-        entry = {
+        return {
             "id": mid,
             "object": "model",
             "type": "model",
@@ -127,7 +126,16 @@ def create_app(server: Server) -> FastAPI:
             "owned_by": "mlx-dflash",
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(server.created)),
         }
-        return {"object": "list", "data": [entry], "has_more": False, "first_id": mid, "last_id": mid}
+
+    @app.get("/v1/models", dependencies=deps)
+    async def models():
+        mid = server.settings.model_id
+        return {"object": "list", "data": [model_entry()], "has_more": False, "first_id": mid, "last_id": mid}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=deps)
+    async def model(model_id: str):
+        server.check_model(model_id)  # another id: 404 model_not_found
+        return model_entry()
 
     app.include_router(openai.router, dependencies=deps)
     app.include_router(responses.router, dependencies=deps)

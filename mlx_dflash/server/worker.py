@@ -114,10 +114,11 @@ class Job:
         self.cancelled.set()
 
 
-def _stats_dict(stats) -> Dict[str, Any]:
+def _stats_dict(stats, prompt_tokens: int = 0) -> Dict[str, Any]:
+    """A job's counts for its "done" event; a job that never ran has only its prompt."""
     if stats is None:
         return {
-            "prompt_tokens": 0,
+            "prompt_tokens": prompt_tokens,
             "generated_tokens": 0,
             "cached_tokens": 0,
             "cycles": 0,
@@ -214,7 +215,7 @@ class Worker:
             self._q.queue.clear()
         for job in queued:
             job.cancel()
-            job.send("done", "cancelled", _stats_dict(None))
+            job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
         job = self.running  # a batch's slots are ended by its loop once it sees _stopping
         if job is not None:
             job.cancel()
@@ -350,7 +351,7 @@ class Worker:
     def _run(self, job: Job) -> None:
         now = time.monotonic()
         if job.cancelled.is_set():
-            job.send("done", "cancelled", _stats_dict(None))
+            job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
             return
         if now - job.arrived > job.timeout:
             job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
@@ -423,7 +424,7 @@ class Worker:
             rest = stops.flush()
             if rest:
                 job.send("text", rest, 0)
-        d = _stats_dict(stats)
+        d = _stats_dict(stats, len(job.ids))
         if stats is not None:
             d["prompt_tokens"] -= resumed
         if generated is not None:
@@ -548,7 +549,7 @@ class Worker:
 
         now = time.monotonic()
         if job.cancelled.is_set():
-            job.send("done", "cancelled", _stats_dict(None))
+            job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
             return True
         if now - job.arrived > job.timeout:
             job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
