@@ -104,12 +104,13 @@ def _refuse_unsupported(req: _Sampling) -> None:
     """A 400 for a field that would change the reply and is not implemented,
     rather than a reply that silently ignores it; fields at their neutral
     values (as SDKs and wrappers often send them) pass."""
+    logprobs = getattr(req, "logprobs", None)
     unsupported = [
         ("presence_penalty", bool(req.presence_penalty), "use repetition_penalty"),
         ("frequency_penalty", bool(req.frequency_penalty), "use repetition_penalty"),
         ("logit_bias", bool(req.logit_bias), ""),
         # A completion's logprobs: 0 still asks for the sampled tokens' log-probabilities.
-        ("logprobs", getattr(req, "logprobs", None) is not None and getattr(req, "logprobs") is not False, ""),
+        ("logprobs", logprobs is not None and logprobs is not False, ""),
         ("top_logprobs", bool(getattr(req, "top_logprobs", None)), ""),
         ("echo", bool(getattr(req, "echo", None)), ""),
         ("suffix", bool(getattr(req, "suffix", None)), ""),
