@@ -540,9 +540,8 @@ class PrefixCache:
         for another model, a truncated or corrupt one raise
         :class:`~mlx_dflash.errors.DFlashError` (nothing is half-loaded).
         Snapshots beyond ``max_bytes`` are dropped, least recently used first."""
-        from .api import check_engine
-
-        check_engine(engine)
+        if not hasattr(engine, "target") or not hasattr(engine, "tokenizer"):  # (api imports this module)
+            raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
         path = Path(path)
         if not path.is_file():
             raise DFlashError(f"prompt cache file not found: {path}")
