@@ -71,6 +71,18 @@ class Engine:
     stage: Optional[object] = None
     adapter_path: Optional[Path] = None  # fine-tuning adapters applied to the target
 
+    def config(self, config: Optional[GenerationConfig] = None, **options) -> GenerationConfig:
+        """``config`` with keyword ``options`` on top (:meth:`GenerationConfig.build`),
+        and what depends on this engine's tokenizer filled in: the tokens XTC
+        never cuts, as mlx-lm picks them (newline and EOS), unless given."""
+        c = GenerationConfig.build(config, **options)
+        tok = self.tokenizer
+        if c.xtc_probability and not c.xtc_special_tokens and tok is not None:
+            c = c.update(
+                xtc_special_tokens=tuple(tok.encode("\n", add_special_tokens=False)) + tuple(tok.eos_token_ids)
+            )
+        return c
+
     def encode(
         self,
         prompt: Union[str, Sequence[int]],
@@ -229,11 +241,8 @@ class GenerationResponse:
     generation_tokens: int = 0  # generated so far, this step's included
     generation_tps: float = 0.0  # after the first token, as mlx-lm counts it
     peak_memory: float = 0.0  # GB
-
-    @property
-    def token(self) -> Optional[int]:
-        """The last token of this step (mlx-lm yields one token per step)."""
-        return self.tokens[-1] if self.tokens else None
+    # No ``token``: a step commits ``tokens`` (several after a drafted cycle);
+    # code that read mlx-lm's one token per step fails here rather than drop some.
 
 
 @dataclass
@@ -263,7 +272,8 @@ def stream_generate(
     ``config``: a :class:`~mlx_dflash.GenerationConfig`; keyword ``options``
     (its field names: ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
     ``min_p``, ``min_tokens_to_keep``, ``repetition_penalty``,
-    ``repetition_context_size``, ``seed``, ``block_size``, ``baseline``,
+    ``repetition_context_size``, ``xtc_probability``, ``xtc_threshold``,
+    ``xtc_special_tokens``, ``seed``, ``block_size``, ``baseline``,
     ``adaptive``, ``tree_budget``, ``tree_topk``, ``auto_tree``,
     ``draft_window``, ``kv_bits``, ``prefill_chunk``, ``profile``,
     ``accept_rule``, ``max_context``) override it.
@@ -296,7 +306,7 @@ def stream_generate(
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
     check_engine(engine, prefix_cache)
-    config = GenerationConfig.build(config, **options)
+    config = engine.config(config, **options)
     ids = engine.encode(prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config)
     if prefix_cache is not None:
         prefix_cache.bind(engine)

@@ -823,7 +823,7 @@ def batch_generate(
             boundary = (
                 prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None
             )
-            batch.add(ids, own, prefix_boundary=boundary, **options)
+            batch.add(ids, engine.config(own, **options), prefix_boundary=boundary)
         except DFlashError as e:
             raise DFlashError(f"prompt {i}: {e}") from None
     tokens = [[] for _ in prompts]

@@ -138,6 +138,14 @@ GENERATION_FLAGS = {
         ("--repetition-context-size",),
         "Tokens the repetition penalty looks back over.",
     ),
+    "xtc_probability": (
+        float,
+        0.0,
+        ("--xtc-probability",),
+        "XTC (exclude top choices): how often, per token, the likeliest tokens above --xtc-threshold "
+        "are cut but the least of them (with --temp > 0); 0 = off.",
+    ),
+    "xtc_threshold": (float, 0.1, ("--xtc-threshold",), "XTC's probability threshold, 0..0.5."),
     "seed": (
         Optional[int],
         None,
@@ -504,6 +512,10 @@ def generate(
     _add_eos_tokens(engine, extra_eos_token)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
+        if not chat_template and system is not None:
+            raise DFlashError("--system needs the chat template, and this model's tokenizer has none")
+    if not chat_template:
+        template_kwargs = None  # (--chat-template-config has no template to configure)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats, interrupted = None, False
     try:

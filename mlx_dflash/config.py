@@ -26,9 +26,12 @@ SAMPLER_OPTIONS = (
     "min_tokens_to_keep",
     "repetition_penalty",
     "repetition_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "xtc_special_tokens",
 )
 # The fields a server request may set (by the same name in its body).
-SAMPLING = SAMPLER_OPTIONS + ("seed", "accept_rule")
+SAMPLING = SAMPLER_OPTIONS[:-1] + ("seed", "accept_rule")
 # mlx-lm's generate() keywords with no field of that name, and what to give instead.
 MLX_LM_NAMES = {
     "temp": "temp is make_sampler's name; give temperature",
@@ -46,7 +49,7 @@ MLX_LM_NAMES = {
 _INTS = ("top_k", "min_tokens_to_keep", "repetition_context_size", "tree_budget", "tree_topk", "auto_tree")
 _INTS += ("prefill_chunk", "max_tokens")
 _OPTIONAL_INTS = ("seed", "block_size", "kv_bits", "max_context")
-_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "xtc_probability", "xtc_threshold")
 _BOOLS = ("baseline", "adaptive", "profile")
 
 
@@ -60,6 +63,10 @@ class GenerationConfig:
     min_tokens_to_keep: int = 1
     repetition_penalty: float = 1.0
     repetition_context_size: int = 20
+    xtc_probability: float = 0.0  # XTC: how often to cut the likeliest tokens (0 = off)
+    xtc_threshold: float = 0.1
+    # Tokens XTC never cuts; empty: the engine fills in mlx-lm's (newline and EOS).
+    xtc_special_tokens: Tuple[int, ...] = ()
     seed: Optional[int] = None
     accept_rule: str = DEFAULT_ACCEPT_RULE
     # --- speculation ---
@@ -124,6 +131,9 @@ class GenerationConfig:
                 bad(name, "True or False")
         if not isinstance(self.accept_rule, str):
             bad("accept_rule", "a string")
+        x = self.xtc_special_tokens
+        if not isinstance(x, (tuple, list)) or not all(is_int(t) for t in x):
+            bad("xtc_special_tokens", "a tuple of token ids")
         w = self.draft_window
         if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2 and all(is_int(x) for x in w)):
             bad("draft_window", "None or two integers (sink, window)")

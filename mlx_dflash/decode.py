@@ -764,6 +764,7 @@ def _generate_tokens(
         if prompt_progress_callback is not None:
             prompt_progress_callback(d.cache.offset, len(prompt))
     prefix_run = d.prefix_run
+    d.stats.peak_memory = mx.get_peak_memory() / 1e9  # (cycles update it from here)
     if prompt_progress_callback is not None:
         prompt_progress_callback(len(prompt), len(prompt))
     yield d.emit([d.anchor])

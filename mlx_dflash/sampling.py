@@ -56,8 +56,23 @@ class Sampler:
         seed: Optional[int] = None,
         *,
         min_tokens_to_keep: int = 1,
+        xtc_probability: float = 0.0,
+        xtc_threshold: float = 0.1,
+        xtc_special_tokens: Sequence[int] = (),
     ):
-        self.check(temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, min_tokens_to_keep)
+        self.check(
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            repetition_context_size,
+            min_tokens_to_keep,
+            xtc_probability,
+            xtc_threshold,
+        )
+        self.xtc_probability, self.xtc_threshold = xtc_probability, xtc_threshold
+        self.xtc_special_tokens = tuple(int(t) for t in xtc_special_tokens)
         self.temperature = temperature
         self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
         self.min_tokens_to_keep = min_tokens_to_keep
@@ -72,7 +87,16 @@ class Sampler:
 
     @staticmethod
     def check(
-        temperature, top_p, top_k, min_p, repetition_penalty, repetition_context_size, min_tokens_to_keep
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        repetition_penalty,
+        repetition_context_size,
+        min_tokens_to_keep,
+        xtc_probability=0.0,
+        xtc_threshold=0.1,
+        xtc_special_tokens=(),
     ) -> None:
         """The ranges of the sampling options (the one place they are checked)."""
         if not math.isfinite(temperature) or temperature < 0:
@@ -95,6 +119,10 @@ class Sampler:
             )
         if repetition_context_size < 1:
             raise DFlashError("repetition_context_size (--repetition-context-size) must be positive")
+        if not 0.0 <= xtc_probability <= 1.0:
+            raise DFlashError(f"xtc_probability (--xtc-probability) must be in [0, 1], got {xtc_probability}")
+        if not 0.0 <= xtc_threshold <= 0.5:
+            raise DFlashError(f"xtc_threshold (--xtc-threshold) must be in [0, 0.5], got {xtc_threshold}")
 
     @property
     def greedy(self) -> bool:
@@ -113,16 +141,58 @@ class Sampler:
             ]
         )
 
-    def _filter(self, logprobs: mx.array) -> mx.array:
+    def _filter(self, logprobs: mx.array, top_k: bool = True) -> mx.array:
         """mlx-lm's filters, in make_sampler's order: top-p, min-p, top-k
-        (masked tokens get -inf)."""
+        (masked tokens get -inf; XTC, which comes before top-k, is in
+        :meth:`_tempered`)."""
         if 0.0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0.0:
             logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        return self._top_k(logprobs) if top_k else logprobs
+
+    def _top_k(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_k < logprobs.shape[-1]:  # top_k >= V keeps every token
             logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs
+
+    def _xtc_cut(self, logprobs: mx.array) -> mx.array:
+        """XTC's cut (mlx-lm's apply_xtc): of the tokens above the threshold
+        all but the least likely one go, newline and EOS (the special tokens) kept."""
+        probs = mx.softmax(logprobs.astype(mx.float32), axis=-1)
+        least = mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        cut = probs > least
+        if self.xtc_special_tokens:
+            keep = mx.zeros((logprobs.shape[-1],), dtype=mx.bool_).at[mx.array(list(self.xtc_special_tokens))].add(True)
+            cut = cut & ~keep
+        return mx.where(cut, -mx.inf, logprobs)
+
+    def _tempered(self, logprobs: mx.array) -> mx.array:
+        """Float32 scores whose softmax is the sampling distribution (T > 0;
+        a half-precision 1 / temperature overflows from temperature 1.5e-5 down).
+
+        mlx-lm applies XTC's cut with probability ``xtc_probability``, a coin
+        per step; drawn here from the mixture of the two distributions, the
+        draw is keyed by (seed, position) as every other one, and both the
+        equality and the speculative rule keep the target's distribution."""
+        scale = 1.0 / self.temperature
+
+        def temper(x):
+            # Shifted to a maximum of 0 first (softmax and the Gumbel argmax
+            # ignore a shift): at a temperature near 1e-38 a flat row's scores
+            # would all overflow to -inf.
+            x = x.astype(mx.float32)
+            return (x - mx.max(x, axis=-1, keepdims=True)) * scale
+
+        if not self.xtc_probability:
+            return temper(self._filter(logprobs))
+        pre = self._filter(logprobs, top_k=False)
+        whole = temper(self._top_k(pre))
+        cut = temper(self._top_k(self._xtc_cut(pre)))
+        p = self.xtc_probability
+        whole = whole - mx.logsumexp(whole, axis=-1, keepdims=True) + (math.log(1 - p) if p < 1 else -mx.inf)
+        cut = cut - mx.logsumexp(cut, axis=-1, keepdims=True) + math.log(p)
+        return mx.logaddexp(whole, cut)
 
     def _scores(self, logits: mx.array, contexts) -> mx.array:
         """Penalized log-probabilities (greedy: in the logits' dtype, as mlx-lm
@@ -135,7 +205,7 @@ class Sampler:
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.greedy:
             return logprobs
-        return self._filter(logprobs).astype(mx.float32) * (1.0 / self.temperature)
+        return self._tempered(logprobs)
 
     def noise(self, positions: Sequence[int], vocab: int) -> mx.array:
         """Gumbel noise [N, V], a fixed function of (seed, position)."""

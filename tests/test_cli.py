@@ -289,3 +289,11 @@ def test_output_that_cannot_be_written_is_one_error_line():
         and r.stderr.strip().splitlines()[-1] == "error: cannot write the output: No space left on device"
     )
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_a_template_config_without_the_template_is_no_error(capsys):
+    # The API refuses chat_template_config without chat_template; the command
+    # line has nothing to configure then and drops it, as before.
+    args = ["generate", "--no-chat-template", "--chat-template-config", '{"enable_thinking": false}', "-n", "4"]
+    code, out, err = cli(capsys, *args, "def f(x):")
+    assert code in (0, None) and out.strip(), err

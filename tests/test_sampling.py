@@ -73,6 +73,46 @@ def test_distribution_equals_mlx_lm_make_sampler(flags, dtype):
     assert ok, (stat, crit)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(temp=1.0, xtc_probability=0.5, xtc_threshold=0.1),
+        dict(temp=0.7, top_p=0.95, top_k=6, xtc_probability=1.0, xtc_threshold=0.05),
+    ],
+    ids=["half-the-time", "always-with-filters"],
+)
+def test_xtc_distribution_equals_mlx_lms(flags):
+    """XTC cuts the likeliest tokens on a coin of xtc_probability per step in
+    mlx-lm; our draws come from the mixture of the two distributions, keyed
+    as every draw is: the same distribution, the special tokens never cut."""
+    logits = logits_row(mx.float32, seed=4)
+    special = [int(np.argmax(np.array(logits[0])))]  # the likeliest token: cut unless special
+    kw = {k: v for k, v in flags.items() if k != "temp"}
+    sampler = Sampler(flags["temp"], **kw, seed=5, xtc_special_tokens=special)
+    p = np.array(sampler.probs(logits)[0], dtype=np.float64)
+    plain = np.array(
+        Sampler(flags["temp"], **{k: v for k, v in kw.items() if not k.startswith("xtc")}, seed=0).probs(logits)[0]
+    )
+    assert np.abs(p - plain).max() > 0.02  # XTC changed the distribution
+    mx.random.seed(2)
+    mlx_lm_sample = make_sampler(**flags, xtc_special_tokens=special)
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    n = 3000  # one call per draw: mlx-lm tosses XTC's coin once per call
+    draws = np.array([mlx_lm_sample(logprobs).item() for _ in range(n)])
+    counts = np.bincount(draws, minlength=V).astype(np.float64)
+    assert counts[p == 0].sum() == 0
+    ok, stat, crit = chi2_ok(counts, p, n)
+    assert ok, (stat, crit)
+    m = 1500
+    mine = np.array(sampler(mx.broadcast_to(logits, (m, V)), list(range(m))))
+    ok, stat, crit = chi2_ok(np.bincount(mine, minlength=V).astype(np.float64), p, m)
+    assert ok, (stat, crit)
+    with pytest.raises(DFlashError, match="xtc_threshold"):
+        Sampler(1.0, seed=0, xtc_probability=0.5, xtc_threshold=0.7)
+    with pytest.raises(DFlashError, match="xtc_probability"):
+        Sampler(1.0, seed=0, xtc_probability=1.5)
+
+
 def test_filters_follow_mlx_lm_order_and_precision():
     """Filters act on temperature-1 log-probabilities, in mlx-lm's order (top-p,
     min-p, top-k): a temperature-first or top-k-first sampler keeps other tokens."""
@@ -104,8 +144,12 @@ def test_a_vanishing_temperature_samples_the_greedy_token(dtype):
     # was -inf or nan and every draw token 0.
     rows = mx.concatenate([logits_row(dtype, seed) for seed in range(8)])
     greedy = Sampler(0.0, seed=0)(rows, list(range(8)))
-    for t in (1e-6, 1e-30, 1e-38):
+    flat = mx.array(np.random.default_rng(1).normal(size=(4, 300)).astype(np.float32) * 0.1).astype(dtype)
+    flat_greedy = Sampler(0.0, seed=0)(flat, list(range(4)))
+    for t in (1e-6, 1e-30, 1e-38, 2e-38):
         assert Sampler(t, seed=3)(rows, list(range(8))).tolist() == greedy.tolist(), t
+        # A flat row (its top token well under 3%): scaled unshifted, every score overflowed.
+        assert Sampler(t, seed=3)(flat, list(range(4))).tolist() == flat_greedy.tolist(), t
     with pytest.raises(DFlashError, match="must be 0 \\(greedy\\) or at least 1e-38"):
         Sampler(1e-39, seed=0)
 
@@ -194,3 +238,27 @@ def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, ca
     out = capsys.readouterr().out
     assert e.value.code in (0, None)
     assert out == res.text + "\n"
+
+
+def test_xtc_through_every_mode_and_interface(capsys):
+    """With the equality rule a seed gives the same text in plain, chain and
+    tree decoding and in a batch, XTC on; the CLI flags give it too."""
+    from test_cli import cli
+
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    kw = dict(temperature=1.0, seed=3, accept_rule="equality", xtc_probability=0.7, xtc_threshold=0.05, max_tokens=24)
+    plain = mlx_dflash.generate(eng, "def f(x):", baseline=True, **kw)
+    assert eng.config(**kw).xtc_special_tokens == tuple(eng.tokenizer.encode("\n")) + tuple(eng.tokenizer.eos_token_ids)
+    for mode in ({}, {"block_size": 8}, {"tree_budget": 6}):
+        assert mlx_dflash.generate(eng, "def f(x):", **mode, **kw).tokens == plain.tokens, mode
+    assert mlx_dflash.batch_generate(eng, ["def f(x):", "import os"], **kw)[0].tokens == plain.tokens
+    without = {k: v for k, v in kw.items() if not k.startswith("xtc")}
+    assert mlx_dflash.generate(eng, "def f(x):", baseline=True, **without).tokens != plain.tokens
+    flags = ["--temp", "1", "--seed", "3", "--accept-rule", "equality", "--xtc-probability", "0.7"]
+    code, out, err = cli(capsys, "generate", *flags, "--xtc-threshold", "0.05", "-n", "24", "def f(x):")
+    assert code in (0, None), err
+    assert out.rstrip("\n") == plain.text
+    code, _, err = cli(capsys, "generate", "--temp", "1", "--xtc-threshold", "0.9", "x")
+    assert code == 2 and "xtc_threshold (--xtc-threshold) must be in [0, 0.5]" in err

@@ -232,6 +232,32 @@ def test_sampling_settings_and_seed_equal_generate(server, engine):
     assert m.content[0].text == want.text
 
 
+def test_xtc_min_p_and_repetition_penalty_in_every_dialect(server, engine):
+    """mlx-lm's extra sampling fields reach the sampler from each dialect
+    (/v1/messages ignored min_p and repetition_penalty before)."""
+    ids = engine.encode(PROMPTS[3], chat_template=True)
+    extra = {"xtc_probability": 0.7, "xtc_threshold": 0.05, "min_p": 0.02, "repetition_penalty": 1.3}
+    want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, temperature=1.0, seed=7, **extra)
+    assert want.text != mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, temperature=1.0, seed=7).text
+    msgs = [{"role": "user", "content": PROMPTS[3]}]
+    r = server.openai().chat.completions.create(
+        model="mlx-dflash", messages=msgs, max_tokens=MAX_NEW, temperature=1.0, seed=7, extra_body=extra
+    )
+    assert r.choices[0].message.content == want.text
+    m = server.anthropic().messages.create(
+        model="mlx-dflash", max_tokens=MAX_NEW, messages=msgs, extra_body={"temperature": 1.0, "seed": 7, **extra}
+    )
+    assert m.content[0].text == want.text
+    resp = server.openai().responses.create(
+        model="mlx-dflash",
+        input=PROMPTS[3],
+        max_output_tokens=MAX_NEW,
+        temperature=1.0,
+        extra_body={"seed": 7, **extra},
+    )
+    assert resp.output_text == want.text
+
+
 def test_second_turn_is_served_from_the_prefix_cache(server, engine):
     """An agent resending its history: the second turn reuses the first turn's prefix, and the
     reply still equals generate() without any cache."""

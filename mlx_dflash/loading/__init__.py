@@ -82,7 +82,7 @@ def check_adapter_files(path) -> Path:
         lp = cfg.get("lora_parameters")
         if not isinstance(cfg.get("num_layers"), int) or not isinstance(lp, dict):
             raise DFlashError(f"{p / ADAPTER_FILES[0]}: a {kind} adapter needs num_layers and lora_parameters")
-        absent = [k for k in ("rank", "scale") if k not in lp]
+        absent = [k for k in ("rank", "scale", "dropout") if k not in lp]  # what mlx-lm's load_adapters reads
         if absent:
             raise DFlashError(f"{p / ADAPTER_FILES[0]}: lora_parameters lacks {', '.join(absent)}")
     return p

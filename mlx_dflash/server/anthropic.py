@@ -71,6 +71,8 @@ class MessagesRequest(CountRequest):
     # Not in Anthropic's API; accepted as the other dialects accept them.
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
     seed: Optional[int] = None
 
 

@@ -155,7 +155,7 @@ class Server:
                 400, "top_p must be above 0 (1 for off; a small value keeps only the top tokens)", param="top_p"
             )
         try:
-            gen = self.settings.generation.with_request(request, max_tokens)
+            gen = self.engine.config(self.settings.generation.with_request(request, max_tokens))
             gen.validate()
         except (DFlashError, TypeError, ValueError) as e:
             message = FLAGS.sub("", str(e))  # a client sent fields, not command-line flags

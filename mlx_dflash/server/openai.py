@@ -68,6 +68,8 @@ class _Sampling(_Model):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
     seed: Optional[int] = None
     stop: Union[str, List[str], None] = None
     n: Optional[int] = Field(1, ge=1, le=1)
@@ -94,7 +96,7 @@ class ChatRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, List[int], List[str], List[List[int]]]
-    logprobs: Optional[int] = None
+    logprobs: Union[bool, int, None] = None  # false as some wrappers send it: neutral
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None

@@ -55,6 +55,8 @@ class ResponsesRequest(_Model):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
     seed: Optional[int] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
