@@ -650,16 +650,25 @@ def chat(
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
-    typer.echo("Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits.", err=True)
+    typer.echo(
+        "Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits "
+        "(// sends a message that starts with /).",
+        err=True,
+    )
     while True:
         try:
             line = input(">> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):  # end of input, or Ctrl-C at the prompt: the session ends, saved
             sys.stdout.write("\n")  # the shell's prompt on a line of its own
             break
+        except UnicodeDecodeError as e:
+            typer.echo(f"error: the line is not valid UTF-8 text ({e.reason} at byte {e.start})", err=True)
+            continue
         if not line.strip():
             continue
-        if line.startswith("/"):
+        if line.startswith("//"):
+            line = line[1:]
+        elif line.startswith("/"):
             cmd, _, arg = line.strip().partition(" ")
             if cmd in ("/quit", "/exit"):
                 break
@@ -683,6 +692,9 @@ def chat(
                 stats = r.stats
         except KeyboardInterrupt:  # stop this reply, keep the conversation
             pass
+        except DFlashError as e:  # this turn (say, past the context): the session goes on
+            typer.echo(f"error: {e} (/reset starts a new conversation)", err=True)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()
         if stats is not None:

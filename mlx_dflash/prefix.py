@@ -532,6 +532,7 @@ class PrefixCache:
             mx.save_safetensors(str(tmp), arrays, metadata=meta)
             os.replace(tmp, path)
         except (RuntimeError, OSError) as e:  # MLX says RuntimeError for a file it cannot open
+            tmp.unlink(missing_ok=True)
             raise DFlashError(f"cannot write the prefix cache to {path}: {e}") from None
 
     @classmethod
@@ -546,7 +547,8 @@ class PrefixCache:
         if not path.is_file():
             raise DFlashError(f"prompt cache file not found: {path}")
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
+            # safetensors whatever the name: MLX would go by the extension
+            arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
             mx.eval(list(arrays.values()))
         except Exception as e:
             raise DFlashError(f"cannot read prompt cache file {path}: truncated or corrupt ({e})") from None

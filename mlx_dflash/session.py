@@ -4,7 +4,7 @@ from typing import Iterator, List, Optional
 
 from .api import Engine, GenerationResponse, GenerationResult, stream_generate
 from .config import GenerationConfig
-from .errors import DFlashError
+from .errors import DFlashError, check_text
 from .prefix import PrefixCache
 
 
@@ -60,8 +60,9 @@ class ChatSession:
         for k in ("chat_template", "system", "prefix_cache", "chat_template_config"):
             if k in kwargs:
                 raise DFlashError(f"{k} is set by the chat session")
+        check_text(text, "the message")
         ids = self._prompt(text)
-        reply = []
+        reply, started = [], False
         try:
             for r in stream_generate(
                 self.engine,
@@ -71,17 +72,20 @@ class ChatSession:
                 chat_template_config=self.chat_template_config,
                 **kwargs,
             ):
+                started = True
                 reply.extend(r.tokens)
                 self.stats = r.stats
                 yield r
         finally:
             # A reply cut short still belongs to the conversation. Its text is
             # decoded from the ids in one go, so the next turn's rendering
-            # starts with exactly the decoded ids (checked in _prompt).
-            eos = set(self.engine.tokenizer.eos_token_ids)
-            content = self.engine.tokenizer.decode([t for t in reply if t not in eos])
-            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": content}]
-            self._ids = ids + reply
+            # starts with exactly the decoded ids (checked in _prompt). A
+            # turn refused before its first token (past the context) does not.
+            if started:
+                eos = set(self.engine.tokenizer.eos_token_ids)
+                content = self.engine.tokenizer.decode([t for t in reply if t not in eos])
+                self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": content}]
+                self._ids = ids + reply
 
     def send(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> GenerationResult:
         """Send a user message; return the whole reply."""

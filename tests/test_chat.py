@@ -224,7 +224,7 @@ def test_ctrl_c_keeps_the_text_its_stats_and_the_cache_file(tmp_path):
 def test_chat_saves_its_prompt_cache_file_at_the_end(tmp_path):
     import subprocess
 
-    cache = tmp_path / "chat.safetensors"
+    cache = tmp_path / "chat.cache"  # any name: the file is read as safetensors whatever its extension
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
     runs = [
@@ -237,3 +237,45 @@ def test_chat_saves_its_prompt_cache_file_at_the_end(tmp_path):
     assert first[1] == "0" and int(second[1]) > 0  # the second session starts from the first one's file
     r = subprocess.run(cmd[:-1] + [str(tmp_path)], input="", capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "is a folder" in r.stderr
+
+
+def test_a_turn_that_fails_leaves_the_session_going(tmp_path):
+    """A message past the context, or not UTF-8, is one error line; the
+    session goes on (the next turn answers) and its cache file is saved."""
+    import subprocess
+
+    cache = tmp_path / "c.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
+    stdin = ("x " * 5000 + "\n").encode() + b"caf\xe9\n" + b"//not a command\n" + b"def fib(n):\n"
+    r = subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=180)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "error: prompt has" in err and "context limit" in err
+    assert "error: " in err and "UTF-8" in err
+    assert err.count("prompt tokens:") == 2  # the "/"-message and the last one were answered
+    assert cache.is_file() and "Traceback" not in err
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session_and_saves(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    cache = tmp_path / "c.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdin.write(b"def fib(n):\n")
+    p.stdin.flush()
+    deadline = time.monotonic() + 120
+    err = b""
+    while b"prompt tokens:" not in err:  # the turn is answered; the REPL waits at its prompt
+        assert time.monotonic() < deadline and p.poll() is None, err.decode()
+        err += os.read(p.stderr.fileno(), 4096)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    _, rest = p.communicate(timeout=60)
+    err = (err + rest).decode()
+    assert p.returncode == 0 and f"to {cache})" in err and "Traceback" not in err, err
+    assert cache.is_file()
