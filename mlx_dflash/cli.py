@@ -1,6 +1,7 @@
 """The ``mlx-dflash`` command line."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -713,7 +714,7 @@ def chat(
 @app.command("train-draft")
 def train_draft_cmd(
     model: Path = typer.Option(
-        ..., "--model", "-m", help="Target folder (or Hugging Face id) the draft is trained for."
+        ..., "--model", "-m", help="Target folder, GGUF file (or Hugging Face id) the draft is trained for."
     ),
     out: Path = typer.Option(
         ..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."
@@ -1017,19 +1018,35 @@ def convert(
     for b in bits or []:
         k, _, v = b.partition("=")
         if not v.isdigit() or int(v) not in (2, 3, 4, 5, 6, 8):
-            raise DFlashError(f"--bits takes TYPE=BITS with BITS in 2..8, got {b!r}")
+            raise DFlashError(f"--bits takes TYPE=BITS with BITS one of 2, 3, 4, 5, 6, 8, got {b!r}")
         bmap[k.upper()] = int(v)
+    if bmap and keep_precision:
+        raise DFlashError("--keep-precision stores floats: --bits has nothing to requantize then")
+    if out.exists() and not out.is_dir():
+        raise DFlashError(f"output folder {out} is a file")
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
+    made = not out.exists()
+    try:  # now, not after the whole GGUF is decoded
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot make the output folder {out}: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK):
+        raise DFlashError(f"the output folder {out} is not writable")
     tic = time.perf_counter()
-    gguf_file = _local(gguf_file)
-    tok_dir = tokenizer_dir_for(gguf_file)
-    target, cfg = load_gguf_target(
-        gguf_file, keep_precision=keep_precision, bits=bmap or None, dtype=_dtype(dtype), progress=True
-    )
-    save_model(out, target.model)
-    save_config(cfg, out / "config.json")
-    load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
+    try:
+        gguf_file = _local(gguf_file)
+        tok_dir = tokenizer_dir_for(gguf_file)
+        target, cfg = load_gguf_target(
+            gguf_file, keep_precision=keep_precision, bits=bmap or None, dtype=_dtype(dtype), progress=True
+        )
+        save_model(out, target.model)
+        save_config(cfg, out / "config.json")
+        load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
+    except BaseException:  # nothing half-written: the folder this command made goes
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     typer.echo(
         f"wrote {out} ({cfg['torch_dtype']}"
         + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")

@@ -663,7 +663,7 @@ def _checksum(arrays: Dict[str, mx.array], meta: Dict[str, str]) -> str:
     return h.hexdigest()
 
 
-def _tree_digest(params) -> str:
+def tree_digest(params) -> str:
     """Names, shapes, dtypes, the first and last elements and the sum of every
     tensor (reading all the bytes of a large model twice would be slow)."""
     import numpy as np
@@ -694,13 +694,13 @@ def fingerprint(engine) -> Dict[str, Optional[str]]:
     out = {
         "target_config": sha(engine.target.config),
         "tokenizer": sha([sorted(tok.get_vocab().items()), getattr(tok, "chat_template", None)]),
-        "target_weights": _tree_digest(engine.target.model.parameters()),
+        "target_weights": tree_digest(engine.target.model.parameters()),
         "draft": None,
     }
     if engine.draft is not None:
         import dataclasses
 
-        out["draft"] = sha([dataclasses.asdict(engine.draft.config), _tree_digest(engine.draft.parameters())])
+        out["draft"] = sha([dataclasses.asdict(engine.draft.config), tree_digest(engine.draft.parameters())])
     return out
 
 

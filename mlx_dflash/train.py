@@ -337,6 +337,25 @@ def _save_draft(draft, cfg: dict, path: Path) -> None:
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
+def _check_output_folder(out: Path, target_path) -> None:
+    """Refuse to write a draft over a model: the target's own folder, or one
+    whose config.json is not a DFlash draft's (a previous draft is overwritten)."""
+    try:
+        same = Path(target_path).expanduser().resolve() == out.resolve()
+    except (OSError, TypeError):
+        same = False
+    if same:
+        raise DFlashError(f"--out {out} is the target's folder; give the draft a folder of its own")
+    cfg = out / "config.json"
+    if cfg.is_file():
+        try:
+            is_draft = "dflash_config" in json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            is_draft = False
+        if not is_draft:
+            raise DFlashError(f"--out {out} holds a model that is not a DFlash draft; give an empty or new folder")
+
+
 def train_draft(
     target_path,
     out,
@@ -354,6 +373,7 @@ def train_draft(
     folder to ``out`` (and checkpoints to ``out/checkpoint``). Returns a
     summary dict (final loss, per-slot accuracy, steps, seconds)."""
     from .api import load
+    from .prefix import tree_digest
 
     tc = config or TrainConfig()
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -372,6 +392,22 @@ def train_draft(
     if tc.arch == "dflash2" and min(tc.selector_rank, tc.selector_top_k, tc.conv_kernel_size) < 1:
         raise DFlashError("selector rank, selector top-k and conv kernel size must be positive")
     out = Path(out).expanduser()
+    _check_output_folder(out, target_path)
+    if resume:  # now, not after the feature pass
+        state_file = out / "checkpoint" / "state.json"
+        if not state_file.exists():
+            raise DFlashError(f"--resume: no checkpoint in {out / 'checkpoint'}")
+        done = json.loads(state_file.read_text()).get("step", 0)
+        if done >= tc.steps:
+            raise DFlashError(f"--resume: the checkpoint is at step {done}; give --steps above it to train on")
+    if feature_cache is not None:
+        fdir = Path(feature_cache).expanduser()
+        try:
+            fdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DFlashError(f"--feature-cache {fdir}: cannot make the folder ({e.strerror or e})") from None
+        if not os.access(fdir, os.W_OK):
+            raise DFlashError(f"--feature-cache {fdir}: the folder is not writable")
     try:  # now, not after the training: a folder that cannot be made loses the draft
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -415,13 +451,20 @@ def train_draft(
         if not prompts:
             raise DFlashError(f"prompt file is empty: {pf}")
         source = [prompts, tc.seq_len, tc.gen_tokens]
-    key = hashlib.sha256(json.dumps([str(target_path), ids, source]).encode()).hexdigest()[:16]
+    # The target's weights are in the key: features of a retrained target at the same path are not reused.
+    weights = tree_digest(target.model.parameters())
+    key = hashlib.sha256(json.dumps([str(target_path), weights, ids, source]).encode()).hexdigest()[:16]
     fc = Path(feature_cache) / f"features-{key}.safetensors" if feature_cache is not None else None
+    data = None
     if fc is not None and fc.exists():
-        data = mx.load(str(fc))
-        tokens, feats = data["tokens"], data["features"]
-        log(f"tokens and features from cache {fc}")
-    else:
+        try:
+            data = mx.load(str(fc))
+            tokens, feats = data["tokens"], data["features"]
+            log(f"tokens and features from cache {fc}")
+        except Exception as e:  # damaged (say, a run killed while writing it): computed again
+            log(f"feature cache {fc} unreadable ({type(e).__name__}); computing the features again")
+            data = None
+    if data is None:
         t = time.perf_counter()
         if corpus is not None:
             L = min(len(s) for s in seqs)
@@ -445,9 +488,10 @@ def train_draft(
         tokens = mx.array([s[:L] for s in seqs])
         mx.eval(tokens, feats)
         log(f"target features for {tokens.shape[0]} x {L} tokens in {time.perf_counter() - t:.1f}s")
-        if fc is not None:
-            fc.parent.mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(str(fc), {"tokens": tokens, "features": feats})
+        if fc is not None:  # written whole or not at all
+            tmp = fc.with_name(fc.name + ".tmp.safetensors")
+            mx.save_safetensors(str(tmp), {"tokens": tokens, "features": feats})
+            os.replace(tmp, fc)
     L = tokens.shape[1]
 
     # Model and optimizer.

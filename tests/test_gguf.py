@@ -578,6 +578,12 @@ def test_convert_refuses_a_folder_and_a_type_the_file_lacks(tok_dir, tmp_path, c
     assert code == 2 and f"{tmp_path / 'hf'} is a folder, not a GGUF file" in err
     code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "out2"), "--bits", "Q9_K=4")
     assert code == 2 and "has no Q9_K tensors to requantize (its types: F32)" in err, err
+    assert not (tmp_path / "out2").exists()  # the folder it made for the failed run is gone
+    (tmp_path / "afile").write_text("x")
+    code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "afile"))
+    assert code == 2 and "is a file" in err
+    code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "out3"), "--keep-precision", "--bits", "Q8_0=4")
+    assert code == 2 and "--keep-precision stores floats" in err
 
 
 def run_cli(*args):

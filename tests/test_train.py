@@ -9,6 +9,7 @@ import pytest
 
 import mlx_dflash
 from mlx_dflash.cli import main
+from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.draft import train_logits, training_mask
 from mlx_dflash.models.qwen35 import Target
 from mlx_dflash.train import TrainConfig, train_draft
@@ -120,6 +121,46 @@ def test_generate_from_prompts_and_feature_cache(target_dir, tmp_path):
     train_draft(path, tmp_path / "d", generate_from=prompts, feature_cache=tmp_path / "fc", config=cfg, log=logs.append)
     assert any("features from cache" in l for l in logs)
     assert not any("generating" in l for l in logs)  # the cache holds the generated tokens too
+
+
+def test_a_damaged_feature_cache_is_computed_again(target_dir, tmp_path):
+    path, corpus = target_dir
+    cfg = TrainConfig(steps=1, **CFG)
+    train_draft(path, tmp_path / "d", corpus=[corpus], feature_cache=tmp_path / "fc", config=cfg, log=lambda _: None)
+    (cached,) = (tmp_path / "fc").glob("features-*.safetensors")
+    cached.write_bytes(cached.read_bytes()[:100])  # a run killed while writing it (before writes were atomic)
+    logs = []
+    train_draft(path, tmp_path / "d", corpus=[corpus], feature_cache=tmp_path / "fc", config=cfg, log=logs.append)
+    assert any("unreadable" in line and "computing the features again" in line for line in logs)
+    assert mx.load(str(cached))["tokens"].shape[0] > 0  # and written again, whole
+
+
+def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path):
+    """A draft never overwrites a model (the target's folder, or another
+    model's); --resume without a checkpoint, or with --steps already done,
+    and an unusable --feature-cache are refused before the features are computed."""
+    path, corpus = target_dir
+    cfg = TrainConfig(steps=2, **CFG)
+    before = sorted(p.name for p in path.iterdir())
+    with pytest.raises(DFlashError, match="is the target's folder"):
+        train_draft(path, path, corpus=[corpus], config=cfg, log=lambda _: None)
+    assert sorted(p.name for p in path.iterdir()) == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    with pytest.raises(DFlashError, match="holds a model that is not a DFlash draft"):
+        train_draft(path, other, corpus=[corpus], config=cfg, log=lambda _: None)
+    with pytest.raises(DFlashError, match="--resume: no checkpoint"):
+        train_draft(path, tmp_path / "new", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
+    train_draft(
+        path, tmp_path / "d", corpus=[corpus], config=TrainConfig(steps=3, checkpoint_every=2, **CFG), log=print
+    )
+    with pytest.raises(DFlashError, match="the checkpoint is at step 2; give --steps above it"):
+        train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
+    train_draft(path, tmp_path / "d", corpus=[corpus], config=cfg, log=lambda _: None)  # a draft's folder: retrained
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DFlashError, match="--feature-cache .*cannot make the folder"):
+        train_draft(path, tmp_path / "d2", corpus=[corpus], feature_cache=tmp_path / "afile", config=cfg)
 
 
 def test_generation_features_equal_a_plain_forward(target_dir):
