@@ -658,7 +658,12 @@ def chat(
     )
     while True:
         try:
-            line = input(">> ")
+            if sys.stdout.isatty():
+                line = input(">> ")  # readline redraws its own prompt
+            else:  # piped: stdout holds only the replies
+                sys.stderr.write(">> ")
+                sys.stderr.flush()
+                line = input()
         except (EOFError, KeyboardInterrupt):  # end of input, or Ctrl-C at the prompt: the session ends, saved
             sys.stdout.write("\n")  # the shell's prompt on a line of its own
             break

@@ -67,20 +67,35 @@ class TrainConfig:
 # --- data -------------------------------------------------------------------------
 
 
-def read_texts(paths: Sequence, text_field: str = "text") -> List[str]:
-    """Plain text files (whole file) or JSONL (``text_field`` of each line)."""
+def read_texts(paths: Sequence, text_field: str = "text", log=None) -> List[str]:
+    """Plain text files (whole file) or JSONL (``text_field`` of each line).
+    In a folder, files that are not UTF-8 text (weights, images) are skipped
+    (``log`` says how many); a file named itself must be text."""
     texts = []
     files = []
     for p in paths:
         p = Path(p).expanduser()
         if not p.exists():
             raise DFlashError(f"corpus path does not exist: {p}")
-        files.extend(sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p])
-    for f in files:
+        if p.is_dir():
+            files.extend((f, True) for f in sorted(f for f in p.rglob("*") if f.is_file()))
+        else:
+            files.append((p, False))
+    skipped = []
+    for f, in_folder in files:
         try:
-            raw = f.read_text(encoding="utf-8", errors="replace")
+            data = f.read_bytes()
         except OSError as e:
             raise DFlashError(f"cannot read corpus file {f}: {e}") from None
+        try:
+            raw = data.decode("utf-8")
+            if "\x00" in raw:
+                raise UnicodeDecodeError("utf-8", data, raw.index("\x00"), raw.index("\x00") + 1, "NUL byte")
+        except UnicodeDecodeError as e:
+            if not in_folder:
+                raise DFlashError(f"corpus file {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            skipped.append(f)
+            continue
         if f.suffix == ".jsonl":
             for n, line in enumerate(raw.splitlines(), 1):
                 if not line.strip():
@@ -91,9 +106,13 @@ def read_texts(paths: Sequence, text_field: str = "text") -> List[str]:
                     raise DFlashError(f"{f}:{n}: not a JSON line") from None
                 if not isinstance(obj, dict) or text_field not in obj:
                     raise DFlashError(f"{f}:{n}: no {text_field!r} field")
-                texts.append(str(obj[text_field]))
+                if not isinstance(obj[text_field], str):
+                    raise DFlashError(f"{f}:{n}: the {text_field!r} field is not a string")
+                texts.append(obj[text_field])
         else:
             texts.append(raw)
+    if skipped and log is not None:
+        log(f"skipped {len(skipped)} corpus files that are not UTF-8 text (the first: {skipped[0]})")
     texts = [t for t in texts if t.strip()]
     if not texts:
         raise DFlashError(f"corpus is empty: {', '.join(str(p) for p in paths)}")
@@ -175,8 +194,9 @@ def _batched_step(target, tokens: mx.array, cache, capture: Sequence[int] = ()):
     return target.lm_head(target.norm(h)), f
 
 
-def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8):
-    """Target features (no gradient) for equal-length sequences: [n, L, N*H]."""
+def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8, progress=None):
+    """Target features (no gradient) for equal-length sequences: [n, L, N*H].
+    ``progress(done, total)`` after each batch of sequences."""
     out = []
     for s in range(0, len(seqs), batch):
         toks = mx.array(seqs[s : s + batch])
@@ -184,6 +204,8 @@ def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch:
         f = mx.stop_gradient(f)
         mx.eval(f)
         out.append(f)
+        if progress is not None:
+            progress(min(s + batch, len(seqs)), len(seqs))
     return mx.concatenate(out, axis=0)
 
 
@@ -437,10 +459,12 @@ def train_draft(
     # Data and features (tokens [n, L], features [n, L, N*H]).
     if corpus is not None:
         eos = (list(tok.eos_token_ids) or [0])[0]
-        seqs = corpus_sequences(tok, read_texts(corpus, text_field), tc.seq_len, eos)
+        seqs = corpus_sequences(tok, read_texts(corpus, text_field, log), tc.seq_len, eos)
         source = seqs
     else:
         pf = Path(generate_from).expanduser()
+        if pf.is_dir():
+            raise DFlashError(f"--generate-from {pf} is a folder; give a prompt file (one per line, or JSONL)")
         if not pf.is_file():
             raise DFlashError(f"prompt file does not exist: {pf}")
         prompts = (
@@ -468,7 +492,16 @@ def train_draft(
         t = time.perf_counter()
         if corpus is not None:
             L = min(len(s) for s in seqs)
-            feats = compute_features(target, seqs, ids)
+            log(f"target features for {len(seqs)} sequences of {tc.seq_len} tokens")
+            every = max(1, len(seqs) // 10)
+            feats = compute_features(
+                target,
+                seqs,
+                ids,
+                progress=lambda i, n: (
+                    log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % every < 8 or i == n else None
+                ),
+            )
         else:
             log(f"generating target continuations for {len(prompts)} prompts")
             seqs, flist = generated_sequences(

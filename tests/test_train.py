@@ -277,3 +277,19 @@ def test_train_dflash2_lowers_both_losses_and_decodes_losslessly(target_dir, tmp
         capsys, "train-draft", "-m", str(path), "-o", str(tmp_path / "x"), "--corpus", str(corpus), "--arch", "dflash3"
     )
     assert code == 2 and "--arch must be" in out
+
+
+def test_corpus_folders_skip_what_is_not_text(tmp_path):
+    from mlx_dflash.train import read_texts
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "c" / "w.safetensors").write_bytes(b"\x00\x01\xff" * 100)
+    logs = []
+    assert read_texts([tmp_path / "c"], log=logs.append) == ["def f(x):\n    return x\n"]
+    assert logs == [f"skipped 1 corpus files that are not UTF-8 text (the first: {tmp_path / 'c' / 'w.safetensors'})"]
+    with pytest.raises(DFlashError, match="is not UTF-8 text"):
+        read_texts([tmp_path / "c" / "w.safetensors"])
+    (tmp_path / "n.jsonl").write_text('{"text": null}\n')
+    with pytest.raises(DFlashError, match="the 'text' field is not a string"):
+        read_texts([tmp_path / "n.jsonl"])
