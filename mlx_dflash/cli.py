@@ -1082,11 +1082,14 @@ def info(
     path, draft = _local(path), _local(draft)
     if draft is not None and not Path(draft).exists():  # a draft that is not there is an error, not a misfit
         raise DFlashError(f"draft path does not exist: {draft}")
-    typer.echo(describe(path, draft))
-    if stages:
+    plan = None
+    if stages:  # planned first: a split it cannot make is an error before any report
         from .distributed import stage_plan
 
-        typer.echo(stage_plan(path, stages, draft).describe())
+        plan = stage_plan(path, stages, draft)
+    typer.echo(describe(path, draft))
+    if plan is not None:
+        typer.echo(plan.describe())
 
 
 @app.command()

@@ -12,10 +12,11 @@ def _size_on_disk(p: Path) -> int:
 
 
 def _fmt_bytes(n: float) -> str:
+    # Decimal units, as the stage plan and the memory figures elsewhere give them.
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
+        if n < 1000 or unit == "GB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
+        n /= 1000
     return f"{n:.1f} GB"
 
 

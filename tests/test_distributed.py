@@ -374,6 +374,10 @@ def test_info_shows_the_stage_plan(capsys, tmp_path):
     for s, (a, b) in enumerate(p.bounds):
         assert f"rank {2 - s}: layers {a}-{b - 1}" in out
     assert sum(p.shares) == p.costs.total
+    with pytest.raises(SystemExit) as e:  # more ranks than layers: the error comes before any report
+        main(["info", str(path), "--stages", "100"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == "" and "error:" in captured.err
 
 
 def test_pipeline_without_a_launch_is_a_clear_error(capsys):
