@@ -795,11 +795,18 @@ def train_draft_cmd(
     from .train import TrainConfig, train_draft
 
     ids = None
-    if target_layer_ids:
+    if target_layer_ids is not None:
         try:
             ids = [int(x) for x in target_layer_ids.split(",") if x.strip()]
         except ValueError:
+            ids = []
+        if not ids:
             raise DFlashError(f"--target-layer-ids must be a comma list of integers, got {target_layer_ids!r}")
+    for flag, value, least in (("--warmup", warmup, 0), ("--checkpoint-every", checkpoint_every, 0)):
+        if value < least:
+            raise DFlashError(f"{flag} must be >= {least}, got {value}")
+    if log_every < 1:
+        raise DFlashError(f"--log-every must be at least 1, got {log_every}")
     if init not in ("target", "random"):
         raise DFlashError(f"--init must be 'target' or 'random', got {init!r}")
     if lr <= 0 or gamma <= 0 or grad_clip <= 0:
@@ -823,7 +830,7 @@ def train_draft_cmd(
         checkpoint_every=checkpoint_every,
         init=init,
         seed=seed,
-        log_every=max(log_every, 1),
+        log_every=log_every,
         arch=arch,
         selector_rank=selector_rank,
         selector_top_k=selector_top_k,

@@ -236,6 +236,10 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         (base, "exactly one data source"),
         (base + ["--corpus", str(corpus), "--resume"], "no checkpoint"),
         (base + ["--corpus", str(corpus), "--context-window", "-3"], "context window must be >= 0"),
+        (base + ["--corpus", str(corpus), "--target-layer-ids", ""], "comma list"),
+        (base + ["--corpus", str(corpus), "--warmup", "-5"], "--warmup must be >= 0"),
+        (base + ["--corpus", str(corpus), "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+        (base + ["--corpus", str(corpus), "--log-every", "0"], "--log-every must be at least 1"),
     ]:
         code, out = cli(capsys, *args)
         assert code == 2, (args, out)
