@@ -10,26 +10,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Tuple
 
 from .errors import DFlashError, is_int
-from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, Sampler
+from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, SAMPLER_OPTIONS, Sampler
 
 NOT_LOADED = object()  # validate() before the engine is loaded
 # A tree commits at most the draft's block of tokens, whatever its size, while its
 # verify grows with every node (and its masks with the square): far past any budget
 # that pays, and short of one that exhausts memory.
 MAX_TREE_NODES = 1024
-# The sampler's filter options, by the names Sampler and Sampler.check take.
-SAMPLER_OPTIONS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "min_tokens_to_keep",
-    "repetition_penalty",
-    "repetition_context_size",
-    "xtc_probability",
-    "xtc_threshold",
-    "xtc_special_tokens",
-)
 # The fields a server request may set (by the same name in its body).
 SAMPLING = SAMPLER_OPTIONS[:-1] + ("seed", "accept_rule")
 # mlx-lm's generate() keywords with no field of that name, and what to give instead.

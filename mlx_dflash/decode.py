@@ -252,12 +252,18 @@ class Decoder:
             mx.eval(*arrays)
 
     # --- prefill -----------------------------------------------------------------
-    def prefill(self, chunk_size: int, prefix_cache=None, prefix_boundary=None):
+    def prefill(self, chunk_size: int, prefix_cache=None, prefix_boundary=None, progress=None):
         """Prefill the prompt (``history``) alone, in chunks of ``chunk_size``,
         and sample the first token (the anchor). With a ``prefix_cache``, the
-        longest cached prefix is restored first; returns its run (or None)."""
+        longest cached prefix is restored first; returns its run (or None).
+        ``progress(processed, total)``: after each chunk, then ``(total, total)``."""
+        total = len(self.history)
         for _ in self.prefill_steps(chunk_size, prefix_cache, prefix_boundary):
-            pass
+            if progress is not None:
+                progress(self.cache.offset, total)
+        self.stats.peak_memory = mx.get_peak_memory() / 1e9  # (cycles update it from here)
+        if progress is not None:
+            progress(total, total)
         return self.prefix_run
 
     def prefill_steps(self, chunk_size: int, prefix_cache=None, prefix_boundary=None) -> Iterator[None]:
@@ -760,13 +766,7 @@ def _generate_tokens(
     )
     d.stats.policy = policy.describe() if draft is not None else "plain"
     mx.reset_peak_memory()
-    for _ in d.prefill_steps(c.prefill_chunk, prefix_cache, prefix_boundary):
-        if prompt_progress_callback is not None:
-            prompt_progress_callback(d.cache.offset, len(prompt))
-    prefix_run = d.prefix_run
-    d.stats.peak_memory = mx.get_peak_memory() / 1e9  # (cycles update it from here)
-    if prompt_progress_callback is not None:
-        prompt_progress_callback(len(prompt), len(prompt))
+    prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary, progress=prompt_progress_callback)
     yield d.emit([d.anchor])
     if d.finished:  # the first token was EOS, or max_tokens == 1
         return

@@ -22,6 +22,20 @@ ACCEPT_RULES = ("speculative", "equality")
 # The one default of every layer (decode loop, API, CLI, server): it kept
 # more drafted tokens in all four cases of bench/results/accept-rules.md.
 DEFAULT_ACCEPT_RULE = "speculative"
+# The sampler's filter options, by the names Sampler, Sampler.check and
+# GenerationConfig take (the seed apart).
+SAMPLER_OPTIONS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "min_tokens_to_keep",
+    "repetition_penalty",
+    "repetition_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "xtc_special_tokens",
+)
 # The least temperature above 0: its reciprocal, which scales the scores, is a float32.
 MIN_TEMPERATURE = 1e-38
 
@@ -60,24 +74,14 @@ class Sampler:
         xtc_threshold: float = 0.1,
         xtc_special_tokens: Sequence[int] = (),
     ):
-        self.check(
-            temperature,
-            top_p,
-            top_k,
-            min_p,
-            repetition_penalty,
-            repetition_context_size,
-            min_tokens_to_keep,
-            xtc_probability,
-            xtc_threshold,
-        )
-        self.xtc_probability, self.xtc_threshold = xtc_probability, xtc_threshold
-        self.xtc_special_tokens = tuple(int(t) for t in xtc_special_tokens)
         self.temperature = temperature
         self.top_p, self.top_k, self.min_p = top_p, top_k, min_p
         self.min_tokens_to_keep = min_tokens_to_keep
         self.repetition_penalty = repetition_penalty
         self.repetition_context_size = repetition_context_size
+        self.xtc_probability, self.xtc_threshold = xtc_probability, xtc_threshold
+        self.xtc_special_tokens = tuple(int(t) for t in xtc_special_tokens)
+        self.check(**{name: getattr(self, name) for name in SAMPLER_OPTIONS})
         self._penalty = (
             make_repetition_penalty(repetition_penalty, repetition_context_size) if repetition_penalty != 1.0 else None
         )
