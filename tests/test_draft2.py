@@ -456,8 +456,16 @@ def sharpened_q_rule(p, q, drafted, picks, seed, positions):
     return speculative_rule(p, q2 / q2.sum(axis=-1, keepdims=True), drafted, picks, seed, positions)
 
 
-@pytest.mark.slow  # 1200 generations (~40-100 s)
-def test_speculative_rule_with_a_real_draft_gives_the_target_distribution(small_vocab):
+@pytest.mark.parametrize(
+    "kw",
+    [
+        pytest.param(dict(temperature=0.5, top_k=8), marks=pytest.mark.slow),  # 1200 generations (~40-100 s)
+        # In the default run: XTC's p goes through a real draft's own q (which has no XTC).
+        dict(temperature=0.8, top_k=8, xtc_probability=0.5, xtc_threshold=0.1),
+    ],
+    ids=["plain", "xtc"],
+)
+def test_speculative_rule_with_a_real_draft_gives_the_target_distribution(small_vocab, kw):
     """As above, but the drafts come from a real (random-weight) DFlash draft
     through its own sampled propose path, so its reported q, its draws and
     the rule's residual are checked together against the target's own
@@ -466,7 +474,8 @@ def test_speculative_rule_with_a_real_draft_gives_the_target_distribution(small_
     target = small_vocab
     dcfg = tiny.draft_config(tiny.target_config(vocab_size=12), num_hidden_layers=1, block_size=4)
     draft = tiny.build_draft(dcfg, seed=3).bind(target)
-    prompt, kw, n = [1, 5, 7], dict(temperature=0.5, top_k=8), 400
+    # XTC's mixture is flatter: more runs to tell a wrong q from the right one.
+    prompt, n = [1, 5, 7], 800 if "xtc_probability" in kw else 400
     joint = exact_pairs(target, prompt, Sampler(**kw, seed=0)).reshape(-1)
     third = exact_marginals(target, prompt, Sampler(**kw, seed=0), 3)[2]
     got_pairs, got_third, accepted = sample_counts(target, prompt, kw, n, draft=draft)
