@@ -465,9 +465,11 @@ class Decoder:
         ``shadow``: every so many steps the draft proposes a block from the
         committed state (a shadow draft: never verified or emitted, so the
         output is plain decoding's), queued behind the next step; once plain
-        decoding has committed the tokens it guessed, ``scored(compared,
-        matched, rows it read)`` books it and returns the steps to the next one, or 0 to end
-        the run (no further step is queued)."""
+        decoding has committed the tokens it guessed, or a miss shows,
+        ``scored(compared, matched, rows it read, partial=False)`` books it
+        and returns the steps to the next one, or 0 to end the run (no
+        further step is queued). While it is all right so far it is offered
+        with ``partial=True``, and ``scored`` returns None to wait for more."""
         shadows = shadow > 0 and self.draft is not None and scored is not None
         if shadows and self.shadow_in is None:
             self.shadow_in = shadow
@@ -535,9 +537,12 @@ class Decoder:
             at, drafted = self.shadow
             n = self.pos - at  # tokens committed after its anchor
             # From the second step on the draft has surely run (a step queued
-            # after it has been read), so looking costs no wait.
-            if n >= len(drafted) or (n >= 2 and self.acceptance(self._shadow_guess()[:n], self.history[at + 1 :]) < n):
-                if self.shadow_score(scored):
+            # after it has been read), so looking costs no wait. Scored once
+            # it is all committed or a miss shows; while it is all right so
+            # far, the policy may take that much as enough.
+            if n >= len(drafted) or n >= 2:
+                whole = n >= len(drafted) or self.acceptance(self._shadow_guess()[:n], self.history[at + 1 :]) < n
+                if self.shadow_score(scored, partial=not whole):
                     return True
         if self.shadow is None and self.shadow_in is not None:
             self.shadow_in -= 1
@@ -562,20 +567,25 @@ class Decoder:
             self.shadow = (at, drafted)
         return drafted
 
-    def shadow_score(self, scored) -> bool:
+    def shadow_score(self, scored, partial: bool = False) -> bool:
         """Compare the shadow draft in flight with the tokens committed after
         its anchor (at a run's end: as many as there are) and book it; True
-        when ``scored`` says the run should end."""
+        when ``scored`` says the run should end. ``partial``: its tokens
+        committed so far are all right and more are to come; ``scored`` may
+        decline to book it yet (None), and it stays in flight."""
         if self.shadow is None:
             return False
         at, drafted = self.shadow
         committed = self.history[at + 1 : at + 1 + len(drafted)]
         guess = self._shadow_guess()[: len(committed)]
-        self.shadow = None
         if not committed:
+            self.shadow = None
             return False
+        gap = scored(len(committed), self.acceptance(guess, committed), self.shadow_read, partial=partial)
+        if gap is None:  # not booked yet: it stays in flight
+            return False
+        self.shadow = None
         self.stats.shadow_drafts += 1
-        gap = scored(len(committed), self.acceptance(guess, committed), self.shadow_read)
         self.shadow_in = gap if gap > 0 else None
         return gap == 0
 

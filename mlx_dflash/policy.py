@@ -528,6 +528,11 @@ class Acceptance:
             self.hits[d] *= self.stale
             self.trials[d] *= self.stale
 
+    def copy(self) -> "Acceptance":
+        out = Acceptance(len(self.hits) - 1, self.prior, self.weight, self.decay, self.stale)
+        out.hits, out.trials = list(self.hits), list(self.trials)
+        return out
+
     def forget(self, keep: float) -> None:
         self.hits = [h * keep for h in self.hits]
         self.trials = [t * keep for t in self.trials]
@@ -874,12 +879,27 @@ class Policy:
             # plain after them is not one unlucky cycle.
             self.plain_votes = 1
 
-    def shadowed(self, drafted: int, accepted: int, read: int = 0) -> int:
+    def shadowed(self, drafted: int, accepted: int, read: int = 0, partial: bool = False) -> Optional[int]:
         """Book a shadow draft (``drafted`` tokens compared with what plain
         decoding committed, ``accepted`` of them matching before the first
         miss; it read ``read`` committed rows first); returns the plain steps
         before the next one, or 0 when, on this evidence, drafting pays (the
-        plain run ends)."""
+        plain run ends).
+
+        ``partial``: the shadow's block is not all committed yet and its
+        first ``drafted`` tokens were all right. Booked (and 0 returned) only
+        if drafting pays on that much already; else None: nothing is booked
+        and the shadow stays in flight. A draft right for whole blocks is
+        back after two or three plain tokens instead of a block of them."""
+        if partial:
+            now = self.acc
+            self.acc = now.copy()
+            self.acc.observe(drafted, drafted, decay=self.shadow_decay)
+            r = self.rates(self.max_width)
+            plain = r.pop(1) * self.margin()
+            self.acc = now
+            if not r or max(r.values()) <= plain:
+                return None
         self.acc.observe(drafted, accepted, decay=self.shadow_decay)
         self.shadows += 1
         self.run_shadows += 1

@@ -25,7 +25,8 @@ def drive(
     ``context`` tokens of cache; returns the plans. Plain runs carry shadow
     drafts as the decoder's do (the first after ``plan.shadow`` steps, the
     next after the steps ``policy.shadowed`` returns; scored once the block's
-    tokens are committed or, from the second step on, once a miss shows; a 0
+    tokens are committed or, from the second step on, once a miss shows, or
+    while all right so far if the policy takes that as enough; a 0
     ends the run after the step already queued), each right for
     ``accept(block)`` tokens.
     ``clock(plan, committed, read)``: the seconds the cycle took, for ``policy.timed``;
@@ -56,11 +57,13 @@ def drive(
                     break
                 if shadow is not None:
                     seen = done - shadow[0]
-                    if seen >= block - 1 or (seen >= 2 and shadow[1] < seen):
+                    if seen >= block - 1 or seen >= 2:
+                        whole = seen >= block - 1 or shadow[1] < seen
                         seen = min(seen, block - 1)
-                        gap = policy.shadowed(seen, min(shadow[1], seen), shadow[2])
-                        shadow, shadow_in = None, (gap or None)
-                        last = gap == 0  # drafting pays: the step already queued is the run's last
+                        gap = policy.shadowed(seen, min(shadow[1], seen), shadow[2], partial=not whole)
+                        if gap is not None:  # booked (a partial look may not be yet)
+                            shadow, shadow_in = None, (gap or None)
+                            last = gap == 0  # drafting pays: the step already queued is the run's last
                 if not last and plan.shadow and shadow is None and shadow_in is not None:
                     shadow_in -= 1
                     if shadow_in <= 0 and (tokens is None or tokens - done > 1):
