@@ -520,14 +520,16 @@ def generate(
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
     stats, interrupted = None, False
     try:
-        for r in stream_generate(
-            engine,
-            text,
-            config=gen,
-            chat_template=chat_template,
-            system=system,
-            chat_template_config=template_kwargs,
-            prefix_cache=pc,
+        for r in _ctrl_c_stops(
+            stream_generate(
+                engine,
+                text,
+                config=gen,
+                chat_template=chat_template,
+                system=system,
+                chat_template_config=template_kwargs,
+                prefix_cache=pc,
+            )
         ):
             sys.stdout.write(r.text)
             sys.stdout.flush()
@@ -545,6 +547,30 @@ def generate(
         typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
     if interrupted:
         raise SystemExit(130)
+
+
+def _ctrl_c_stops(pieces):
+    """Yield from ``pieces`` until a Ctrl-C, which raises KeyboardInterrupt
+    here even if the one Python raised was swallowed where it landed (a
+    finalizer, a library's broad except): the signal also sets a flag that
+    is checked between pieces. Main thread only, as signal handlers are."""
+    import signal
+    import threading
+
+    hit = threading.Event()
+
+    def on_int(signum, frame):
+        hit.set()
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_int)
+    try:
+        for piece in pieces:
+            yield piece
+            if hit.is_set():
+                raise KeyboardInterrupt
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _add_eos_tokens(engine, tokens: Optional[List[str]]) -> None:
@@ -692,7 +718,7 @@ def chat(
             continue
         stats = None
         try:
-            for r in session.stream(line, gen):
+            for r in _ctrl_c_stops(session.stream(line, gen)):
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
                 stats = r.stats

@@ -297,3 +297,32 @@ def test_a_template_config_without_the_template_is_no_error(capsys):
     args = ["generate", "--no-chat-template", "--chat-template-config", '{"enable_thinking": false}', "-n", "4"]
     code, out, err = cli(capsys, *args, "def f(x):")
     assert code in (0, None) and out.strip(), err
+
+
+def test_ctrl_c_stops_generation_even_where_its_keyboard_interrupt_was_swallowed():
+    """generate and chat read their pieces through cli._ctrl_c_stops: a
+    Ctrl-C that lands where something catches the KeyboardInterrupt (here a
+    broad except inside the stream) still ends the stream after that piece,
+    and the previous SIGINT handler is back afterwards."""
+    import signal
+    import time
+
+    from mlx_dflash.cli import _ctrl_c_stops
+
+    def stream():
+        for i in range(50):
+            try:
+                if i == 3:
+                    os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # the handler runs here, in the try
+            except KeyboardInterrupt:
+                pass
+            yield i
+
+    before = signal.getsignal(signal.SIGINT)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for i in _ctrl_c_stops(stream()):
+            got.append(i)
+    assert got == [0, 1, 2, 3]
+    assert signal.getsignal(signal.SIGINT) is before
