@@ -540,7 +540,7 @@ class Decoder:
             # after it has been read), so looking costs no wait. Scored once
             # it is all committed or a miss shows; while it is all right so
             # far, the policy may take that much as enough.
-            if n >= len(drafted) or n >= 2:
+            if n >= min(len(drafted), 2):
                 whole = n >= len(drafted) or self.acceptance(self._shadow_guess()[:n], self.history[at + 1 :]) < n
                 if self.shadow_score(scored, partial=not whole):
                     return True

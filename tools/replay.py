@@ -57,7 +57,7 @@ def drive(
                     break
                 if shadow is not None:
                     seen = done - shadow[0]
-                    if seen >= block - 1 or seen >= 2:
+                    if seen >= min(block - 1, 2):
                         whole = seen >= block - 1 or shadow[1] < seen
                         seen = min(seen, block - 1)
                         gap = policy.shadowed(seen, min(shadow[1], seen), shadow[2], partial=not whole)
