@@ -873,11 +873,12 @@ class Policy:
             self.plain_left = max(self.plain_left - committed, 0)
             return
         self.acc.observe(plan.width - 1, committed - 1)
-        self.warmup -= 1
-        if self.warmup == 0:
-            # The warm-up's cycles are evidence already: a first verdict for
-            # plain after them is not one unlucky cycle.
-            self.plain_votes = 1
+        if self.warmup > 0:
+            self.warmup -= 1
+            if self.warmup == 0:
+                # The warm-up's cycles are evidence already: a first verdict for
+                # plain after them is not one unlucky cycle.
+                self.plain_votes = 1
 
     def shadowed(self, drafted: int, accepted: int, read: int = 0, partial: bool = False) -> Optional[int]:
         """Book a shadow draft (``drafted`` tokens compared with what plain

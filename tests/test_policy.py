@@ -1013,3 +1013,18 @@ def test_a_damaged_cost_cache_is_measured_again_not_an_error(pair, tmp_path):
         again, measured = load_costs(target, real, cache_dir=tmp_path)
         assert measured and set(again.verify) == set(costs.verify)
         assert [e["model"] for e in json.loads(path.read_text())["entries"]] == [entry["model"]]
+
+
+def test_the_switch_back_from_plain_says_the_margin_it_cleared_after_many_drafted_cycles():
+    """--verbose's line for leaving plain decoding names the evidence margin
+    it cleared, also when many drafted cycles came before the plain stretch
+    (the warm-up count once ran below zero there and the margin went unsaid)."""
+    policy = Policy(16, synthetic_costs())
+
+    def accept(B, at):  # right for whole blocks, then wrong for a long stretch, then right again
+        return B - 1 if at < 80 or at >= 200 else 0
+
+    drive(policy, accept, 0, tokens=400)
+    back = [x for x in policy.switches if "plain -> B" in x and "shadow evidence" in x]
+    assert back and all("margin x" in x for x in back), policy.switches
+    assert policy.warmup == 0
