@@ -710,15 +710,16 @@ class Policy:
             w *= 2
         return sorted(x for x in out if x >= 2)
 
-    def rates(self, room: int) -> Dict[int, float]:
-        """Expected committed tokens per second (load-free) of B = 1 and each ladder width."""
+    def rates(self, room: int, acc: Optional[Acceptance] = None) -> Dict[int, float]:
+        """Expected committed tokens per second (load-free) of B = 1 and each
+        ladder width, on ``acc`` (default: the acceptance estimate now)."""
         out = {1: 1.0 / self.cost(1)}
         top = min(self.max_width, room)
         if top < 2:
             return out
         ladder = set(self.ladder(room))
         e, reach = 1.0, 1.0
-        for B, p in enumerate(self.acc.probs(top - 1), start=2):
+        for B, p in enumerate((acc or self.acc).probs(top - 1), start=2):
             reach *= p
             e += reach
             if B in ladder:
@@ -736,11 +737,18 @@ class Policy:
             r[1] *= self.margin()
         return max(r, key=lambda B: (r[B], -B))
 
-    def margin(self) -> float:
+    def margin(self, acc: Optional[Acceptance] = None) -> float:
         """How much better than plain decoding drafting must look to leave it:
-        :func:`evidence_margin` of the blocks of evidence (a shadow or a cycle
-        weighs one block, less as it ages)."""
-        return evidence_margin(self.acc.trials[1])
+        :func:`evidence_margin` of the blocks of evidence in ``acc`` (default:
+        the estimate now; a shadow or a cycle weighs one block, less as it ages)."""
+        return evidence_margin((acc or self.acc).trials[1])
+
+    def shadow_verdict(self, acc: Optional[Acceptance] = None) -> Tuple[float, float]:
+        """(the best drafted width's rate, plain decoding's rate times the
+        margin) on ``acc``: what a shadow's evidence is judged by."""
+        r = self.rates(self.max_width, acc)
+        plain = r.pop(1) * self.margin(acc)
+        return (max(r.values()) if r else 0.0), plain
 
     def plan(self, room: int, context: int = 0, unread: int = 0) -> Plan:
         """The next cycle, given ``room`` tokens left (before max_tokens or the
@@ -893,13 +901,10 @@ class Policy:
         and the shadow stays in flight. A draft right for whole blocks is
         back after two or three plain tokens instead of a block of them."""
         if partial:
-            now = self.acc
-            self.acc = now.copy()
-            self.acc.observe(drafted, drafted, decay=self.shadow_decay)
-            r = self.rates(self.max_width)
-            plain = r.pop(1) * self.margin()
-            self.acc = now
-            if not r or max(r.values()) <= plain:
+            seen = self.acc.copy()
+            seen.observe(drafted, drafted, decay=self.shadow_decay)
+            best, plain = self.shadow_verdict(seen)
+            if best <= plain:
                 return None
         self.acc.observe(drafted, accepted, decay=self.shadow_decay)
         self.shadows += 1
@@ -908,9 +913,7 @@ class Policy:
         bank, earned = self.bank(), self.earned()
         self.shadow_credit = min(self.shadow_credit + self.waited * earned, bank) - self.costs.shadow(read)
         self.shadow_credit = min(self.shadow_credit + drafted * earned, bank)
-        r = self.rates(self.max_width)
-        plain = r.pop(1) * self.margin()
-        best = max(r.values()) if r else 0.0
+        best, plain = self.shadow_verdict()
         if best > plain:
             return 0
         if best > self.promising * plain:
