@@ -18,7 +18,7 @@ NOT_LOADED = object()  # validate() before the engine is loaded
 # that pays, and short of one that exhausts memory.
 MAX_TREE_NODES = 1024
 # The fields a server request may set (by the same name in its body).
-SAMPLING = SAMPLER_OPTIONS[:-1] + ("seed", "accept_rule")
+SAMPLING = tuple(n for n in SAMPLER_OPTIONS if n != "xtc_special_tokens") + ("seed", "accept_rule")
 # mlx-lm's generate() keywords with no field of that name, and what to give instead.
 MLX_LM_NAMES = {
     "temp": "temp is make_sampler's name; give temperature",

@@ -81,6 +81,8 @@ class Sampler:
         self.repetition_context_size = repetition_context_size
         self.xtc_probability, self.xtc_threshold = xtc_probability, xtc_threshold
         self.xtc_special_tokens = tuple(int(t) for t in xtc_special_tokens)
+        # Made once: XTC cuts every sampled row of every cycle.
+        self._xtc_kept = mx.array(self.xtc_special_tokens, dtype=mx.int32) if self.xtc_special_tokens else None
         self.check(**{name: getattr(self, name) for name in SAMPLER_OPTIONS})
         self._penalty = (
             make_repetition_penalty(repetition_penalty, repetition_context_size) if repetition_penalty != 1.0 else None
@@ -166,9 +168,8 @@ class Sampler:
         probs = mx.softmax(logprobs.astype(mx.float32), axis=-1)
         least = mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
         cut = probs > least
-        if self.xtc_special_tokens:
-            keep = mx.zeros((logprobs.shape[-1],), dtype=mx.bool_).at[mx.array(list(self.xtc_special_tokens))].add(True)
-            cut = cut & ~keep
+        if self._xtc_kept is not None:
+            cut[..., self._xtc_kept] = False
         return mx.where(cut, -mx.inf, logprobs)
 
     def _tempered(self, logprobs: mx.array) -> mx.array:

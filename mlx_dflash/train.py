@@ -533,9 +533,7 @@ def train_draft(
     opt = optim.AdamW(learning_rate=_schedule(tc), weight_decay=tc.weight_decay)
     start = 0
     if resume:
-        state_file = ckpt / "state.json"
-        if not state_file.exists():
-            raise DFlashError(f"--resume: no checkpoint in {ckpt}")
+        state_file = ckpt / "state.json"  # checked to exist before the feature pass
         draft.load_weights(str(ckpt / "model.safetensors"))
         opt.init(draft.trainable_parameters())
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
