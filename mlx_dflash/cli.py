@@ -10,7 +10,7 @@ import typer
 
 from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
-from .errors import DFlashError
+from .errors import DFlashError, writable_folder
 from .sampling import DEFAULT_ACCEPT_RULE
 
 app = typer.Typer(
@@ -961,12 +961,7 @@ def bench(
         raise DFlashError(f"--tree-budget must be >= 0 (0: no tree mode), got {tree_budget}")
     if not name or Path(name).name != name or name in (".", ".."):
         raise DFlashError(f"--name must be a plain file name (the results go to --out), got {name!r}")
-    try:  # the results' folder, made now rather than after the whole run
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DFlashError(f"--out {out}: cannot make the results folder ({e.strerror or e})") from None
-    if not os.access(out, os.W_OK):
-        raise DFlashError(f"--out {out}: the folder is not writable")
+    writable_folder(out, "results folder (--out)")  # now rather than after the whole run
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
     with_plot = can_plot()
@@ -1065,12 +1060,7 @@ def convert(
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
     made = not out.exists()
-    try:  # now, not after the whole GGUF is decoded
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DFlashError(f"cannot make the output folder {out}: {e.strerror or e}") from None
-    if not os.access(out, os.W_OK):
-        raise DFlashError(f"the output folder {out} is not writable")
+    writable_folder(out, "output folder")  # now, not after the whole GGUF is decoded
     tic = time.perf_counter()
     try:
         gguf_file = _local(gguf_file)

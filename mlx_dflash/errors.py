@@ -25,3 +25,20 @@ def check_text(text: str, what: str) -> None:
         bad = text[e.start]
         shown = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"\\u{ord(bad):04x}"
         raise DFlashError(f"{what} is not valid UTF-8 text ({shown} at character {e.start})") from None
+
+
+def writable_folder(path, label: str):
+    """Make the folder ``path`` (parents too) and check it is writable, with
+    one error naming ``label`` otherwise: done before long work, so its
+    results are never lost to a folder that cannot take them."""
+    import os
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(f"cannot make the {label} {p}: {e.strerror or e}") from None
+    if not os.access(p, os.W_OK):
+        raise DFlashError(f"the {label} {p} is not writable")
+    return p

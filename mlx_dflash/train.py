@@ -27,7 +27,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import DFlashError
+from .errors import DFlashError, writable_folder
 from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
 
@@ -423,19 +423,9 @@ def train_draft(
         if done >= tc.steps:
             raise DFlashError(f"--resume: the checkpoint is at step {done}; give --steps above it to train on")
     if feature_cache is not None:
-        fdir = Path(feature_cache).expanduser()
-        try:
-            fdir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DFlashError(f"--feature-cache {fdir}: cannot make the folder ({e.strerror or e})") from None
-        if not os.access(fdir, os.W_OK):
-            raise DFlashError(f"--feature-cache {fdir}: the folder is not writable")
-    try:  # now, not after the training: a folder that cannot be made loses the draft
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DFlashError(f"cannot make the output folder {out}: {e.strerror or e}") from None
-    if not os.access(out, os.W_OK):
-        raise DFlashError(f"the output folder {out} is not writable")
+        feature_cache = writable_folder(feature_cache, "--feature-cache folder")
+    # now, not after the training: a folder that cannot be made loses the draft
+    writable_folder(out, "output folder")
     engine = engine or load(target_path, dtype=mx.float32)
     target, tok = engine.target, engine.tokenizer
     if tc.target_layer_ids is not None:

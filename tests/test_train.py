@@ -135,6 +135,17 @@ def test_a_damaged_feature_cache_is_computed_again(target_dir, tmp_path):
     assert mx.load(str(cached))["tokens"].shape[0] > 0  # and written again, whole
 
 
+def test_a_feature_cache_under_home_is_written_where_it_was_made(target_dir, tmp_path, monkeypatch):
+    """``--feature-cache ~/fc`` is one folder: the one made is the one written
+    (the file used to go to a literal ``~`` folder beside the working one)."""
+    path, corpus = target_dir
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    train_draft(path, tmp_path / "d", corpus=[corpus], feature_cache="~/fc", config=TrainConfig(steps=1, **CFG))
+    assert len(list((tmp_path / "home" / "fc").glob("features-*.safetensors"))) == 1
+    assert not (tmp_path / "~").exists()
+
+
 def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path):
     """A draft never overwrites a model (the target's folder, or another
     model's); --resume without a checkpoint, or with --steps already done,
@@ -159,7 +170,7 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
         train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
     train_draft(path, tmp_path / "d", corpus=[corpus], config=cfg, log=lambda _: None)  # a draft's folder: retrained
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(DFlashError, match="--feature-cache .*cannot make the folder"):
+    with pytest.raises(DFlashError, match="cannot make the --feature-cache folder"):
         train_draft(path, tmp_path / "d2", corpus=[corpus], feature_cache=tmp_path / "afile", config=cfg)
 
 
