@@ -1097,7 +1097,9 @@ def info(
         "(layers and bytes per rank; nothing is loaded).",
     ),
 ):
-    """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit."""
+    """Describe a model folder or GGUF file: architecture, layer mix, quantization, size; and draft fit.
+
+    Exits 1 when --draft does not fit the target, 2 for bad input."""
     from .info import describe
 
     if stages and stages < 2:
@@ -1110,9 +1112,12 @@ def info(
         from .distributed import stage_plan
 
         plan = stage_plan(path, stages, draft)
-    typer.echo(describe(path, draft))
+    text, fits = describe(path, draft)
+    typer.echo(text)
     if plan is not None:
         typer.echo(plan.describe())
+    if fits is False:  # a script's check: 1 as for a difference found (cmp, diff), 2 stays for bad input
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """``mlx-dflash info``: what a model folder holds and whether a draft fits it."""
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from .errors import DFlashError
 from .loading.hf import read_config
@@ -26,7 +26,8 @@ def _params(module) -> int:
     return get_total_parameters(module)
 
 
-def describe(path, draft: Optional[Path] = None) -> str:
+def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
+    """The report on ``path``, and whether ``draft`` fits it (None without one)."""
     from .loading import load_target
     from .models.draft import DraftConfig
 
@@ -55,7 +56,7 @@ def describe(path, draft: Optional[Path] = None) -> str:
             )
         if draft is not None:
             raise DFlashError("--draft goes with a target folder, not a draft folder")
-        return "\n".join(lines)
+        return "\n".join(lines), None
 
     target = load_target(p, lazy=True)
     a = target.args
@@ -82,25 +83,27 @@ def describe(path, draft: Optional[Path] = None) -> str:
         f"size on disk: {_fmt_bytes(_size_on_disk(p))}",
     ]
     if draft is not None:
-        lines.append(_draft_fit(draft, target))
-    return "\n".join(lines)
+        return _with_fit(lines, draft, target)
+    return "\n".join(lines), None
 
 
-def _draft_fit(draft: Path, target) -> str:
-    """Whether ``draft`` fits ``target``; a draft that cannot be read at all
-    (missing, a split GGUF's part gone, no config) is an error, not a misfit."""
+def _with_fit(lines, draft: Path, target) -> Tuple[str, bool]:
+    """The report ``lines`` ending in whether ``draft`` fits ``target``; a draft
+    that cannot be read at all (missing, a split GGUF's part gone, no config)
+    is an error, not a misfit."""
     from .loading import check_draft_files, load_draft
 
     p = Path(draft).expanduser()
     check_draft_files(p)
     try:
         d = load_draft(p, target)
-        return f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
     except DFlashError as e:
-        return f"draft {draft}: does NOT fit: {e}"
+        return "\n".join(lines + [f"draft {draft}: does NOT fit: {e}"]), False
+    fit = f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
+    return "\n".join(lines + [fit]), True
 
 
-def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
+def describe_gguf(p: Path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
     from collections import Counter
 
     from .loading.gguf import (
@@ -148,7 +151,7 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
                 f"target layer ids: {d['dflash_config']['target_layer_ids']}",
             ]
             + tail
-        )
+        ), None
     cfg = gguf_config(reader)
     t = cfg["text_config"]
     n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
@@ -174,5 +177,5 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> str:
         + tail
     )
     if draft is not None:
-        lines.append(_draft_fit(draft, lazy_target(cfg)))
-    return "\n".join(lines)
+        return _with_fit(lines, draft, lazy_target(cfg))
+    return "\n".join(lines), None

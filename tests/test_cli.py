@@ -259,6 +259,7 @@ def test_info(capsys, small_ctx_model):
     assert "parameters:" in out and "size on disk:" in out and "fits" in out
     code, out, _ = cli(capsys, "info", str(small_ctx_model), "--draft", str(DEFAULT_DRAFT))
     assert "does NOT fit" in out and "hidden_size" in out
+    assert code == 1  # a script can tell a misfit from a fit (0) and from bad input (2)
     code, out, _ = cli(capsys, "info", str(DEFAULT_DRAFT))
     assert "DFlash v1 draft" in out and "block size: 16" in out
 

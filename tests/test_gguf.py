@@ -405,9 +405,10 @@ def test_info_on_a_gguf_checks_the_draft_fit(tok_dir, tmp_path, capsys):
     gd = tiny.save_draft(tiny.build_draft(good, seed=1), good, tmp_path / "good")
     bd = tiny.save_draft(tiny.build_draft(bad, seed=1), bad, tmp_path / "bad")
     gg = convert_draft_to_gguf(gd, hf, tmp_path / "good.gguf")
-    for d, verdict in ((gd, "fits"), (gg, "fits"), (bd, "does NOT fit")):
-        with pytest.raises(SystemExit):
+    for d, verdict, status in ((gd, "fits", 0), (gg, "fits", 0), (bd, "does NOT fit", 1)):
+        with pytest.raises(SystemExit) as stop:
             main(["info", str(path), "--draft", str(d)])
+        assert stop.value.code == status
         assert f"draft {d}: {verdict}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["info", str(gg)])
