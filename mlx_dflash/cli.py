@@ -764,7 +764,11 @@ def train_draft_cmd(
         None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."
     ),
     resume: bool = typer.Option(
-        False, "--resume", help="Continue from OUT/checkpoint (weights, optimizer, step).", metavar=""
+        False,
+        "--resume",
+        help="Continue from OUT/checkpoint (weights, optimizer, step): a stopped run, "
+        "or a finished one given more --steps.",
+        metavar="",
     ),
     block_size: int = typer.Option(16, "--block-size", "-b", help="Draft block size (anchor + B-1 masks)."),
     layers: int = typer.Option(2, "--layers", help="Draft transformer layers."),

@@ -354,9 +354,35 @@ def _schedule(tc: TrainConfig):
 
 
 def _save_draft(draft, cfg: dict, path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(draft.parameters())))
-    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    """The draft's weights and config, each written whole or not at all (a
+    run killed while saving leaves the previous draft readable)."""
+    part = path / ".partial"  # a folder of its own: a loader reads every *.safetensors beside config.json
+    part.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(part / "model.safetensors"), dict(tree_flatten(draft.parameters())))
+    os.replace(part / "model.safetensors", path / "model.safetensors")
+    part.rmdir()
+    _write_text(path / "config.json", json.dumps(cfg, indent=2))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _save_checkpoint(draft, cfg: dict, opt, step: int, tc: "TrainConfig", ckpt: Path) -> None:
+    """Weights and optimizer state in files named by their step, then
+    ``state.json`` naming them, replaced in one rename: a run killed at any
+    moment leaves a whole checkpoint, the previous or this one."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    files = {"model": f"model-{step}.safetensors", "optimizer": f"optimizer-{step}.safetensors"}
+    mx.save_safetensors(str(ckpt / files["model"]), dict(tree_flatten(draft.parameters())))
+    mx.save_safetensors(str(ckpt / files["optimizer"]), dict(tree_flatten(opt.state)))
+    _write_text(ckpt / "config.json", json.dumps(cfg, indent=2))
+    _write_text(ckpt / "state.json", json.dumps({"step": step, "train": asdict(tc), **files}))
+    for f in ckpt.glob("*.safetensors"):
+        if f.name not in files.values():
+            f.unlink()
 
 
 def _check_output_folder(out: Path, target_path) -> None:
@@ -523,11 +549,11 @@ def train_draft(
     opt = optim.AdamW(learning_rate=_schedule(tc), weight_decay=tc.weight_decay)
     start = 0
     if resume:
-        state_file = ckpt / "state.json"  # checked to exist before the feature pass
-        draft.load_weights(str(ckpt / "model.safetensors"))
+        state = json.loads((ckpt / "state.json").read_text())  # checked to exist before the feature pass
+        draft.load_weights(str(ckpt / state.get("model", "model.safetensors")))
         opt.init(draft.trainable_parameters())
-        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
-        start = json.loads(state_file.read_text())["step"]
+        opt.state = tree_unflatten(list(mx.load(str(ckpt / state.get("optimizer", "optimizer.safetensors"))).items()))
+        start = state["step"]
         log(f"resumed from step {start}")
     else:
         if tc.init == "target":
@@ -568,10 +594,9 @@ def train_draft(
                 f"step {step + 1}/{tc.steps}  loss {loss.item():.3f}{split}  acc@1 {a[0]:.2f}  "
                 f"acc(mean) {sum(a) / len(a):.2f}  {done_tokens / dt:.0f} tok/s"
             )
-        if tc.checkpoint_every and (step + 1) % tc.checkpoint_every == 0 and step + 1 < tc.steps:
-            _save_draft(draft, dcfg, ckpt)
-            mx.save_safetensors(str(ckpt / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
-            (ckpt / "state.json").write_text(json.dumps({"step": step + 1, "train": asdict(tc)}))
+        # at the end too, so --resume with more --steps trains on from the finished draft
+        if tc.checkpoint_every and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
+            _save_checkpoint(draft, dcfg, opt, step + 1, tc, ckpt)
     _save_draft(draft, dcfg, out)
     summary = {
         "steps": tc.steps,
@@ -583,5 +608,5 @@ def train_draft(
         "seq_len": L,
         "history": history,
     }
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    _write_text(out / "train_summary.json", json.dumps(summary, indent=1))
     return summary

@@ -87,10 +87,24 @@ def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
     full = train_draft(
         path, tmp_path / "a", corpus=[corpus], config=TrainConfig(steps=6, checkpoint_every=0, **CFG), log=quiet
     )
-    part = train_draft(
-        path, tmp_path / "b", corpus=[corpus], config=TrainConfig(steps=6, checkpoint_every=3, **CFG), log=quiet
-    )
+
+    def killed_at_5(line):  # a run stopped after the checkpoint at step 3
+        if line.startswith("step 5/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(
+            path,
+            tmp_path / "b",
+            corpus=[corpus],
+            config=TrainConfig(steps=6, checkpoint_every=3, **CFG),
+            log=killed_at_5,
+        )
     assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert sorted(f.name for f in (tmp_path / "b" / "checkpoint").glob("*.safetensors")) == [
+        "model-3.safetensors",
+        "optimizer-3.safetensors",
+    ]
     resumed = train_draft(
         path,
         tmp_path / "b",
@@ -101,12 +115,23 @@ def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
     )
     assert resumed["start_step"] == 3
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
-    assert part["final_loss"] == pytest.approx(full["final_loss"])
     assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4)
     wa = mx.load(str(tmp_path / "a" / "model.safetensors"))
     wb = mx.load(str(tmp_path / "b" / "model.safetensors"))
     for k in wa:
         assert mx.allclose(wa[k], wb[k], atol=1e-5).item(), k
+    # the finished run is checkpointed too: more --steps train on from it
+    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 6
+    more = train_draft(
+        path,
+        tmp_path / "b",
+        corpus=[corpus],
+        resume=True,
+        config=TrainConfig(steps=8, checkpoint_every=3, **CFG),
+        log=quiet,
+    )
+    assert more["start_step"] == 6 and [h["step"] for h in more["history"]] == [7, 8]
+    assert not (tmp_path / "b" / ".partial").exists()
 
 
 def test_generate_from_prompts_and_feature_cache(target_dir, tmp_path):
@@ -166,7 +191,7 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
     train_draft(
         path, tmp_path / "d", corpus=[corpus], config=TrainConfig(steps=3, checkpoint_every=2, **CFG), log=print
     )
-    with pytest.raises(DFlashError, match="the checkpoint is at step 2; give --steps above it"):
+    with pytest.raises(DFlashError, match="the checkpoint is at step 3; give --steps above it"):
         train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
     train_draft(path, tmp_path / "d", corpus=[corpus], config=cfg, log=lambda _: None)  # a draft's folder: retrained
     (tmp_path / "afile").write_text("x")
