@@ -1152,7 +1152,7 @@ def serve(
         "with the embedded target; none (plain decoding) with another --model.",
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; loopback unless told otherwise."),
-    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: any free port, said at start)."),
     api_key: Optional[str] = typer.Option(
         None,
         "--api-key",
@@ -1233,11 +1233,11 @@ def serve(
     The generation options are the defaults of requests that do not set their own."""
     import json
 
-    from .server import Settings, check_listen, model_names
+    from .server import Settings, bind, model_names
     from .server import serve as run_server
 
-    if not 0 < port < 65536:
-        raise DFlashError(f"--port must be in 1..65535, got {port}")
+    if not 0 <= port < 65536:
+        raise DFlashError(f"--port must be in 0..65535 (0: any free port), got {port}")
     if max_queue < 1 or timeout <= 0 or max_body_mb <= 0:
         raise DFlashError("--max-queue, --timeout and --max-body-mb must be positive")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
@@ -1262,7 +1262,7 @@ def serve(
         raise DFlashError("--chat-template-args must be a JSON object")
     if api_key is not None and not api_key.strip():
         raise DFlashError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
-    check_listen(host, port)  # before the model loads
+    sock = bind(host, port)  # before the model loads
     mid, aliases = model_names(model)
     settings = Settings(
         model_id=model_name or mid,
@@ -1289,6 +1289,7 @@ def serve(
         pipeline_timeout=pipeline_timeout,
     )
     if get_engine is None:
+        sock.close()
         return
     generate_fn = _pipeline_server(get_engine().stage, no_prompt_cache) if pipeline else None
 
@@ -1303,7 +1304,7 @@ def serve(
         return engine
 
     try:
-        run_server(settings, load_engine, host=host, port=port, log_level=log_level, generate_fn=generate_fn)
+        run_server(settings, load_engine, host=host, log_level=log_level, generate_fn=generate_fn, sock=sock)
     except DFlashError as e:
         if not _FROM_COMMAND_LINE:
             raise

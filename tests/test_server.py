@@ -10,6 +10,7 @@ queue of one (tool calls, dialect parity, 429).
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -38,15 +39,15 @@ def _free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m mlx_dflash serve`` on a free loopback port, stopped on close."""
+    """``python -m mlx_dflash serve --port 0`` (a free loopback port, the one
+    its start line names), stopped on close."""
 
     def __init__(self, *args, log: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.log = log
+        self.url = None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_dflash", "serve", "--port", str(self.port), "--log-level", "warning", *args],
+            [sys.executable, "-m", "mlx_dflash", "serve", "--port", "0", "--log-level", "warning", *args],
             cwd=ROOT,
             env=env,
             stdout=open(log, "w"),
@@ -56,8 +57,13 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
+            if self.url is None:
+                said = re.search(r"serving '.*' on (http://127\.0\.0\.1:(\d+)) ", log.read_text())
+                if said:
+                    self.url, self.port = said.group(1), int(said.group(2))
+                    assert self.port != 0
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.url and httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

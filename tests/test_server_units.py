@@ -389,7 +389,7 @@ def test_a_queued_job_whose_client_left_frees_its_place():
 @pytest.mark.parametrize(
     "argv,words",
     [
-        (["serve", "--port", "0"], "--port"),
+        (["serve", "--port", "65536"], "--port"),
         (["serve", "--max-queue", "0"], "must be positive"),
         (["serve", "--chat-template-args", "[1]"], "JSON object"),
         (["serve", "--chat-template-args", "{oops"], "not valid JSON"),

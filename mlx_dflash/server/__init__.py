@@ -21,7 +21,7 @@ from .metrics import Metrics
 from .routes import create_app
 from .worker import Worker
 
-__all__ = ["Settings", "build", "check_listen", "serve"]
+__all__ = ["Settings", "build", "bind", "serve"]
 
 
 def model_names(model: Optional[Path]):
@@ -62,19 +62,23 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def check_listen(host: str, port: int) -> None:
-    """A DFlashError now, before the model loads, if ``host:port`` cannot be
-    listened on (an unknown host, a port in use or not ours to take)."""
+def bind(host: str, port: int) -> socket.socket:
+    """The socket the server will listen on, bound now, before the model
+    loads: an unknown host or a port in use or not ours to take is one
+    DFlashError, and no other process takes the port during the load.
+    Port 0 binds a free port (the socket's ``getsockname()`` says which)."""
     try:
         fam, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as e:
         raise DFlashError(f"--host {host}: cannot resolve it ({getattr(e, 'strerror', None) or e})") from None
-    with socket.socket(fam, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(addr)
-        except OSError as e:
-            raise DFlashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    s = socket.socket(fam, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        s.bind(addr)
+    except OSError as e:
+        s.close()
+        raise DFlashError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return s
 
 
 def serve(
@@ -85,10 +89,14 @@ def serve(
     port: int = 8080,
     log_level: str = "info",
     generate_fn: Optional[Callable] = None,
+    sock: Optional[socket.socket] = None,
 ) -> None:
+    """Serve until Ctrl-C, on ``sock`` if given (from :func:`bind`), else on ``host:port``."""
     import uvicorn
 
-    check_listen(host, port)
+    sock = sock or bind(host, port)
+    port = sock.getsockname()[1]  # the one bound, where --port 0 asked for any
+    shown = f"[{host}]" if ":" in host else host
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     app, worker = build(settings, load_engine, generate_fn)
     if not _loopback(host) and settings.api_key is None:
@@ -96,7 +104,7 @@ def serve(
             f"warning: serving on {host} without --api-key: anyone who can reach this port can use it", file=sys.stderr
         )
     print(
-        f"mlx-dflash: serving '{settings.model_id}' on http://{host}:{port} "
+        f"mlx-dflash: serving '{settings.model_id}' on http://{shown}:{port} "
         "(OpenAI /v1/chat/completions, /v1/completions, /v1/responses; Anthropic /v1/messages)",
         file=sys.stderr,
         flush=True,
@@ -111,8 +119,10 @@ def serve(
             super().handle_exit(sig, frame)
 
     try:
-        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises the captured Ctrl-C again once it has shut down
         pass
     finally:
         worker.stop()
+        sock.close()
