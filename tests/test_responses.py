@@ -7,7 +7,9 @@ random draft. Every response and stream event is also validated strictly against
 client's own pydantic types (the client itself parses leniently).
 """
 
+import asyncio
 import json
+import re
 
 import httpx
 import openai
@@ -364,11 +366,10 @@ def _scripted_app(script):
 
     class Scripted(Server):
         def submit(self, ids, config, stops, template_kwargs=None):
-            return SimpleNamespace(cancel=lambda: None)
-
-        async def events(self, job, request):
+            out = asyncio.Queue()
             for ev in script:
-                yield ev
+                out.put_nowait(ev)
+            return SimpleNamespace(out=out, cancel=lambda: None, cached_tokens=0)
 
     return create_app(Scripted(Settings(), SimpleNamespace(engine=mlx_dflash.load(), alive=True), Metrics()))
 
@@ -415,4 +416,38 @@ def test_a_stream_that_times_out_keeps_its_text_in_the_failed_response():
     assert kinds[-1] == "response.failed" and "response.output_text.done" in kinds, kinds
     (item,) = [o for o in events[-1]["response"]["output"] if o["type"] == "message"]
     assert item["status"] == "incomplete" and item["content"][0]["text"] == "Rhine, Danube"
-    assert events[-1]["response"]["error"]["message"] == "generation timed out"
+    assert events[-1]["response"]["error"]["message"] == "generation timed out after 600 s (2 tokens)"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"])
+def test_a_reply_cut_by_shutdown_is_an_error_in_each_api_not_a_finish(path):
+    """A reply the server's Ctrl-C cut short ends, after its text so far, with
+    a 503 in its API's own error shape (streamed: the last event; whole: the
+    response), never with a finish reason that says it ended by itself."""
+    from fastapi.testclient import TestClient
+
+    stats = {"prompt_tokens": 3, "generated_tokens": 2, "cached_tokens": 0, "cycles": 2, "tau": 1.0, "decode_tps": 9.0}
+    script = [("text", "Rhine, ", 1), ("text", "Danube", 1), ("done", "shutdown", stats)]
+    ask = {"messages": [{"role": "user", "content": ASK}]}
+    body = {
+        "/v1/chat/completions": ask,
+        "/v1/completions": {"prompt": ASK},
+        "/v1/messages": {**ask, "max_tokens": 16},
+        "/v1/responses": {"input": ASK},
+    }[path]
+    want = "the server is shutting down: the reply was cut after 2 tokens"
+    with TestClient(_scripted_app(script)) as client:
+        r = client.post(path, json={"model": "mlx-dflash", **body, "stream": True})
+        data = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        last = data[-1]
+        if path == "/v1/messages":
+            assert last == {"type": "error", "error": {"type": "overloaded_error", "message": want}}
+        elif path == "/v1/responses":
+            assert last["type"] == "response.failed" and last["response"]["error"]["message"] == want
+        else:
+            assert last["error"]["type"] == "server_error" and last["error"]["message"] == want
+            assert "[DONE]" not in r.text  # the openai client raises on the error, not after a finish
+        assert "Danube" in r.text  # the text so far was sent
+        assert not re.search(r'"(finish_reason|stop_reason)": "|response\.completed', r.text), r.text
+        whole = client.post(path, json={"model": "mlx-dflash", **body})
+        assert whole.status_code == 503 and want in whole.text

@@ -8,6 +8,7 @@ request while the others keep streaming, and the prefix cache still serves
 batched requests. The server helpers are tests/test_server.py's.
 """
 
+import json
 import subprocess
 import sys
 import threading
@@ -455,7 +456,8 @@ def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
     try:
         r = httpx.post(s.url + "/v1/completions", json={"model": "mlx-dflash", "prompt": "def f():", "max_tokens": 4})
         assert r.status_code == 200
-        # A stream still running at Ctrl-C ends as a finished reply, not a cut connection.
+        # A stream still running at Ctrl-C ends with an error event saying so:
+        # not a cut connection, nor a reply that looks finished.
         lines, started = [], threading.Event()
 
         def stream():
@@ -475,7 +477,10 @@ def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
         log = s.log.read_text()
         assert time.monotonic() - tic < 4, log[-2000:]  # not the 5 s graceful-shutdown timeout
         assert "terminate called" not in log and "Traceback" not in log, log[-2000:]
-        assert [x for x in lines if x][-1] == "data: [DONE]" and '"finish_reason": "stop"' in "".join(lines[-4:])
+        last = json.loads([x for x in lines if x][-1][len("data: ") :])
+        assert last["error"]["type"] == "server_error", lines[-4:]
+        assert last["error"]["message"].startswith("the server is shutting down: the reply was cut after")
+        assert 'finish_reason": "' not in "".join(lines)
     finally:
         s.close()
 

@@ -207,8 +207,6 @@ async def messages(request: Request):
             if ev[0] == "error":
                 raise APIError(ev[1], ev[2])
             if ev[0] == "done":
-                if ev[1] == "timeout":
-                    raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
                 events = parser.finish(cut=ev[1] == "length")
             else:
                 events = parser.feed(ev[1])
@@ -306,9 +304,8 @@ async def messages(request: Request):
 
         started = False
         async for ev in server.events(job, request):
-            if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):
-                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
-                yield sse(error_body(request.url.path, status, message), "error")
+            if ev[0] == "error":
+                yield sse(error_body(request.url.path, ev[1], ev[2]), "error")
                 return
             if not started:
                 started = True

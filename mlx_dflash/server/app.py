@@ -19,7 +19,7 @@ from ..config import SAMPLING, GenerationConfig
 from ..errors import DFlashError, check_text
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
-from .worker import Job, QueueFull, Worker
+from .worker import SHUTDOWN, Job, QueueFull, Worker
 
 log = logging.getLogger("mlx_dflash.server")
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000
@@ -248,6 +248,16 @@ class Server:
             raise APIError(429, f"the server is busy: {s.max_queue} requests are already queued; retry later") from None
         return job
 
+    def _cut_as_error(self, ev: tuple) -> tuple:
+        """A reply cut short is an error event, in each API's error shape, after
+        the text streamed so far: a timeout a 504, a server shutdown a 503."""
+        if ev[0] != "done" or ev[1] not in ("timeout", "shutdown"):
+            return ev
+        n = ev[2]["generated_tokens"]
+        if ev[1] == "timeout":
+            return ("error", 504, f"generation timed out after {self.settings.timeout:g} s ({n} tokens)")
+        return ("error", 503, f"{SHUTDOWN}: the reply was cut after {n} tokens")
+
     async def events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
         """The job's events until it ends; cancels it if the client disconnects or we stop early."""
         getter = None
@@ -270,6 +280,7 @@ class Server:
                 ev, getter = getter.result(), None
                 if ev[0] in ("done", "error"):
                     done = True
+                    ev = self._cut_as_error(ev)
                 yield ev
                 if done:
                     return

@@ -216,8 +216,6 @@ async def _collect(server: Server, request: Request, job, parser: Optional[Outpu
         elif ev[0] == "error":
             raise APIError(ev[1], ev[2])
         else:
-            if ev[1] == "timeout":
-                raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
             if parser:
                 take(parser.finish(cut=ev[1] == "length"))
             return "".join(text), "".join(reasoning), calls, ev[1], ev[2]
@@ -302,9 +300,8 @@ async def chat_completions(request: Request):
             if ev[0] == "text":
                 for c in render(parser.feed(ev[1])):
                     yield c
-            elif ev[0] == "error" or ev[1] == "timeout":
-                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
-                yield sse(error_body(request.url.path, status, message))
+            elif ev[0] == "error":
+                yield sse(error_body(request.url.path, ev[1], ev[2]))
                 return
             else:
                 for c in render(parser.finish(cut=ev[1] == "length")):
@@ -371,9 +368,8 @@ async def completions(request: Request):
             if ev[0] == "text":
                 if ev[1]:
                     yield chunk(ev[1])
-            elif ev[0] == "error" or ev[1] == "timeout":
-                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
-                yield sse(error_body(request.url.path, status, message))
+            elif ev[0] == "error":
+                yield sse(error_body(request.url.path, ev[1], ev[2]))
                 return
             else:
                 yield chunk("", _finish(ev[1], False))

@@ -390,8 +390,6 @@ async def responses(request: Request):
             if ev[0] == "text":
                 out.feed(parser.feed(ev[1]))
                 continue
-            if ev[1] == "timeout":
-                raise APIError(504, f"generation timed out after {server.settings.timeout:g} s")
             status = status_of(ev[1])
             out.feed(parser.finish(cut=ev[1] == "length"))
             out.close("incomplete" if status == "incomplete" else "completed")
@@ -410,8 +408,8 @@ async def responses(request: Request):
         yield event("response.created", {"response": response("in_progress", [])})
         yield event("response.in_progress", {"response": response("in_progress", [])})
         async for ev in server.events(job, request):
-            if ev[0] == "error" or (ev[0] == "done" and ev[1] == "timeout"):  # a text event's ev[1] is text
-                status, message = (ev[1], ev[2]) if ev[0] == "error" else (504, "generation timed out")
+            if ev[0] == "error":
+                status, message = ev[1], ev[2]
                 err = {"code": "invalid_prompt" if status < 500 else "server_error", "message": message}
                 for kind, fields in out.close("incomplete"):  # the text streamed so far stays in its item
                     yield event(kind, fields)

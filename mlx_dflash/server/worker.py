@@ -34,6 +34,9 @@ class QueueFull(Exception):
     pass
 
 
+SHUTDOWN = "the server is shutting down"
+
+
 class _Stopped(Exception):
     """A request cancelled or out of time while its prompt prefills."""
 
@@ -94,7 +97,8 @@ def feed_tokens(detok, stops: StopMatcher, tokens: Sequence[int], eos: Sequence[
 @dataclass
 class Job:
     """One generation request. Events reach ``out`` (an asyncio queue) as tuples:
-    ("text", str, n_tokens), then ("done", finish_reason, stats dict) or ("error", status, message)."""
+    ("text", str, n_tokens), then ("done", finish_reason, stats dict) or ("error", status, message).
+    A finish of "timeout" or "shutdown" is a reply cut short (the routes answer it as an error)."""
 
     ids: List[int]
     gen: Dict[str, Any]
@@ -207,15 +211,17 @@ class Worker:
 
     def cancel_all(self) -> None:
         """The server is shutting down: no new job starts, running ones end at
-        their next cycle boundary, queued ones now, each with its last event
-        (so a stream ends as a finished reply, not a cut connection)."""
+        their next cycle boundary (finish "shutdown", after their text so
+        far), queued ones now (a 503), each with a last event: a stream ends
+        with an error its client reads, not a cut connection nor a reply
+        that looks finished."""
         self._stopping = True
         with self._q.mutex:
             queued = [j for j in self._q.queue if j is not None]
             self._q.queue.clear()
         for job in queued:
             job.cancel()
-            job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
+            job.send("error", 503, SHUTDOWN)
         job = self.running  # a batch's slots are ended by its loop once it sees _stopping
         if job is not None:
             job.cancel()
@@ -348,14 +354,30 @@ class Worker:
             + (")" if gen.kv_bits == 4 else ", or use --kv-bits 4)" if gen.kv_bits else ", or use --kv-bits)")
         )
 
-    def _run(self, job: Job) -> None:
-        now = time.monotonic()
+    def _stop_reason(self, job: Job) -> Optional[str]:
+        """Why ``job`` must stop now, if it must: "shutdown" (the server is
+        stopping), "cancelled" (its client went away) or "timeout"."""
         if job.cancelled.is_set():
+            return "shutdown" if self._stopping else "cancelled"
+        if time.monotonic() - job.arrived > job.timeout:
+            return "timeout"
+        return None
+
+    def _answered_in_queue(self, job: Job) -> bool:
+        """Answer a job that must stop before it starts; True if it was."""
+        reason = self._stop_reason(job)
+        if reason == "cancelled":
             job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
-            return
-        if now - job.arrived > job.timeout:
+        elif reason == "shutdown":
+            job.send("error", 503, SHUTDOWN)
+        elif reason == "timeout":
             job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
+        return reason is not None
+
+    def _run(self, job: Job) -> None:
+        if self._answered_in_queue(job):
             return
+        now = time.monotonic()
         job.started = now
         self.metrics.record_queue_wait(now - job.arrived)
         kwargs = dict(job.gen)
@@ -363,10 +385,9 @@ class Worker:
             kwargs["prefix_cache"] = self.prefix_cache
 
         def between_chunks(done: int, total: int) -> None:  # a long prefill stops when its client does
-            if job.cancelled.is_set():
-                raise _Stopped("cancelled")
-            if time.monotonic() - job.arrived > job.timeout:
-                raise _Stopped("timeout")
+            reason = self._stop_reason(job)
+            if reason is not None:
+                raise _Stopped(reason)
 
         kwargs["prompt_progress_callback"] = between_chunks
         stops = StopMatcher(job.stops)
@@ -391,11 +412,8 @@ class Worker:
                 if r.finish_reason is not None:
                     finish = r.finish_reason
                     break
-                if job.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                if time.monotonic() - job.arrived > job.timeout:
-                    finish = "timeout"
+                finish = self._stop_reason(job)
+                if finish is not None:
                     break
         except _Stopped as e:
             finish = e.args[0]
@@ -483,19 +501,15 @@ class Worker:
             if self._stopping:
                 for index in list(self.slots):
                     batch.cancel(index)
-                    self._leave(index, "cancelled")
+                    self._leave(index, "shutdown")
                 for slot in self.resuming:
-                    self._done(slot.job, slot.stops, slot.stats, "cancelled")
+                    self._done(slot.job, slot.stops, slot.stats, "shutdown")
                 return
             if not self.slots:
                 continue
             for index, slot in list(self.slots.items()):
-                job = slot.job
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                elif time.monotonic() - job.arrived > job.timeout:
-                    reason = "timeout"
-                else:
+                reason = self._stop_reason(slot.job)
+                if reason is None:
                     continue
                 ev = batch.cancel(index)  # frees the slot for the next step
                 if ev is not None:
@@ -547,13 +561,9 @@ class Worker:
         does not take its options while others run."""
         from ..decode import check_prompt
 
+        if self._answered_in_queue(job):
+            return True
         now = time.monotonic()
-        if job.cancelled.is_set():
-            job.send("done", "cancelled", _stats_dict(None, len(job.ids)))
-            return True
-        if now - job.arrived > job.timeout:
-            job.send("error", 504, f"request timed out after {job.timeout:g} s in the queue")
-            return True
         eng = self.engine
         config = job.gen["config"]
         try:
