@@ -262,6 +262,9 @@ def test_tool_round_trip_equals_chat_and_hits_the_cache(srv, eng):
 
 BAD = [
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation is not supported"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "stored prompt template"),
+    ({"input": "hi", "background": True}, "background responses"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item references"),
     ({"input": [{"type": "computer_call", "id": "x"}]}, "computer_call"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input_image"),
@@ -451,3 +454,41 @@ def test_a_reply_cut_by_shutdown_is_an_error_in_each_api_not_a_finish(path):
         assert not re.search(r'"(finish_reason|stop_reason)": "|response\.completed', r.text), r.text
         whole = client.post(path, json={"model": "mlx-dflash", **body})
         assert whole.status_code == 503 and want in whole.text
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_a_stop_string_is_text_not_a_call(path, stream):
+    """A stop string that ends the output inside ``<tool_call>`` leaves the
+    call's arguments partial (here a command cut before its second half): it
+    comes back as text, as a call cut by the token limit does, never as a call
+    a client would run."""
+    from fastapi.testclient import TestClient
+
+    cut = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    stats = {"prompt_tokens": 3, "generated_tokens": 5, "cached_tokens": 0, "cycles": 2, "tau": 1.0, "decode_tps": 9.0}
+    script = [("text", cut, 5), ("done", "stop", {**stats, "stop_sequence": "is"})]
+    fn = WEATHER_TOOL["function"]
+    body = {
+        "/v1/chat/completions": {"messages": QUESTION, "tools": [WEATHER_TOOL], "stop": ["is"]},
+        "/v1/messages": {
+            "messages": QUESTION,
+            "max_tokens": 16,
+            "stop_sequences": ["is"],
+            "tools": [{"name": fn["name"], "input_schema": fn["parameters"]}],
+        },
+        "/v1/responses": {"input": QUESTION, "tools": [{"type": "function", **fn}]},
+    }[path]
+    with TestClient(_scripted_app(script)) as client:
+        r = client.post(path, json={"model": "mlx-dflash", **body, "stream": stream})
+    assert r.status_code == 200, r.text
+    called = r'"tool_calls": \[|"finish_reason": "tool_calls"|"tool_use"|"type": "function_call"'
+    assert not re.search(called, r.text), r.text
+    if not stream:
+        j = r.json()
+        text = {
+            "/v1/chat/completions": lambda: j["choices"][0]["message"]["content"],
+            "/v1/messages": lambda: j["content"][0]["text"],
+            "/v1/responses": lambda: j["output"][0]["content"][0]["text"],
+        }[path]()
+        assert text == cut

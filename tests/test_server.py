@@ -160,6 +160,8 @@ def test_openai_chat_equals_generate(server, engine):
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # really streamed
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [_finish(want)]
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == len(want.tokens)
+    # "All other chunks will also include a usage field, but with a null value" (OpenAI's stream_options)
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
 
 
 def test_a_think_marker_in_a_message_opens_no_reasoning(server, engine):

@@ -148,6 +148,19 @@ def test_unparseable_call_comes_back_as_text():
     assert calls == [] and "<tool_call>\n{oops\n</tool_call>" in t and t.startswith("Sure.") and t.endswith("Done.")
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_a_call_that_is_text_keeps_the_whitespace_before_it(chunk):
+    """Unparsed, or cut, a call comes back as the text the model wrote: the
+    space before ``<tool_call>`` too (it was held as layout and then lost)."""
+    for out, cut in [("See: <tool_call>not json</tool_call> done", False), ("Ok  <tool_call>\n<function=get_w", True)]:
+        p = tools.OutputParser(tools=WEATHER)
+        events = [e for i in range(0, len(out), chunk) for e in p.feed(out[i : i + chunk])] + p.finish(cut=cut)
+        assert _split(events) == ("", out, [])
+    # a call that parses still takes the layout between text and call with it
+    out = "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    assert _split(_stream(out, chunk, tools=WEATHER)[0]) == ("", "Checking.", [("get_weather", {"city": "Oslo"})])
+
+
 def test_prompt_opens_thinking():
     assert tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, event_stream, off_loop, read_request, sse
+from .app import APIError, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
 from .tools import OutputParser
 
 router = APIRouter()
@@ -207,7 +207,7 @@ async def messages(request: Request):
             if ev[0] == "error":
                 raise APIError(ev[1], ev[2])
             if ev[0] == "done":
-                events = parser.finish(cut=ev[1] == "length")
+                events = parser.finish(cut=cut_short(ev))
             else:
                 events = parser.feed(ev[1])
             for kind, v in events:
@@ -310,7 +310,7 @@ async def messages(request: Request):
             if not started:
                 started = True
                 yield start(ev[2]["cached_tokens"] if ev[0] == "done" else job.cached_tokens or 0)
-            events = parser.feed(ev[1]) if ev[0] == "text" else parser.finish(cut=ev[1] == "length")
+            events = parser.feed(ev[1]) if ev[0] == "text" else parser.finish(cut=cut_short(ev))
             for s in render(events):
                 if s:
                     yield s

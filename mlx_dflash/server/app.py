@@ -98,6 +98,13 @@ def error_response(path: str, status: int, message: str, **kw) -> JSONResponse:
     return JSONResponse(error_body(path, status, message, **kw), status_code=status)
 
 
+def cut_short(done: tuple) -> bool:
+    """Whether a "done" event's output was stopped before the model ended it
+    (the token limit, or a stop string): a tool call open at that point may
+    have partial arguments, so it is text, not a call."""
+    return done[1] == "length" or bool(done[2].get("stop_sequence"))
+
+
 class Server:
     """The state behind the routes: settings, the engine worker and metrics."""
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, error_body, event_stream, off_loop, read_request, sse
+from .app import APIError, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -217,7 +217,7 @@ async def _collect(server: Server, request: Request, job, parser: Optional[Outpu
             raise APIError(ev[1], ev[2])
         else:
             if parser:
-                take(parser.finish(cut=ev[1] == "length"))
+                take(parser.finish(cut=cut_short(ev)))
             return "".join(text), "".join(reasoning), calls, ev[1], ev[2]
     raise APIError(499, "client closed the request")
 
@@ -278,6 +278,7 @@ async def chat_completions(request: Request):
                 "created": created,
                 "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                **({"usage": None} if include_usage else {}),  # OpenAI's: null but in the last chunk
             }
         )
 
@@ -304,7 +305,7 @@ async def chat_completions(request: Request):
                 yield sse(error_body(request.url.path, ev[1], ev[2]))
                 return
             else:
-                for c in render(parser.finish(cut=ev[1] == "length")):
+                for c in render(parser.finish(cut=cut_short(ev))):
                     yield c
                 yield chunk({}, _finish(ev[1], n_calls > 0))
                 if include_usage:
@@ -360,6 +361,7 @@ async def completions(request: Request):
                 "created": created,
                 "model": model,
                 "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+                **({"usage": None} if include_usage else {}),  # OpenAI's: null but in the last chunk
             }
         )
 

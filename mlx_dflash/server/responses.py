@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, Server, event_stream, off_loop, read_request, sse
+from .app import APIError, Server, cut_short, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -46,6 +46,10 @@ class ResponsesRequest(_Model):
     stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     store: Optional[bool] = None
     previous_response_id: Optional[str] = None
+    # Read to refuse them: each would change the reply, and this server stores nothing.
+    conversation: Union[str, Dict[str, Any], None] = None
+    prompt: Optional[Dict[str, Any]] = None
+    background: Optional[bool] = None
     text: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
     # Read to refuse them: no log-probabilities are returned.
@@ -329,6 +333,21 @@ async def responses(request: Request):
             "send the whole conversation in 'input'",
             param="previous_response_id",
         )
+    if req.conversation is not None:
+        raise APIError(
+            400,
+            "conversation is not supported: this server stores no conversations; "
+            "send the whole conversation in 'input'",
+            param="conversation",
+        )
+    if req.prompt is not None:
+        raise APIError(
+            400, "prompt (a stored prompt template) is not supported; send the prompt in 'input'", param="prompt"
+        )
+    if req.background:
+        raise APIError(
+            400, "background responses are not supported: this server stores no responses", param="background"
+        )
     fmt = (req.text or {}).get("format")
     if fmt is not None and not isinstance(fmt, dict):
         raise APIError(400, 'text.format must be an object such as {"type": "text"}', param="text.format")
@@ -391,7 +410,7 @@ async def responses(request: Request):
                 out.feed(parser.feed(ev[1]))
                 continue
             status = status_of(ev[1])
-            out.feed(parser.finish(cut=ev[1] == "length"))
+            out.feed(parser.finish(cut=cut_short(ev)))
             out.close("incomplete" if status == "incomplete" else "completed")
             return JSONResponse(response(status, out.items, ev[2], out.reasoning))
         raise APIError(499, "client closed the request")
@@ -420,7 +439,7 @@ async def responses(request: Request):
                     yield event(kind, fields)
                 continue
             status = status_of(ev[1])
-            for kind, fields in out.feed(parser.finish(cut=ev[1] == "length")) + out.close(
+            for kind, fields in out.feed(parser.finish(cut=cut_short(ev))) + out.close(
                 "incomplete" if status == "incomplete" else "completed"
             ):
                 yield event(kind, fields)

@@ -143,6 +143,7 @@ class OutputParser:
         self.state = "reasoning" if reasoning else "start"
         self.buf = ""
         self.held_ws = ""  # content whitespace held back in case a tool call follows
+        self.tool_ws = ""  # that whitespace, given back if the call turns out to be text
         self.strip_lead = False  # drop the blank lines after </think> or </tool_call>
         self.made_tool_call = False
 
@@ -212,7 +213,7 @@ class OutputParser:
                 i = self.buf.find(TOOL_START) if self.parse_tools else -1
                 if i >= 0:
                     self._text(self.buf[:i], events)
-                    self.held_ws = ""  # whitespace between content and a call is layout
+                    self.tool_ws, self.held_ws = self.held_ws, ""  # between content and a call: layout
                     self.buf = self.buf[i + len(TOOL_START) :]
                     self.state = "tool"
                     continue
@@ -235,21 +236,21 @@ class OutputParser:
             calls = parse_tool_call(body, self.tools)
         except (ValueError, TypeError):
             self.strip_lead = False
-            self._text(raw, events)
+            self._text(self.tool_ws + raw, events)
             return
         self.made_tool_call = True
         events.extend(("tool", c) for c in calls)
 
     def finish(self, cut: bool = False) -> List[Event]:
-        """Flush the rest; ``cut``: the output was stopped by the token limit."""
+        """Flush the rest; ``cut``: the output was stopped by the token limit or a stop string."""
         events: List[Event] = []
         rest, self.buf = self.buf, ""
         if self.state == "reasoning":
             if rest.rstrip():
                 events.append(("reasoning", rest.rstrip()))
         elif self.state == "tool" and cut:
-            # Cut off by max_tokens: its arguments may be partial, so it is no call.
-            self._text(TOOL_START + rest, events)
+            # Cut off by max_tokens or a stop string: its arguments may be partial, so it is no call.
+            self._text(self.tool_ws + TOOL_START + rest, events)
         elif self.state == "tool":
             # Ended without </tool_call> at EOS: a call if the body parses.
             self._tool(rest, TOOL_START + rest, events)
@@ -263,7 +264,7 @@ class OutputParser:
 def split_output(
     text: str, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None, cut: bool = False
 ) -> Tuple[str, str, List[ToolCall]]:
-    """(reasoning, content, tool calls) of a whole output (``cut``: stopped by the token limit)."""
+    """(reasoning, content, tool calls) of a whole output (``cut``: stopped by the token limit or a stop string)."""
     p = OutputParser(reasoning=reasoning, tools=tools)
     events = p.feed(text) + p.finish(cut)
     r = "".join(v for k, v in events if k == "reasoning")
