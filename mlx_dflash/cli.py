@@ -832,15 +832,6 @@ def train_draft_cmd(
             ids = []
         if not ids:
             raise DFlashError(f"--target-layer-ids must be a comma list of integers, got {target_layer_ids!r}")
-    for flag, value, least in (("--warmup", warmup, 0), ("--checkpoint-every", checkpoint_every, 0)):
-        if value < least:
-            raise DFlashError(f"{flag} must be >= {least}, got {value}")
-    if log_every < 1:
-        raise DFlashError(f"--log-every must be at least 1, got {log_every}")
-    if init not in ("target", "random"):
-        raise DFlashError(f"--init must be 'target' or 'random', got {init!r}")
-    if lr <= 0 or gamma <= 0 or grad_clip <= 0:
-        raise DFlashError("--lr, --gamma and --grad-clip must be positive")
     tc = TrainConfig(
         block_size=block_size,
         num_layers=layers,

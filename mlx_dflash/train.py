@@ -14,6 +14,7 @@ head's loss); its convolutions start as the identity.
 
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -62,6 +63,39 @@ class TrainConfig:
     conv_kernel_size: int = 2
     conv_group_size: Optional[int] = None  # default: 64 when it divides the hidden size, else the hidden size
     selector_weight: float = 1.0
+
+    def validate(self) -> None:
+        """One DFlashError naming the first option out of range (the CLI's
+        flag names): for the CLI and the Python API alike, before any work."""
+        if not 2 <= self.block_size <= 64:
+            raise DFlashError(f"block size must be in 2..64, got {self.block_size}")
+        if self.seq_len < self.block_size + 2:
+            raise DFlashError(f"--seq-len {self.seq_len} must exceed the block size {self.block_size} + 1")
+        if self.context_window is not None and self.context_window < 0:
+            raise DFlashError(f"context window must be >= 0, got {self.context_window}")
+        if self.steps < 1 or self.batch_size < 1 or self.blocks_per_seq < 1 or self.num_layers < 1:
+            raise DFlashError("steps, batch size, blocks per sequence and layers must be positive")
+        for flag, value, least in (
+            ("--warmup", self.warmup, 0),
+            ("--checkpoint-every", self.checkpoint_every, 0),
+            ("--log-every", self.log_every, 1),
+            ("--gen-tokens", self.gen_tokens, 1),
+        ):
+            if value < least:
+                raise DFlashError(f"{flag} must be >= {least}, got {value}")
+        # "not (x > 0)" so that NaN, which compares false to everything, is refused too
+        for flag, value in (("--lr", self.lr), ("--gamma", self.gamma), ("--grad-clip", self.grad_clip)):
+            if not (value > 0 and math.isfinite(value)):
+                raise DFlashError(f"{flag} must be a positive number, got {value}")
+        for flag, value in (("--weight-decay", self.weight_decay), ("selector weight", self.selector_weight)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise DFlashError(f"{flag} must be a number >= 0, got {value}")
+        if self.init not in ("target", "random"):
+            raise DFlashError(f"--init must be 'target' or 'random', got {self.init!r}")
+        if self.arch not in ("dflash", "dflash2"):
+            raise DFlashError(f"--arch must be 'dflash' or 'dflash2', got {self.arch!r}")
+        if self.arch == "dflash2" and min(self.selector_rank, self.selector_top_k, self.conv_kernel_size) < 1:
+            raise DFlashError("selector rank, selector top-k and conv kernel size must be positive")
 
 
 # --- data -------------------------------------------------------------------------
@@ -427,18 +461,7 @@ def train_draft(
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if (corpus is None) == (generate_from is None):
         raise DFlashError("give exactly one data source: a corpus or --generate-from PROMPTS")
-    if not 2 <= tc.block_size <= 64:
-        raise DFlashError(f"block size must be in 2..64, got {tc.block_size}")
-    if tc.seq_len < tc.block_size + 2:
-        raise DFlashError(f"--seq-len {tc.seq_len} must exceed the block size {tc.block_size} + 1")
-    if tc.context_window is not None and tc.context_window < 0:
-        raise DFlashError(f"context window must be >= 0, got {tc.context_window}")
-    if tc.steps < 1 or tc.batch_size < 1 or tc.blocks_per_seq < 1 or tc.num_layers < 1:
-        raise DFlashError("steps, batch size, blocks per sequence and layers must be positive")
-    if tc.arch not in ("dflash", "dflash2"):
-        raise DFlashError(f"--arch must be 'dflash' or 'dflash2', got {tc.arch!r}")
-    if tc.arch == "dflash2" and min(tc.selector_rank, tc.selector_top_k, tc.conv_kernel_size) < 1:
-        raise DFlashError("selector rank, selector top-k and conv kernel size must be positive")
+    tc.validate()
     out = Path(out).expanduser()
     _check_output_folder(out, target_path)
     if resume:  # now, not after the feature pass
@@ -483,13 +506,25 @@ def train_draft(
             raise DFlashError(f"--generate-from {pf} is a folder; give a prompt file (one per line, or JSONL)")
         if not pf.is_file():
             raise DFlashError(f"prompt file does not exist: {pf}")
-        prompts = (
-            read_texts([pf], text_field)
-            if pf.suffix == ".jsonl"
-            else [l for l in pf.read_text().splitlines() if l.strip()]
-        )
+        if pf.suffix == ".jsonl":
+            prompts = read_texts([pf], text_field)
+        else:
+            try:
+                prompts = [l for l in pf.read_text(encoding="utf-8").splitlines() if l.strip()]
+            except UnicodeDecodeError as e:
+                raise DFlashError(f"prompt file {pf} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not prompts:
             raise DFlashError(f"prompt file is empty: {pf}")
+        # now, not after generating: the shortest prompt and its continuation must hold a block
+        shortest = min(
+            len(tok.encode(p, add_special_tokens=False)[-(tc.seq_len // 2) :]) or tc.seq_len for p in prompts
+        )
+        if min(shortest + tc.gen_tokens, tc.seq_len) < tc.block_size + 2:
+            raise DFlashError(
+                f"--gen-tokens {tc.gen_tokens}: the shortest prompt ({shortest} tokens) and its continuation "
+                f"make {shortest + tc.gen_tokens} tokens, fewer than a block of {tc.block_size} needs "
+                f"({tc.block_size + 2}); give more --gen-tokens"
+            )
         source = [prompts, tc.seq_len, tc.gen_tokens]
     # The target's weights are in the key: features of a retrained target at the same path are not reused.
     weights = tree_digest(target.model.parameters())

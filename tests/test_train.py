@@ -2,6 +2,7 @@
 training mask isolates blocks, resume continues from the checkpoint."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -160,6 +161,26 @@ def test_a_damaged_feature_cache_is_computed_again(target_dir, tmp_path):
     assert mx.load(str(cached))["tokens"].shape[0] > 0  # and written again, whole
 
 
+@pytest.mark.parametrize(
+    "bad,words",
+    [
+        (dict(lr=-1.0), "--lr must be a positive number"),
+        (dict(log_every=0), "--log-every must be >= 1"),
+        (dict(init="foo"), "--init must be 'target' or 'random'"),
+        (dict(warmup=-5), "--warmup must be >= 0"),
+        (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
+        (dict(selector_weight=float("nan")), "selector weight must be a number >= 0"),
+    ],
+)
+def test_the_python_api_checks_the_config_as_the_cli_does(target_dir, tmp_path, bad, words):
+    """train_draft refuses what the CLI refuses (lr=-1 trained by gradient
+    ascent; log_every=0 divided by zero; init='foo' meant random), before any work."""
+    path, corpus = target_dir
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        train_draft(path, tmp_path / "d", corpus=[corpus], config=TrainConfig(**{**CFG, **bad}))
+    assert not (tmp_path / "d").exists()
+
+
 def test_a_feature_cache_under_home_is_written_where_it_was_made(target_dir, tmp_path, monkeypatch):
     """``--feature-cache ~/fc`` is one folder: the one made is the one written
     (the file used to go to a literal ``~`` folder beside the working one)."""
@@ -255,6 +276,10 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
     base = ["train-draft", "-m", str(path), "-o", str(tmp_path / "x")]
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    one_word = tmp_path / "one.txt"
+    one_word.write_text("hello\n")
     for args, msg in [
         (
             ["train-draft", "-m", str(path), "-o", str(a_file / "out"), "--corpus", str(corpus)],
@@ -275,7 +300,14 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         (base + ["--corpus", str(corpus), "--target-layer-ids", ""], "comma list"),
         (base + ["--corpus", str(corpus), "--warmup", "-5"], "--warmup must be >= 0"),
         (base + ["--corpus", str(corpus), "--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
-        (base + ["--corpus", str(corpus), "--log-every", "0"], "--log-every must be at least 1"),
+        (base + ["--corpus", str(corpus), "--log-every", "0"], "--log-every must be >= 1"),
+        # NaN compares false to every bound: it trained an all-NaN draft and exited 0
+        (base + ["--corpus", str(corpus), "--lr", "nan"], "--lr must be a positive number"),
+        (base + ["--corpus", str(corpus), "--grad-clip", "inf"], "--grad-clip must be a positive number"),
+        (base + ["--corpus", str(corpus), "--gamma", "nan"], "--gamma must be a positive number"),
+        (base + ["--corpus", str(corpus), "--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
+        (base + ["--generate-from", str(latin1)], "is not UTF-8 text"),
+        (base + ["--generate-from", str(one_word), "--gen-tokens", "3"], "give more --gen-tokens"),
     ]:
         code, out = cli(capsys, *args)
         assert code == 2, (args, out)
