@@ -1,5 +1,6 @@
 """The ``mlx-dflash`` command line."""
 
+import math
 import os
 import shutil
 import sys
@@ -319,6 +320,8 @@ def _engine_loader(
 
     if not pipeline and pipeline_timeout != PIPELINE_TIMEOUT:
         raise DFlashError("--pipeline-timeout is for --pipeline runs; give --pipeline or drop it")
+    if not (pipeline_timeout > 0 and math.isfinite(pipeline_timeout)):  # before the processes are looked for
+        raise DFlashError(f"--pipeline-timeout must be a positive number of seconds, got {pipeline_timeout}")
     dt = _dtype(dtype)  # a bad --dtype is an error before anything loads
     _not_a_count(model)
 
@@ -1229,8 +1232,11 @@ def serve(
 
     if not 0 <= port < 65536:
         raise DFlashError(f"--port must be in 0..65535 (0: any free port), got {port}")
-    if max_queue < 1 or timeout <= 0 or max_body_mb <= 0:
-        raise DFlashError("--max-queue, --timeout and --max-body-mb must be positive")
+    if max_queue < 1:
+        raise DFlashError(f"--max-queue must be positive, got {max_queue}")
+    for flag, value in (("--timeout", timeout), ("--max-body-mb", max_body_mb)):
+        if not (value > 0 and math.isfinite(value)):  # NaN compares false to any bound
+            raise DFlashError(f"{flag} must be a positive number, got {value}")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if no_prompt_cache and prompt_cache_bytes is not None:

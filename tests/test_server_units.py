@@ -404,6 +404,11 @@ def test_a_queued_job_whose_client_left_frees_its_place():
     [
         (["serve", "--port", "65536"], "--port"),
         (["serve", "--max-queue", "0"], "must be positive"),
+        # NaN and inf compared false to "<= 0": a traceback (inf MB), or a server whose requests never time out
+        (["serve", "--max-body-mb", "inf"], "--max-body-mb must be a positive number"),
+        (["serve", "--max-body-mb", "nan"], "--max-body-mb must be a positive number"),
+        (["serve", "--timeout", "nan"], "--timeout must be a positive number"),
+        (["serve", "--pipeline", "--pipeline-timeout", "nan"], "--pipeline-timeout must be a positive number"),
         (["serve", "--chat-template-args", "[1]"], "JSON object"),
         (["serve", "--chat-template-args", "{oops"], "not valid JSON"),
         (["serve", "--temp", "-1"], "temperature"),

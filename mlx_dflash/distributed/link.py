@@ -2,6 +2,7 @@
 header message per hop (1 KB, the meta ints inline), then the hidden states;
 a watchdog ends a rank whose receive waits too long."""
 
+import math
 import os
 import sys
 import threading
@@ -29,8 +30,8 @@ class Link:
     """
 
     def __init__(self, group, timeout: float = 60.0):
-        if timeout <= 0:
-            raise DFlashError(f"pipeline timeout must be positive, got {timeout}")
+        if not (timeout > 0 and math.isfinite(timeout)):  # NaN compares false to any bound
+            raise DFlashError(f"--pipeline-timeout must be a positive number of seconds, got {timeout}")
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timeout
