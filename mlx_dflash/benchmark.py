@@ -47,10 +47,17 @@ def context_prompt(engine, n_tokens: int, end: Optional[int] = None) -> List[int
 
 def read_prompts(folder: Optional[Path] = None) -> Dict[str, str]:
     """``*.txt`` files in ``folder`` (default: the shipped set): name -> prompt text (file stem = name)."""
-    folder = Path(folder) if folder is not None else PROMPTS_DIR
+    folder = Path(folder).expanduser() if folder is not None else PROMPTS_DIR
+    if folder.exists() and not folder.is_dir():
+        raise DFlashError(f"--prompts {folder} is a file; give a folder of *.txt prompts")
     if not folder.is_dir():
         raise DFlashError(f"prompt folder does not exist: {folder} (pass --prompts DIR)")
-    prompts = {f.stem: f.read_text() for f in sorted(folder.glob("*.txt"))}
+    prompts = {}
+    for f in sorted(folder.glob("*.txt")):
+        try:
+            prompts[f.stem] = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise DFlashError(f"prompt {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts = {k: v for k, v in prompts.items() if v.strip()}
     if not prompts:
         raise DFlashError(f"no non-empty *.txt prompts in {folder}")

@@ -677,6 +677,7 @@ def chat(
     gen.validate(engine.draft)
     _add_eos_tokens(engine, extra_eos_token)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
+    pc.check_budget(engine.target, gen.kv_bits)  # now: every turn would fail, and /reset cannot help
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
@@ -957,6 +958,8 @@ def bench(
         raise DFlashError("--context values must be positive")
     if tree_budget < 0:
         raise DFlashError(f"--tree-budget must be >= 0 (0: no tree mode), got {tree_budget}")
+    if not tree_budget and gen.tree_topk != GENERATION_FLAGS["tree_topk"][1]:  # bench's own --tree-budget
+        raise DFlashError("--tree-topk shapes a tree: give --tree-budget too, or drop it")
     if not name or Path(name).name != name or name in (".", ".."):
         raise DFlashError(f"--name must be a plain file name (the results go to --out), got {name!r}")
     writable_folder(out, "results folder (--out)")  # now rather than after the whole run

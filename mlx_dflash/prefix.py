@@ -320,6 +320,11 @@ class PrefixCache:
                 f"{describe(ours[i])} (--kv-bits): use one prefix cache (or prompt cache file) per KV format"
             )
 
+    def check_budget(self, target, kv_bits: Optional[int] = None) -> None:
+        """A DFlashError now if the budget cannot hold one snapshot of
+        ``target`` (with ``kv_bits`` KV), rather than at every prompt later."""
+        self._check_budget(target, target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache())
+
     def _check_budget(self, target, cache) -> None:
         if self._target is None:
             self._target = target

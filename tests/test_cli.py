@@ -140,6 +140,9 @@ def bad_cases(tmp_path, small_ctx_model):
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    latin1_folder = tmp_path / "latin1"
+    latin1_folder.mkdir()
+    (latin1_folder / "a.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     return [
         (["generate", "hi", "--model", str(tmp_path / "missing")], "does not exist"),
         (["generate", "hi", "--model", str(notmodel)], "no config.json"),
@@ -198,6 +201,11 @@ def bad_cases(tmp_path, small_ctx_model):
         (["bench", "--name", "../x", "--out", str(tmp_path)], "--name must be a plain file name"),
         (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
         (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
+        (["bench", "--tree-topk", "3", "--out", str(tmp_path)], "--tree-topk shapes a tree"),
+        (["bench", "--prompts", str(latin1_folder), "--out", str(tmp_path)], "is not UTF-8 text"),
+        (["bench", "--prompts", str(latin1_folder / "a.txt"), "--out", str(tmp_path)], "is a file"),
+        # a budget under one snapshot failed every turn of the chat, and /reset could not help
+        (["chat", "--prompt-cache-bytes", "10"], "too small for one snapshot"),
         # mlx-lm's habits and contradictions that used to pass silently or mislead
         (["generate", "hi", "-m", "64"], "-m is --model here (mlx-lm's generate and chat take -m for the token count"),
         (["chat", "-m", "64"], "-m is --model here"),

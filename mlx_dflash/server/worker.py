@@ -277,6 +277,8 @@ class Worker:
             self.engine = self._load()
             self._generate = self._generate or stream_generate
             self.prefix_cache = self._make_prefix_cache()
+            if self.prefix_cache is not None:  # a budget under one snapshot would fail every request
+                self.prefix_cache.check_budget(self.engine.target, getattr(self._generation, "kv_bits", None))
             if self.max_batch > 1:
                 self._check_batch()
         except BaseException as e:  # reported to start()
