@@ -262,6 +262,8 @@ def generation_config(flags: dict):
     window, sink = flags.pop("draft_window", 0), flags.pop("draft_sink", 16)
     if window < 0 or sink < 0:
         raise DFlashError("--draft-window and --draft-sink must be >= 0")
+    if not window and sink != GENERATION_FLAGS["draft_sink"][1]:
+        raise DFlashError("--draft-sink is the start --draft-window keeps: give --draft-window too, or drop it")
     if window:
         flags["draft_window"] = (sink, window)
     topk_given = "tree_topk" in flags and flags["tree_topk"] != GENERATION_FLAGS["tree_topk"][1]
@@ -502,6 +504,10 @@ def generate(
     )
     if load_engine is None:
         return
+    if gen.profile and not verbose:
+        raise DFlashError("--profile splits the time in the --verbose stats: give --verbose too, or drop it")
+    if prompt_cache_bytes is not None and prompt_cache_file is None:
+        raise DFlashError("--prompt-cache-bytes sizes the cache of --prompt-cache-file: give it too, or drop it")
     text = _read_prompt(prompt, prompt_opt)
     if ignore_chat_template:
         if chat_template:

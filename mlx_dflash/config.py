@@ -192,4 +192,7 @@ class GenerationConfig:
             raise DFlashError("a block size was given but no draft is loaded")
         limit = draft if isinstance(draft, int) else draft.block_size
         if not 2 <= self.block_size <= limit:
-            raise DFlashError(f"block_size (--block-size) must be in 2..{limit} for this draft, got {self.block_size}")
+            raise DFlashError(  # a block is the drafted tokens (--num-draft-tokens) and one more
+                f"block_size (--block-size, --num-draft-tokens) must be in 2..{limit} for this draft "
+                f"(1..{limit - 1} drafted tokens), got {self.block_size} ({self.block_size - 1} drafted)"
+            )

@@ -158,8 +158,8 @@ def bad_cases(tmp_path, small_ctx_model):
             ],
             "hidden_size",
         ),
-        (["generate", "hi", "--block-size", "17"], "(--block-size) must be in 2..16"),
-        (["generate", "hi", "--block-size", "1"], "(--block-size) must be in 2..16"),
+        (["generate", "hi", "--block-size", "17"], "(--block-size, --num-draft-tokens) must be in 2..16"),
+        (["generate", "hi", "--block-size", "1"], "(--block-size, --num-draft-tokens) must be in 2..16"),
         (["generate", "   "], "empty prompt"),
         (["generate"], "no prompt"),
         (["generate", "hi", "--max-tokens", "0"], "must be positive"),
@@ -202,6 +202,12 @@ def bad_cases(tmp_path, small_ctx_model):
         (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
         (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
         (["bench", "--tree-topk", "3", "--out", str(tmp_path)], "--tree-topk shapes a tree"),
+        (["generate", "hi", "--num-draft-tokens", "16"], "(1..15 drafted tokens), got 17 (16 drafted)"),
+        (["generate", "hi", "--draft-quantize", "3"], "(--draft-quantize) must be 4 or 8 bits"),
+        # flags that would do nothing without another: an error, as --system without the template is
+        (["generate", "hi", "--draft-sink", "4"], "give --draft-window too"),
+        (["generate", "hi", "--profile"], "give --verbose too"),
+        (["generate", "hi", "--prompt-cache-bytes", "1000000"], "give it too"),
         (["bench", "--prompts", str(latin1_folder), "--out", str(tmp_path)], "is not UTF-8 text"),
         (["bench", "--prompts", str(latin1_folder / "a.txt"), "--out", str(tmp_path)], "is a file"),
         # a budget under one snapshot failed every turn of the chat, and /reset could not help

@@ -16,8 +16,16 @@ PROMPT = [3, 17, 42, 5, 99, 7]
 @pytest.mark.parametrize(
     "options,draft_block,words",
     [
-        (dict(block_size=17), 16, "block_size (--block-size) must be in 2..16 for this draft, got 17"),
-        (dict(block_size=1), 16, "block_size (--block-size) must be in 2..16 for this draft, got 1"),
+        (
+            dict(block_size=17),
+            16,
+            "block_size (--block-size, --num-draft-tokens) must be in 2..16 for this draft (1..15 drafted tokens), got 17 (16 drafted)",
+        ),
+        (
+            dict(block_size=1),
+            16,
+            "block_size (--block-size, --num-draft-tokens) must be in 2..16 for this draft (1..15 drafted tokens), got 1 (0 drafted)",
+        ),
         (dict(block_size=4), None, "a block size was given but no draft is loaded"),
         (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
         (dict(prefill_chunk=0), 16, "prefill_chunk (--prefill-chunk) must be positive, got 0"),
@@ -139,7 +147,10 @@ def test_config_and_keywords_give_the_same_tokens(dense):
     c = sum(generate_tokens(target, PROMPT, cfg, draft=draft, max_tokens=5), [])
     assert c == a[:5]
     # The loop validates the config against the draft it runs with.
-    with pytest.raises(DFlashError, match=r"block_size \(--block-size\) must be in 2..8 for this draft, got 9"):
+    with pytest.raises(
+        DFlashError,
+        match=r"block_size \(--block-size, --num-draft-tokens\) must be in 2..8 for this draft \(1..7 drafted tokens\), got 9",
+    ):
         next(generate_tokens(target, PROMPT, cfg, draft=draft, block_size=9))
 
 

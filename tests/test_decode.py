@@ -193,9 +193,9 @@ def test_bad_arguments(dense):
         run(target, [], 4)
     with pytest.raises(DFlashError, match="max_tokens"):
         run(target, [1, 2], 0)
-    with pytest.raises(DFlashError, match="block-size. must be in 2..16"):
+    with pytest.raises(DFlashError, match="num-draft-tokens. must be in 2..16"):
         run(target, [1, 2], 4, draft=draft, block_size=17)
-    with pytest.raises(DFlashError, match="block-size. must be in 2..16"):
+    with pytest.raises(DFlashError, match="num-draft-tokens. must be in 2..16"):
         run(target, [1, 2], 4, draft=draft, block_size=1)
     with pytest.raises(DFlashError, match="context limit"):
         run(target, list(range(50)), 4, max_context=50)

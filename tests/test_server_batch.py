@@ -321,7 +321,7 @@ def test_serve_load_error_exits_2_every_time():
     # that thread ran MLX used to abort now and then (exit 134, about 1 in 3).
     for _ in range(4):
         last = _serve_load_error("--block-size", "99")
-        assert last.startswith("error: block_size (--block-size)"), last
+        assert last.startswith("error: block_size (--block-size, --num-draft-tokens)"), last
 
 
 # --- a batched step that fails ------------------------------------------------------------

@@ -359,7 +359,9 @@ def test_a_long_prefill_stops_when_its_client_does(how):
     """A cancel or a timeout is noticed between prefill chunks, not only once
     the whole prompt is in (then the engine stayed busy for a gone client)."""
     chunks = []
-    w = Worker(_scripted_engine, prompt_cache=False, max_queue=2, metrics=Metrics(), generate_fn=_prefilling_gen(chunks))
+    w = Worker(
+        _scripted_engine, prompt_cache=False, max_queue=2, metrics=Metrics(), generate_fn=_prefilling_gen(chunks)
+    )
     w.start()
     try:
 
@@ -383,7 +385,9 @@ def test_a_long_prefill_stops_when_its_client_does(how):
 def test_a_queued_job_whose_client_left_frees_its_place():
     """A client that gives up while queued leaves the queue at once: its
     place no longer turns a live client away with a 429."""
-    w = Worker(_scripted_engine, prompt_cache=False, max_queue=2, metrics=Metrics(), generate_fn=_gen_fn)  # not started: jobs stay
+    w = Worker(
+        _scripted_engine, prompt_cache=False, max_queue=2, metrics=Metrics(), generate_fn=_gen_fn
+    )  # not started: jobs stay
     loop = asyncio.new_event_loop()
     try:
         a, b, c = (Job([i], {"max_tokens": 1}, [], 30.0, loop) for i in range(3))

@@ -239,7 +239,7 @@ def build_draft(
     _cast(draft, dtype)
     if quantize_bits is not None:
         if quantize_bits not in (4, 8):
-            raise DFlashError(f"draft quantization must be 4 or 8 bits, got {quantize_bits}")
+            raise DFlashError(f"draft quantization (--draft-quantize) must be 4 or 8 bits, got {quantize_bits}")
         nn.quantize(
             draft,
             group_size=group_size,
