@@ -1,39 +1,59 @@
 """mlx-dflash: lossless DFlash speculative decoding of Qwen3.5/3.6 on MLX."""
 
-from .api import (
-    Engine,
-    GenerationResponse,
-    GenerationResult,
-    generate,
-    load,
-    stream_generate,
-)
-from .batch import BatchDecoder, batch_generate
-from .config import GenerationConfig
-from .decode import GenerationStats, generate_tokens
-from .errors import DFlashError
-from .prefix import PrefixCache
-from .sampling import Sampler
-from .session import ChatSession
-from .train import TrainConfig, train_draft
+import importlib
 
-__all__ = [
-    "BatchDecoder",
-    "batch_generate",
-    "ChatSession",
-    "DFlashError",
-    "Engine",
-    "GenerationConfig",
-    "GenerationResponse",
-    "GenerationResult",
-    "GenerationStats",
-    "generate",
-    "generate_tokens",
-    "load",
-    "PrefixCache",
-    "Sampler",
-    "TrainConfig",
-    "train_draft",
-    "stream_generate",
-]
+# The public names, imported on first use: ``import mlx_dflash`` (and so the
+# command line's start, and its Ctrl-C) does not wait for MLX, mlx-lm and
+# transformers to load until something needs them.
+_EXPORTS = {
+    "Engine": "api",
+    "GenerationResponse": "api",
+    "GenerationResult": "api",
+    "generate": "api",
+    "load": "api",
+    "stream_generate": "api",
+    "BatchDecoder": "batch",
+    "batch_generate": "batch",
+    "GenerationConfig": "config",
+    "GenerationStats": "decode",
+    "generate_tokens": "decode",
+    "DFlashError": "errors",
+    "PrefixCache": "prefix",
+    "Sampler": "sampling",
+    "ChatSession": "session",
+    "TrainConfig": "train",
+    "train_draft": "train",
+}
+__all__ = sorted(_EXPORTS, key=str.lower)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    else:  # a submodule (mlx_dflash.api, ...), as an eager package would have it
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def main() -> None:
+    """The ``mlx-dflash`` command: a Ctrl-C while its modules load exits 130
+    quietly, as one during a command does."""
+    from .blas import release_sigint
+
+    try:
+        release_sigint()  # held across a re-run under OpenBLAS, so its start cannot be cut
+        from .cli import main as cli_main
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    cli_main()

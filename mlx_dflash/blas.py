@@ -18,6 +18,7 @@ import ctypes
 import glob
 import os
 import platform
+import signal
 import sys
 
 _CANDIDATES = [
@@ -38,14 +39,14 @@ def ensure_openblas(mode: str = "auto", argv=None) -> None:
 
     ``argv``: the command line to re-run (default: this interpreter + sys.argv).
     """
+    release_sigint()  # this may be the re-run: a Ctrl-C held since the exec arrives now
     if platform.system() != "Linux":
         return
     pre = os.environ.get("LD_PRELOAD", "")
     if mode == "bundled":
         if "openblas" in pre:  # preloaded by the command line entry: run again without it
             env = dict(os.environ, LD_PRELOAD=" ".join(p for p in pre.split() if "openblas" not in p))
-            argv = argv or [sys.executable] + sys.argv
-            os.execve(argv[0], argv, env)
+            _reexec(argv or [sys.executable] + sys.argv, env)
         return
     lib = openblas_path()
     if lib is None:
@@ -58,7 +59,23 @@ def ensure_openblas(mode: str = "auto", argv=None) -> None:
         set_threads()
         return
     env = dict(os.environ, LD_PRELOAD=f"{lib} {pre}".strip())
-    argv = argv or [sys.executable] + sys.argv
+    _reexec(argv or [sys.executable] + sys.argv, env)
+
+
+def release_sigint() -> None:
+    """Let SIGINT in again after :func:`_reexec` held it (a no-op otherwise)."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _reexec(argv, env) -> None:
+    """Replace this process by ``argv`` with SIGINT held: a Ctrl-C while the
+    new interpreter starts (before it can raise KeyboardInterrupt) would end
+    it with a fatal error and a traceback. The mask survives the exec; the
+    re-run releases it (:func:`release_sigint`), and a Ctrl-C held meanwhile
+    then arrives as a KeyboardInterrupt."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     os.execve(argv[0], argv, env)
 
 

@@ -526,7 +526,7 @@ def generate(
             raise DFlashError("--system needs the chat template, and this model's tokenizer has none")
     if not chat_template:
         template_kwargs = None  # (--chat-template-config has no template to configure)
-    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes) if prompt_cache_file else None
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits) if prompt_cache_file else None
     stats, interrupted = None, False
     try:
         for r in _ctrl_c_stops(
@@ -606,15 +606,19 @@ def _check_output(path: Path, flag: str) -> None:
         raise DFlashError(f"{flag} {path}: the folder {folder} is not writable")
 
 
-def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int]):
-    """A prefix cache, loaded from ``path`` when that file exists."""
+def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int], kv_bits: Optional[int] = None):
+    """A prefix cache, loaded from ``path`` when that file exists, whose
+    budget holds a snapshot (else every prompt, every chat turn, would fail)."""
     from .prefix import PrefixCache
 
     if max_bytes is not None and max_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {max_bytes}")
     if path is not None and Path(path).exists():
-        return PrefixCache.load(path, engine, max_bytes=max_bytes)
-    return PrefixCache(max_bytes=max_bytes)
+        pc = PrefixCache.load(path, engine, max_bytes=max_bytes)
+    else:
+        pc = PrefixCache(max_bytes=max_bytes)
+    pc.check_budget(engine.target, kv_bits)
+    return pc
 
 
 @app.command()
@@ -682,8 +686,7 @@ def chat(
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
     _add_eos_tokens(engine, extra_eos_token)
-    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes)
-    pc.check_budget(engine.target, gen.kv_bits)  # now: every turn would fail, and /reset cannot help
+    pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits)
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
