@@ -12,7 +12,7 @@ from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError, check_text, is_int
 from .loading import (
     check_adapter_files,
-    check_draft_files,
+    check_draft_fit,
     load_draft,
     load_target,
     load_tokenizer,
@@ -184,7 +184,7 @@ def load(
     else:
         tok_dir = tokenizer_folder(model)  # a GGUF's tokenizer is checked before its weights are decoded
         if draft is not None:
-            check_draft_files(draft)  # and the draft's files
+            check_draft_fit(draft, model)  # and the draft's files and its fit
         target = load_target(model, dtype=dtype, progress=True, adapter_path=adapter_path)
     eos = target.config.get("eos_token_id", target.config.get("text_config", {}).get("eos_token_id"))
     tokenizer = load_tokenizer(tok_dir or tokenizer_folder(model), eos_token_ids=eos)

@@ -3,6 +3,7 @@
 import copy
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -173,3 +174,24 @@ def test_a_draft_that_cannot_be_read_fails_before_the_target_loads(tmp_path, mon
     for draft, words in ((tmp_path / "empty", "draft folder has no config.json"), (bad, "truncated or corrupt")):
         with pytest.raises(DFlashError, match=words):
             mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)
+
+
+@pytest.mark.parametrize("target", ["gguf", "folder"])
+def test_a_draft_for_another_model_fails_before_the_target_loads(target, tmp_path, monkeypatch):
+    """The fit is decided from the configs: a GGUF target was decoded whole
+    (a progress bar, minutes on a large file) before the draft was refused."""
+    import mlx_dflash.api
+    from mlx_dflash.api import DEFAULT_DRAFT
+
+    def decoded(*a, **k):
+        raise AssertionError("the target was loaded before the draft's fit was checked")
+
+    monkeypatch.setattr(mlx_dflash.api, "load_target", decoded)
+    cfg = tiny.target_config(hidden_size=48)
+    model = (
+        Path(__file__).parent / "data" / "tiny-qwen35-Q8_0.gguf"
+        if target == "gguf"
+        else tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t")
+    )
+    with pytest.raises(DFlashError, match=r"draft .*(vocab_size|hidden_size) \d+ != target"):
+        mlx_dflash.api.load(model, draft=DEFAULT_DRAFT)

@@ -125,6 +125,27 @@ def check_draft_files(path) -> None:
         read_config(p, "draft")
 
 
+def check_draft_fit(draft, model) -> None:
+    """That ``draft`` can be read and fits the target at ``model``, from
+    headers and configs alone: checked before the target's weights are read
+    (minutes of decoding on a large GGUF), so a draft for another model, or
+    one missing a part, fails first. What needs the weights (their names and
+    shapes) is checked when the draft loads."""
+    from ..models.draft import DraftConfig
+    from .gguf import gguf_draft_config, lazy_target
+    from .hf import validate_draft
+
+    check_draft_files(draft)
+    p = Path(draft).expanduser()
+    raw, where = (gguf_draft_config(open_gguf(p)), str(p)) if is_gguf(p) else (read_config(p, "draft"), str(p))
+    try:
+        cfg = DraftConfig.from_dict(raw)
+    except (KeyError, TypeError, ValueError):
+        return  # the draft's load names the bad field
+    shapes = lazy_target(gguf_config(open_gguf(model))) if is_gguf(model) else load_folder_target(model, lazy=True)
+    validate_draft(cfg, shapes, where)
+
+
 def load_draft(path, target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None):
     """A DFlash v1 or DFlash 2 draft (z-lab folder; v1 also as a draft GGUF
     file), bound to ``target``; ``quantize_bits`` (4 or 8) quantizes it at load."""
