@@ -93,6 +93,7 @@ class Engine:
     ) -> List[int]:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
         with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
+        check_template_args(system, chat_template_config)
         if not isinstance(prompt, str):
             # (chat_template_config may say how the ids were rendered: the prefix cache reads it)
             if chat_template or system:
@@ -204,6 +205,18 @@ def load(
     return engine
 
 
+def check_template_args(system, chat_template_config) -> None:
+    """One clear error for a system prompt that is not text, or template
+    arguments that are not a dict (else the template fails deep inside)."""
+    if system is not None and not isinstance(system, str):
+        raise DFlashError(f"system must be text, got {type(system).__name__}")
+    if chat_template_config is not None and not isinstance(chat_template_config, dict):
+        raise DFlashError(
+            "chat_template_config must be a dict of template arguments (e.g. {'enable_thinking': False}), "
+            f"got {type(chat_template_config).__name__}"
+        )
+
+
 def check_engine(engine, prefix_cache=None) -> None:
     """One clear error for an engine or prefix cache that is not one."""
     if not isinstance(engine, Engine):
@@ -306,6 +319,11 @@ def stream_generate(
     target's attention K/V quantized (not lossless w.r.t. the full-precision target).
     """
     check_engine(engine, prefix_cache)
+    if prompt_progress_callback is not None and not callable(prompt_progress_callback):
+        raise DFlashError(
+            "prompt_progress_callback must be a function of (processed, total), "
+            f"got {type(prompt_progress_callback).__name__}"
+        )
     config = engine.config(config, **options)
     ids = engine.encode(prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config)
     if prefix_cache is not None:

@@ -30,6 +30,9 @@ MLX_LM_NAMES = {
     "draft_model": "draft_model: give the draft to load(model, draft)",
     "num_draft_tokens": "num_draft_tokens N: give block_size=N + 1",
     "max_kv_size": "max_kv_size: a rotating KV cache is not implemented",
+    "prefill_step_size": "prefill_step_size N: give prefill_chunk=N",
+    "kv_group_size": "kv_group_size: the quantized KV's group size is 64 (give kv_bits)",
+    "quantized_kv_start": "quantized_kv_start: the KV is quantized from the first token (give kv_bits)",
 }
 # Each option's kind, checked before its range: a string, a float where a count
 # belongs or NaN would otherwise fail deep inside (or never stop).

@@ -2,7 +2,7 @@
 
 from typing import Iterator, List, Optional
 
-from .api import Engine, GenerationResponse, GenerationResult, stream_generate
+from .api import Engine, GenerationResponse, GenerationResult, check_engine, check_template_args, stream_generate
 from .config import GenerationConfig
 from .errors import DFlashError, check_text
 from .prefix import PrefixCache
@@ -28,6 +28,8 @@ class ChatSession:
         prefix_cache: Optional[PrefixCache] = None,
         chat_template_config: Optional[dict] = None,
     ):
+        check_engine(engine, prefix_cache)
+        check_template_args(system, chat_template_config)
         if getattr(engine.tokenizer, "chat_template", None) is None:
             raise DFlashError("this model's tokenizer has no chat template; a chat needs one")
         self.engine = engine
@@ -55,6 +57,8 @@ class ChatSession:
     def stream(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> Iterator[GenerationResponse]:
         """Send a user message; yield the reply as it is generated. Takes a
         :class:`GenerationConfig` and/or the keyword arguments of :func:`mlx_dflash.stream_generate`."""
+        if not isinstance(text, str):
+            raise DFlashError(f"a message must be text, got {type(text).__name__}")
         if not text.strip():
             raise DFlashError("empty message: give some text")
         for k in ("chat_template", "system", "prefix_cache", "chat_template_config"):

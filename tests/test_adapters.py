@@ -132,6 +132,11 @@ def test_bad_adapter_folders_are_one_clear_error(pair, tmp_path, capsys):
         mlx_dflash.load(path, adapter_path=foreign)
     code, out, err = cli(capsys, "generate", "-m", str(path), "--adapter-path", str(foreign), "-n", "4", "hi")
     assert code == 2 and err.startswith("error: adapters") and "Traceback" not in err
+    # A damaged weights file is named as that, not as adapters for another model.
+    data = (good / "adapters.safetensors").read_bytes()
+    (good / "adapters.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(DFlashError, match="cannot read .*adapters.safetensors"):
+        mlx_dflash.load(path, adapter_path=good)
 
 
 def test_chat_and_serve_take_adapter_path(tmp_path, capsys):

@@ -243,6 +243,17 @@ def test_public_api_refuses_bad_prompts_and_batches_by_name():
         (lambda: mlx_dflash.load(dtype="float64"), "dtype must be one of float32, bfloat16, float16"),
         (lambda: mlx_dflash.load(dtype=mx.int32), "dtype must be one of"),
         (lambda: mlx_dflash.PrefixCache.load("p.safetensors", None), "engine must be an Engine"),
+        # mlx-lm's names get their hint; arguments of the wrong kind one error, not a TypeError deep inside
+        (lambda: mlx_dflash.generate(eng, "def f", prefill_step_size=64), "give prefill_chunk=N"),
+        (lambda: mlx_dflash.generate(eng, "def f", quantized_kv_start=0), "give kv_bits"),
+        (lambda: mlx_dflash.generate(eng, "def f", prompt_progress_callback=5), "must be a function"),
+        (lambda: mlx_dflash.generate(eng, "x", chat_template=True, chat_template_config=[1]), "must be a dict"),
+        (lambda: mlx_dflash.generate(eng, "x", chat_template=True, system=5), "system must be text, got int"),
+        (lambda: mlx_dflash.ChatSession("x"), "engine must be an Engine"),
+        (lambda: mlx_dflash.ChatSession(eng, chat_template_config="x"), "must be a dict"),
+        (lambda: mlx_dflash.ChatSession(eng).send(None), "a message must be text, got NoneType"),
+        (lambda: mlx_dflash.load(123), "a path or a Hugging Face id, got int"),
+        (lambda: mlx_dflash.load(adapter_path=123), "adapter_path must be a folder path, got int"),
     ]
     for call, words in cases:
         with pytest.raises(DFlashError) as e:

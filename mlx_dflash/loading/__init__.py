@@ -4,8 +4,11 @@ either. Hub ids are resolved to local paths first (:func:`.hub.resolve`,
 called by ``api.load``, the engine factory)."""
 
 import json
+import os
 from pathlib import Path
 from typing import Callable, Dict, Optional
+
+import mlx.core as mx
 
 from ..errors import DFlashError
 from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
@@ -63,6 +66,8 @@ def check_adapter_files(path) -> Path:
     """The adapter folder ``path`` as mlx-lm's lora trainer writes it, its
     config read and checked (one clear error otherwise): done before a
     target loads, so a typo costs no load."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise DFlashError(f"adapter_path must be a folder path, got {type(path).__name__}")
     p = Path(path).expanduser()
     if not p.exists():
         raise DFlashError(f"adapter path does not exist: {p}")
@@ -96,6 +101,10 @@ def apply_adapters(model, path) -> None:
     from mlx_lm.tuner.utils import load_adapters
 
     p = check_adapter_files(path)
+    try:  # a damaged file is that, not a misfit
+        mx.load(str(p / ADAPTER_FILES[1]))
+    except Exception as e:
+        raise DFlashError(f"cannot read {p / ADAPTER_FILES[1]}: {' '.join(str(e).split())}") from None
     try:
         load_adapters(model, str(p))
     except Exception as e:  # mlx-lm raises ValueError/KeyError for adapters of another model

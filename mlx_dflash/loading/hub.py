@@ -14,6 +14,7 @@ Downloads go through ``huggingface_hub`` into its standard cache (``HF_HOME``,
 Hub cannot be reached, the cached copy is used.
 """
 
+import os
 import re
 from pathlib import Path
 from typing import Optional, Tuple, Union
@@ -48,6 +49,8 @@ def resolve(path_or_id: Union[str, Path, None]) -> Optional[Path]:
     (or does not look like a hub id), else the hub id's cached or downloaded files."""
     if path_or_id is None:
         return None
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        raise DFlashError(f"a model or draft is a path or a Hugging Face id, got {type(path_or_id).__name__}")
     p = Path(path_or_id).expanduser()
     if p.exists():
         return p
