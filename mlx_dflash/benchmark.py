@@ -11,6 +11,7 @@ speedup is the median of per-repeat ratios (see :func:`paired_speedup`).
 """
 
 import json
+import os
 import platform
 import statistics
 from pathlib import Path
@@ -451,11 +452,18 @@ def can_plot() -> bool:
 
 
 def write_results(res: dict, folder: Path, name: str, *, with_plot: bool = True) -> List[Path]:
+    """NAME.json, NAME.md (and NAME.png) in ``folder``, each written whole
+    or not at all: a run killed while writing keeps the previous results."""
     folder.mkdir(parents=True, exist_ok=True)
     js, md, png = folder / f"{name}.json", folder / f"{name}.md", folder / f"{name}.png"
-    js.write_text(json.dumps(res, indent=1))
-    md.write_text(to_markdown(res))
+    for path, text in ((js, json.dumps(res, indent=1)), (md, to_markdown(res))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     if not with_plot:
         return [js, md]
-    plot(res, png)
+    tmp = png.with_name(name + ".tmp.png")  # the suffix tells matplotlib the format
+    plot(res, tmp)
+    if tmp.exists():
+        os.replace(tmp, png)
     return [js, md, png]

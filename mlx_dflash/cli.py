@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -85,6 +86,18 @@ COMPILE_OPTION = typer.Option(
     help="Run decode-time forwards as mx.compile'd pieces (same tokens, fewer dispatches); "
     "--no-compile runs plain MLX ops (for troubleshooting).",
 )
+
+
+_SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+
+
+def _size(text: str) -> int:
+    """A byte count: digits, or a size such as 512MB, 4GB, 1.5G (decimal
+    units, as mlx-lm's --prompt-cache-bytes reads them; KiB, MiB, GiB binary)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]I?)?B?\s*", str(text), re.IGNORECASE)
+    if m is None:
+        raise typer.BadParameter(f"{text!r} is not a size: give bytes, or a size such as 512MB or 4GB")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
 
 
 PIPELINE_TIMEOUT = 60.0  # --pipeline-timeout's default, seconds
@@ -479,7 +492,9 @@ def generate(
     prompt_cache_bytes: Optional[int] = typer.Option(
         None,
         "--prompt-cache-bytes",
-        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory).",
+        parser=_size,
+        metavar="SIZE",
+        help="Memory budget of the prefix cache: bytes, or 512MB, 4GB (default: a quarter of device memory).",
     ),
     gen=None,
 ):
@@ -666,7 +681,9 @@ def chat(
     prompt_cache_bytes: Optional[int] = typer.Option(
         None,
         "--prompt-cache-bytes",
-        help="Memory budget of the prefix cache in bytes (default: a quarter of device memory).",
+        parser=_size,
+        metavar="SIZE",
+        help="Memory budget of the prefix cache: bytes, or 512MB, 4GB (default: a quarter of device memory).",
     ),
     gen=None,
 ):
@@ -1081,9 +1098,12 @@ def convert(
         save_model(out, target.model)
         save_config(cfg, out / "config.json")
         load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
-    except BaseException:  # nothing half-written: the folder this command made goes
+    except BaseException:  # nothing half-written: what this command wrote goes (the folder was empty)
         if made:
             shutil.rmtree(out, ignore_errors=True)
+        else:
+            for child in out.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
         raise
     typer.echo(
         f"wrote {out} ({cfg['torch_dtype']}"
@@ -1190,7 +1210,9 @@ def serve(
     prompt_cache_bytes: Optional[int] = typer.Option(
         None,
         "--prompt-cache-bytes",
-        help="Memory budget of the shared prefix cache in bytes "
+        parser=_size,
+        metavar="SIZE",
+        help="Memory budget of the shared prefix cache: bytes, or 512MB, 4GB "
         "(default: the prefix cache's own, a quarter of device memory).",
     ),
     no_prompt_cache: bool = typer.Option(

@@ -539,6 +539,9 @@ class PrefixCache:
         except (RuntimeError, OSError) as e:  # MLX says RuntimeError for a file it cannot open
             tmp.unlink(missing_ok=True)
             raise DFlashError(f"cannot write the prefix cache to {path}: {e}") from None
+        except BaseException:  # a second Ctrl-C while saving: no half-written file left beside it
+            tmp.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path, engine, max_bytes: Optional[int] = None) -> "PrefixCache":

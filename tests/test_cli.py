@@ -197,6 +197,7 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--baseline", "--tree-budget", "4"], "--tree-budget would do nothing"),
         (["generate", "hi", "--no-chat-template", "--system", "be brief"], "--system needs the chat template"),
         (["generate", "hi", "--prompt-cache-bytes", "0"], "--prompt-cache-bytes must be positive"),
+        (["serve", "--prompt-cache-bytes", "lots"], "'lots' is not a size: give bytes, or a size such as 512MB"),
         (["generate", "hi", "--prompt-cache-file", str(tmp_path / "no" / "x.safetensors")], "does not exist"),
         (["generate", "hi", "--prompt-cache-file", str(tmp_path)], "is a folder"),
         (["bench", "--name", "../x", "--out", str(tmp_path)], "--name must be a plain file name"),
@@ -363,3 +364,17 @@ def test_ctrl_c_while_the_command_starts_leaves_no_traceback(delay):
     # set its handler, in the re-run under OpenBLAS; 0 once serving (a clean shutdown)
     assert p.returncode in (0, 130, -signal.SIGINT), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_sizes_read_as_mlx_lm_reads_them():
+    """--prompt-cache-bytes takes 4GB as mlx-lm's server does (decimal units), and GiB."""
+    from mlx_dflash.cli import _size
+
+    assert [_size(t) for t in ("1000", "512MB", "4GB", "1.5G", "2GiB", "12kb")] == [
+        1000,
+        512 * 10**6,
+        4 * 10**9,
+        15 * 10**8,
+        2 * 2**30,
+        12000,
+    ]

@@ -587,6 +587,25 @@ def test_convert_refuses_a_folder_and_a_type_the_file_lacks(tok_dir, tmp_path, c
     assert code == 2 and "--keep-precision stores floats" in err
 
 
+def test_a_failed_convert_into_an_empty_folder_leaves_it_empty(tok_dir, tmp_path, capsys, monkeypatch):
+    """The weights were written when the tokenizer failed: they go, and the
+    folder the user made stays (empty), as it was."""
+    import mlx_dflash.loading
+
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
+
+    def broken(*a, **k):
+        raise DFlashError("the tokenizer could not be written")
+
+    monkeypatch.setattr(mlx_dflash.loading, "load_tokenizer", broken)
+    (tmp_path / "out").mkdir()
+    code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "out"))
+    assert code == 2 and "the tokenizer could not be written" in err
+    assert (tmp_path / "out").is_dir() and list((tmp_path / "out").iterdir()) == []
+
+
 def run_cli(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
