@@ -45,15 +45,3 @@ def __getattr__(name: str):
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
-
-def main() -> None:
-    """The ``mlx-dflash`` command: a Ctrl-C while its modules load exits 130
-    quietly, as one during a command does."""
-    from .blas import release_sigint
-
-    try:
-        release_sigint()  # held across a re-run under OpenBLAS, so its start cannot be cut
-        from .cli import main as cli_main
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
-    cli_main()

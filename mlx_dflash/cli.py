@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -1336,15 +1337,27 @@ def serve(
 
     try:
         run_server(settings, load_engine, host=host, log_level=log_level, generate_fn=generate_fn, sock=sock)
-    except DFlashError as e:
+    except (DFlashError, KeyboardInterrupt) as e:
         if not _FROM_COMMAND_LINE:
             raise
-        # The engine thread has run MLX: the interpreter's teardown then
-        # aborts now and then in MLX's C++ destructors (about 1 exit in 3).
-        typer.echo(f"error: {e}", err=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        # The engine thread has run MLX, or is loading the model still (a
+        # Ctrl-C during the load): the interpreter's teardown would then abort
+        # in MLX's C++ destructors ("terminate called ...").
+        if isinstance(e, DFlashError):
+            typer.echo(f"error: {e}", err=True)
+        _exit_now(2 if isinstance(e, DFlashError) else 130)
+    if _FROM_COMMAND_LINE and threading.active_count() > 1:  # the engine thread still loading at Ctrl-C
+        _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (see serve), output flushed."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _pipeline_server(stage, no_prompt_cache: bool):

@@ -438,7 +438,28 @@ def _check_output_folder(out: Path, target_path) -> None:
             raise DFlashError(f"--out {out} holds a model that is not a DFlash draft; give an empty or new folder")
 
 
-def train_draft(
+def train_draft(target_path, out, **options) -> dict:
+    """Train a draft for the target at ``target_path``; write a z-lab-format
+    folder to ``out`` (and checkpoints to ``out/checkpoint``). Returns a
+    summary dict (final loss, per-slot accuracy, steps, seconds).
+
+    Options: ``corpus`` (text files or folders) or ``generate_from`` (a prompt
+    file), ``text_field`` (JSONL), ``feature_cache`` (a folder), ``resume``,
+    ``config`` (a :class:`TrainConfig`), ``engine`` (the target, loaded),
+    ``log`` (a function of one line). A run that fails leaves no folder it
+    made empty behind."""
+    folders = [Path(f).expanduser() for f in (out, options.get("feature_cache")) if f is not None]
+    new = [f for f in folders if not f.exists()]
+    try:
+        return _train_draft(target_path, out, **options)
+    except BaseException:
+        for f in new:
+            if f.is_dir() and not any(f.iterdir()):
+                f.rmdir()
+        raise
+
+
+def _train_draft(
     target_path,
     out,
     *,
@@ -451,9 +472,6 @@ def train_draft(
     engine=None,
     log=None,
 ) -> dict:
-    """Train a draft for the target at ``target_path``; write a z-lab-format
-    folder to ``out`` (and checkpoints to ``out/checkpoint``). Returns a
-    summary dict (final loss, per-slot accuracy, steps, seconds)."""
     from .api import load
     from .prefix import tree_digest
 

@@ -553,7 +553,7 @@ def test_info_shows_the_draft_kind(pair):
     from mlx_dflash.info import describe
 
     *_, path, _ = pair
-    out = describe(path)
+    out, _ = describe(path)
     assert "kind: DFlash 2 draft" in out and "selector: top-6, rank 8" in out
 
 

@@ -218,6 +218,11 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
     (tmp_path / "afile").write_text("x")
     with pytest.raises(DFlashError, match="cannot make the --feature-cache folder"):
         train_draft(path, tmp_path / "d2", corpus=[corpus], feature_cache=tmp_path / "afile", config=cfg)
+    # a run refused after its folders were made leaves none of them behind
+    with pytest.raises(DFlashError, match="out of range"):
+        c = TrainConfig(target_layer_ids=[0, 99], **CFG)
+        train_draft(path, tmp_path / "d3", corpus=[corpus], feature_cache=tmp_path / "fc3", config=c)
+    assert not (tmp_path / "d3").exists() and not (tmp_path / "fc3").exists()
 
 
 def test_generation_features_equal_a_plain_forward(target_dir):
