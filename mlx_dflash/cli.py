@@ -889,6 +889,8 @@ def train_draft_cmd(
         conv_kernel_size=conv_kernel_size,
         conv_group_size=conv_group_size,
     )
+    if corpus and gen_tokens != 192:  # --gen-tokens' default
+        raise DFlashError("--gen-tokens is the continuation length of --generate-from; a --corpus has none")
     summary = train_draft(
         _local(model),
         out,
@@ -1403,6 +1405,9 @@ def _bundled_bench(args: List[str]) -> bool:
     return "--blas=bundled" in after or any(a == "--blas" and b == "bundled" for a, b in zip(after, after[1:]))
 
 
+_COMMANDS = ("generate", "chat", "train-draft", "bench", "convert", "info", "serve")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: user errors print one line and exit 2, no traceback.
 
@@ -1435,6 +1440,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             typer.echo(ctx.get_help(), err=True)
         else:
             where = ctx.command_path if ctx is not None else "mlx-dflash"
+            words = sys.argv[1:] if argv is None else argv
+            if where == "mlx-dflash" and words and words[0] in _COMMANDS:  # an option's value missing
+                where = f"mlx-dflash {words[0]}"
             typer.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
         raise SystemExit(2)
     except (KeyboardInterrupt, typer.Abort):

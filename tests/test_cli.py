@@ -239,6 +239,7 @@ def test_bad_input_exits_2_with_message(capsys, tmp_path, small_ctx_model):
     "args, words",
     [
         (["generate", "hi", "--max-tokens", "abc"], "Invalid value for '--max-tokens'"),
+        (["generate", "hi", "--temp"], "requires an argument. (see mlx-dflash generate --help)"),
         (["serve", "--max-batch", "1.5"], "Invalid value for '--max-batch'"),
         (["generate", "--nope"], "No such option: --nope"),
         (["nonesuch"], "No such command 'nonesuch'"),

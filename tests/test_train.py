@@ -313,6 +313,7 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         (base + ["--corpus", str(corpus), "--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
         (base + ["--generate-from", str(latin1)], "is not UTF-8 text"),
         (base + ["--generate-from", str(one_word), "--gen-tokens", "3"], "give more --gen-tokens"),
+        (base + ["--corpus", str(corpus), "--gen-tokens", "64"], "a --corpus has none"),
     ]:
         code, out = cli(capsys, *args)
         assert code == 2, (args, out)
