@@ -4,6 +4,7 @@ tokenizer, stop tokens, drafts, convert, info, and bad files."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from mlx_dflash.models.qwen35 import Target
 from tools import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
 PROMPT = [1, 5, 9, 33, 71, 100, 4, 8, 200, 301, 17]
 
 
@@ -644,3 +646,32 @@ def test_acceptance_bad_inputs_exit_2(tok_dir, tmp_path):
         lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1 and msg in lines[0], r.stderr[-2000:]
         assert "Traceback" not in r.stderr
+
+
+def _reference_tool(module: str, *args, stdin: str = ""):
+    """One of gguf-py's own scripts (gguf-set-metadata, gguf-convert-endian), as a llama.cpp user runs it."""
+    r = subprocess.run(
+        [sys.executable, "-m", f"gguf.scripts.{module}", *map(str, args)], input=stdin, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_refused(tmp_path):
+    """A key_length the q projection does not have (set with gguf-set-metadata)
+    loaded, and changed the logits, or failed at the first forward: llama.cpp
+    refuses such a file, and so does the loader, naming the tensor and both shapes."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(DATA / "tiny-qwen35-Q8_0.gguf", path)
+    _reference_tool("gguf_set_metadata", path, "qwen35.attention.key_length", "32", "--force")
+    with pytest.raises(DFlashError, match=r"gives .*q_proj.weight the shape .* metadata and tensors disagree"):
+        load_gguf_target(path)
+
+
+def test_a_big_endian_gguf_is_refused_with_the_way_back(tmp_path):
+    """gguf-convert-endian's big-endian file decoded to NaN weights (the block
+    scales read in the other byte order); llama.cpp refuses it too."""
+    path = tmp_path / "be.gguf"
+    shutil.copy(DATA / "tiny-qwen35-Q8_0.gguf", path)
+    _reference_tool("gguf_convert_endian", path, "big", stdin="YES\n")
+    with pytest.raises(DFlashError, match="big-endian.*gguf-convert-endian be.gguf little"):
+        load_gguf_target(path)

@@ -183,9 +183,15 @@ def _read_one(p: Path):
     if p.is_dir():
         raise DFlashError(f"{p} is a folder, not a GGUF file")
     try:
-        return GGUFReader(str(p))
+        reader = GGUFReader(str(p))
     except Exception as e:  # truncated / corrupt / unknown enum values
         raise DFlashError(f"cannot read GGUF file {p} (truncated or corrupt?): {type(e).__name__}: {e}") from None
+    if reader.byte_order == "S":  # gguf-py swaps the header, not the quantized blocks' scales: NaN weights
+        raise DFlashError(
+            f"{p} is a GGUF of the other byte order (big-endian); llama.cpp refuses it too: "
+            f"convert it with `gguf-convert-endian {p.name} little`"
+        )
+    return reader
 
 
 def open_gguf(path):
@@ -831,6 +837,10 @@ def load_gguf_target(
                 qconf[mod_path] = {"group_size": gs, "bits": b, **({"mode": mode} if mode != "affine" else {})}
     if plan:
         nn.quantize(model, class_predicate=lambda p, m: qconf.get(p, False))
+    # The shapes the metadata gives every parameter (placeholders, never
+    # evaluated): a tensor of another shape is a file whose metadata and
+    # tensors disagree (llama.cpp refuses it), not one to load as it comes.
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     total = len(names)
     bar = (
         _progress_bar(gguf_files(reader, path), sum(int(tensors[g].n_bytes) for g in names))
@@ -872,6 +882,13 @@ def load_gguf_target(
                     else:  # mlx-lm keeps A_log in float32 (its cast_predicate) and casts the rest
                         updates.append((pn, arr.astype(mx.float32 if pn.endswith("A_log") else dt)))
                 del arrs
+            for pn, arr in updates:
+                if pn in shapes and tuple(arr.shape) != shapes[pn]:
+                    raise DFlashError(
+                        f"GGUF {path}: tensor {gname} gives {pn} the shape {list(arr.shape)}, but the file's "
+                        f"metadata makes it {list(shapes[pn])}: metadata and tensors disagree (a head count, "
+                        "head size, state size, feed-forward or vocabulary size?)"
+                    )
             model.load_weights(updates, strict=False)
             mx.eval([u for _, u in updates])
             del updates
