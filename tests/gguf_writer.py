@@ -18,7 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter, SpecialVocab, TokenType
+from gguf import GGUFWriter, RopeScalingType, SpecialVocab, TokenType
 from gguf.quants import quantize
 
 # --- K-quant encoders ------------------------------------------------------------
@@ -259,6 +259,12 @@ def convert_hf_to_gguf(
     w.add_head_count(t["num_attention_heads"])
     w.add_head_count_kv(t["num_key_value_heads"])
     w.add_rope_freq_base(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("linear", "yarn"):  # as llama.cpp's converter writes a rope_scaling config
+        w.add_rope_scaling_type(RopeScalingType.YARN if kind == "yarn" else RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_layer_norm_rms_eps(t["rms_norm_eps"])
     w.add_key_length(t["head_dim"])
     w.add_value_length(t["head_dim"])

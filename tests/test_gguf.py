@@ -107,6 +107,20 @@ def test_converted_f32_gguf_equals_reference(tok_dir, tmp_path, moe, ratio, tied
     assert plain_greedy(target, PROMPT, 16) == reference_greedy(ref, PROMPT, 16)
 
 
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_rope_scaling_in_a_gguf_is_the_configs(tok_dir, tmp_path, kind):
+    """The rope.scaling keys llama.cpp's converter writes for a rope_scaling
+    config were ignored (the logits of a YaRN model moved by ~0.9 here)."""
+    cfg = tiny.target_config(max_position_embeddings=64)
+    cfg["text_config"]["rope_parameters"].update(rope_type=kind, factor=4.0, original_max_position_embeddings=16)
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=12), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf")
+    target, _ = load_gguf_target(path)
+    ref = mlx_lm_model(hf)
+    long = PROMPT * 6  # past the original context, where the scaling matters
+    np.testing.assert_allclose(np.array(target(long)), np.array(ref(mx.array([long]))[0]), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gguf_with_mtp_block_loads_and_skips_it(tok_dir, tmp_path, moe, capsys):
     # The current converter appends the MTP block as blk.N (counted in
@@ -675,3 +689,14 @@ def test_a_big_endian_gguf_is_refused_with_the_way_back(tmp_path):
     _reference_tool("gguf_convert_endian", path, "big", stdin="YES\n")
     with pytest.raises(DFlashError, match="big-endian.*gguf-convert-endian be.gguf little"):
         load_gguf_target(path)
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.merges", "tokenizer.ggml.tokens"])
+def test_a_gguf_without_its_merges_or_tokens_is_refused(tmp_path, key):
+    """Made with gguf-new-metadata --remove-metadata: without merges every text
+    was split byte by byte, without tokens encoded to []; llama.cpp refuses both."""
+    path = tmp_path / "m.gguf"
+    _reference_tool("gguf_new_metadata", DATA / "tiny-qwen35-Q8_0.gguf", path, "--remove-metadata", key, stdin="YES\n")
+    for _ in range(2):  # and the same error again, not an empty temporary folder's
+        with pytest.raises(DFlashError, match=f"GGUF {path}: {key} is missing"):
+            mlx_dflash.load(path)

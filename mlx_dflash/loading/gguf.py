@@ -288,31 +288,79 @@ def eog_token_ids(reader) -> List[int]:
 
 
 def gguf_config(reader) -> dict:
-    """An HF-style config.json dict from the GGUF metadata."""
+    """An HF-style config.json dict from the GGUF metadata (one DFlashError
+    for a value of the wrong kind or out of range, naming its key)."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHS:
         raise DFlashError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)} (Qwen3.5/3.6)")
+    try:
+        return _gguf_config(reader, arch)
+    except (ValueError, TypeError, OverflowError) as e:  # a string where a count belongs, say
+        raise DFlashError(f"GGUF {arch} metadata holds a value that is not usable: {e}") from None
+
+
+def _count(reader, key: str, default=None) -> int:
+    """A positive integer metadata value (per-layer arrays: the first non-zero)."""
+    v = _first(_req(reader, key) if default is None else field(reader, key, default))
+    try:
+        n = int(v)
+    except (TypeError, ValueError):
+        raise DFlashError(f"GGUF metadata {key} must be a positive integer, got {v!r}") from None
+    if n < 1:
+        raise DFlashError(f"GGUF metadata {key} must be a positive integer, got {n}")
+    return n
+
+
+def _rope(reader, a: str, D: int, rope_dims: int) -> dict:
+    """rope_parameters as the HF config has them: theta (llama.cpp's default
+    10000 when the key is missing) and the scaling llama.cpp's converter
+    writes for a rope_scaling config (linear or YaRN)."""
+    rp = {
+        "rope_type": "default",
+        "rope_theta": float(field(reader, f"{a}.rope.freq_base", 10000.0)),
+        "partial_rotary_factor": rope_dims / D,
+    }
+    kind = field(reader, f"{a}.rope.scaling.type")
+    if kind in (None, "", "none"):
+        return rp
+    if kind not in ("linear", "yarn"):
+        raise DFlashError(f"GGUF {a}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
+    rp.update(rope_type=kind, factor=float(_req(reader, f"{a}.rope.scaling.factor")))
+    orig = field(reader, f"{a}.rope.scaling.original_context_length")
+    if orig:
+        rp["original_max_position_embeddings"] = int(orig)
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        v = field(reader, f"{a}.rope.scaling.{key}")
+        if v is not None:
+            rp[name] = float(v)
+    return rp
+
+
+def _gguf_config(reader, arch: str) -> dict:
     a = arch
     tensors = {t.name: t for t in reader.tensors}
-    H = int(_req(reader, f"{a}.embedding_length"))
-    n_blocks = int(_req(reader, f"{a}.block_count"))
+    H = _count(reader, f"{a}.embedding_length")
+    n_blocks = _count(reader, f"{a}.block_count")
     n_mtp = int(field(reader, f"{a}.nextn_predict_layers", 0) or 0)
     if not 0 <= n_mtp < n_blocks:
         raise DFlashError(f"GGUF {a}.nextn_predict_layers = {n_mtp} does not fit block_count {n_blocks}")
     n_layers = n_blocks - n_mtp  # the MTP blocks come last
-    nh = int(_first(_req(reader, f"{a}.attention.head_count")))
-    nkv = int(_first(_req(reader, f"{a}.attention.head_count_kv")))
-    D = int(field(reader, f"{a}.attention.key_length", H // nh))
-    rope_dims = int(field(reader, f"{a}.rope.dimension_count", D // 4))
-    Hk = int(_req(reader, f"{a}.ssm.group_count"))
-    Hv = int(_req(reader, f"{a}.ssm.time_step_rank"))
+    nh = _count(reader, f"{a}.attention.head_count")
+    nkv = _count(reader, f"{a}.attention.head_count_kv")
+    D = _count(reader, f"{a}.attention.key_length", H // nh)
+    rope_dims = _count(reader, f"{a}.rope.dimension_count", max(D // 4, 1))
+    Hk = _count(reader, f"{a}.ssm.group_count")
+    Hv = _count(reader, f"{a}.ssm.time_step_rank")
     if Hv % Hk:
         raise DFlashError(f"GGUF {a}.ssm.time_step_rank {Hv} is not a multiple of ssm.group_count {Hk}")
-    inner = int(_req(reader, f"{a}.ssm.inner_size"))
-    Dk = int(_req(reader, f"{a}.ssm.state_size"))
+    inner = _count(reader, f"{a}.ssm.inner_size")
+    Dk = _count(reader, f"{a}.ssm.state_size")
     tokens = field(reader, "tokenizer.ggml.tokens")
     vocab = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else len(tokens or [])
-    interval = int(field(reader, f"{a}.full_attention_interval", 4))
+    interval = _count(reader, f"{a}.full_attention_interval", 4)
+    ffn = field(reader, f"{a}.feed_forward_length")
+    if not ffn and "blk.0.ffn_up.weight" in tensors:  # a dense file without the key: the tensor says it
+        ffn = int(tensors["blk.0.ffn_up.weight"].shape[-1])
     text = {
         "model_type": ARCHS[arch] + "_text",
         "hidden_size": H,
@@ -320,22 +368,18 @@ def gguf_config(reader) -> dict:
         "num_attention_heads": nh,
         "num_key_value_heads": nkv,
         "head_dim": D,
-        "intermediate_size": int(field(reader, f"{a}.feed_forward_length", 0) or 0),
+        "intermediate_size": int(_first(ffn) or 0),
         "vocab_size": vocab,
         "rms_norm_eps": float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(field(reader, f"{a}.context_length", 262144)),
         "full_attention_interval": interval,
-        "linear_conv_kernel_dim": int(field(reader, f"{a}.ssm.conv_kernel", 4)),
+        "linear_conv_kernel_dim": _count(reader, f"{a}.ssm.conv_kernel", 4),
         "linear_key_head_dim": Dk,
         "linear_value_head_dim": inner // Hv,
         "linear_num_key_heads": Hk,
         "linear_num_value_heads": Hv,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": float(field(reader, f"{a}.rope.freq_base", 10000000.0)),
-            "partial_rotary_factor": rope_dims / D,
-        },
+        "rope_parameters": _rope(reader, a, D, rope_dims),
     }
     if n_mtp:
         text["mtp_num_hidden_layers"] = n_mtp  # as in the HF config; skipped at load, like mlx-lm does
@@ -974,10 +1018,18 @@ def build_tokenizer(reader):
     rule = PRE_TOKENIZERS[pre]
     tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
     merges = list(field(reader, "tokenizer.ggml.merges") or [])
+    # Without them every text encoded to [] or byte by byte, silently; llama.cpp refuses such a file.
+    if not tokens or not all(isinstance(t, str) for t in tokens):
+        raise DFlashError("tokenizer.ggml.tokens is missing or not a list of strings")
+    if not merges or not all(isinstance(m, str) and " " in m for m in merges):
+        raise DFlashError("tokenizer.ggml.merges is missing or not a list of 'A B' pairs (a BPE needs them)")
     types = list(field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # a merge of a token not in the vocabulary, say
+        raise DFlashError(f"its tokenizer cannot be built: {' '.join(str(e).split())}") from None
     if rule in NFC_SPLITS:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -1036,8 +1088,13 @@ def tokenizer_dir_for(path) -> Path:
     if not _TOKENIZER_DIRS:
         atexit.register(lambda: [shutil.rmtree(x, ignore_errors=True) for x in _TOKENIZER_DIRS.values()])
     d = Path(tempfile.mkdtemp(prefix="mlx_dflash_gguf_tok_"))
-    _TOKENIZER_DIRS[key] = d
-    return write_tokenizer(reader, d)
+    try:
+        out = write_tokenizer(reader, d)
+    except DFlashError as e:
+        shutil.rmtree(d, ignore_errors=True)
+        raise DFlashError(f"GGUF {p}: {e}") from None
+    _TOKENIZER_DIRS[key] = d  # once whole: a failed build is not found again as an empty folder
+    return out
 
 
 # --- drafts ----------------------------------------------------------------------------
