@@ -28,8 +28,7 @@ def _params(module) -> int:
 
 def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
     """The report on ``path``, and whether ``draft`` fits it (None without one)."""
-    from .loading import load_target
-    from .models.draft import DraftConfig
+    from .loading import load_target, read_draft_config
 
     p = Path(path).expanduser()
     from .loading.gguf import is_gguf
@@ -39,7 +38,7 @@ def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
     cfg = read_config(p)
     lines = [f"path: {p}"]
     if "dflash_config" in cfg or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or []):
-        d = DraftConfig.from_dict(cfg)
+        d, _ = read_draft_config(p)  # a field of the wrong kind: one error naming it
         lines += [
             f"kind: {d.kind} draft",
             f"layers: {d.num_hidden_layers} ({', '.join(d.layer_types) if d.layer_types else 'all full attention'})",
@@ -91,10 +90,10 @@ def _with_fit(lines, draft: Path, target) -> Tuple[str, bool]:
     """The report ``lines`` ending in whether ``draft`` fits ``target``; a draft
     that cannot be read at all (missing, a split GGUF's part gone, no config)
     is an error, not a misfit."""
-    from .loading import check_draft_files, load_draft
+    from .loading import load_draft, read_draft_config
 
     p = Path(draft).expanduser()
-    check_draft_files(p)
+    read_draft_config(p)  # a draft that cannot be read, or a config of the wrong kind: bad input (exit 2)
     try:
         d = load_draft(p, target)
     except DFlashError as e:

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -195,3 +196,39 @@ def test_a_draft_for_another_model_fails_before_the_target_loads(target, tmp_pat
     )
     with pytest.raises(DFlashError, match=r"draft .*(vocab_size|hidden_size) \d+ != target"):
         mlx_dflash.api.load(model, draft=DEFAULT_DRAFT)
+
+
+@pytest.mark.parametrize(
+    "edit,words",
+    [
+        (lambda c: c.update(num_hidden_layers="eight"), "num_hidden_layers must be a positive integer, got 'eight'"),
+        (lambda c: c.update(hidden_size="64"), "hidden_size must be a positive integer, got '64'"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=1), "target_layer_ids must be a list"),
+        (lambda c: c["dflash_config"].update(mask_token_id="3"), "mask_token_id must be a non-negative integer"),
+        (lambda c: c.update(dflash_config="x"), "dflash_config must be an object"),
+    ],
+)
+def test_a_draft_config_field_of_the_wrong_kind_is_named(tmp_path, capsys, edit, words):
+    """A bare TypeError from deep inside (load, info), or "hidden_size 64 != target
+    hidden_size 64" for a string; and info said "does NOT fit" (exit 1), not bad input (2)."""
+    from test_cli import cli
+
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    d = tmp_path / "draft"
+    shutil.copytree(DEFAULT_DRAFT, d)
+    cfg = json.loads((d / "config.json").read_text())
+    edit(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        mlx_dflash.load(DEFAULT_MODEL, draft=d)
+    for args in (["info", str(d)], ["info", str(DEFAULT_MODEL), "--draft", str(d)]):
+        code, out, err = cli(capsys, *args)
+        assert code == 2 and words in err and "Traceback" not in err, (args, err)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '{"model_type": ["qwen3_5"]}'])
+def test_a_config_that_is_not_an_object_of_fields_is_named(tmp_path, text):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(DFlashError, match="config.json( holds a JSON|: model_type must be a string)"):
+        mlx_dflash.load(tmp_path)

@@ -140,19 +140,30 @@ def check_draft_fit(draft, model) -> None:
     (minutes of decoding on a large GGUF), so a draft for another model, or
     one missing a part, fails first. What needs the weights (their names and
     shapes) is checked when the draft loads."""
-    from ..models.draft import DraftConfig
-    from .gguf import gguf_draft_config, lazy_target
+    from .gguf import lazy_target
     from .hf import validate_draft
+
+    cfg, where = read_draft_config(draft)
+    shapes = lazy_target(gguf_config(open_gguf(model))) if is_gguf(model) else load_folder_target(model, lazy=True)
+    validate_draft(cfg, shapes, where)
+
+
+def read_draft_config(draft):
+    """A draft's DraftConfig from its config.json or GGUF metadata, and the
+    place errors name; one DFlashError for a file missing or a field missing
+    or of the wrong kind (bad input, not a misfit)."""
+    from ..models.draft import DraftConfig
+    from .gguf import gguf_draft_config
 
     check_draft_files(draft)
     p = Path(draft).expanduser()
     raw, where = (gguf_draft_config(open_gguf(p)), str(p)) if is_gguf(p) else (read_config(p, "draft"), str(p))
     try:
-        cfg = DraftConfig.from_dict(raw)
-    except (KeyError, TypeError, ValueError):
-        return  # the draft's load names the bad field
-    shapes = lazy_target(gguf_config(open_gguf(model))) if is_gguf(model) else load_folder_target(model, lazy=True)
-    validate_draft(cfg, shapes, where)
+        return DraftConfig.from_dict(raw), where
+    except KeyError as e:
+        raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"draft {where}: bad field value: {e}") from None
 
 
 def load_draft(path, target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None):

@@ -38,9 +38,14 @@ def read_config(path, what: str = "model") -> dict:
     if not cfg_file.exists():
         raise DFlashError(f"{what} folder has no config.json (not a model folder?): {p}")
     try:
-        return json.loads(cfg_file.read_text())
+        cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as e:
         raise DFlashError(f"cannot read {cfg_file}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DFlashError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object of config fields")
+    if not isinstance(cfg.get("model_type", ""), str):
+        raise DFlashError(f"{cfg_file}: model_type must be a string, got {cfg['model_type']!r}")
+    return cfg
 
 
 def _weight_files(p: Path, what: str):
