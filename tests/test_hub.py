@@ -244,6 +244,12 @@ def test_missing_repo_is_one_clear_error(hub):
     assert "HF_HUB_OFFLINE" in lines[0] and "Traceback" not in r.stderr
 
 
+def test_a_file_name_the_hub_refuses_is_one_clear_error(hub):
+    r = run_cli(hub, "generate", "-m", "test-org/tiny/../../x.gguf", "hi", "-n", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: 'test-org/tiny/../../x.gguf' is not a local path") and "'..'" in r.stderr
+
+
 def test_cli_generate_by_hub_id_equals_local_paths(hub, api):
     r = run_cli(
         hub,

@@ -195,6 +195,8 @@ class _hub_errors:
             msg = f"{where}: {self.repo} has no file {self.file or ''}".rstrip()
         elif isinstance(e, (he.HfHubHTTPError, OSError)) or _no_network(e):
             msg = f"{where}: cannot fetch {self.repo}: {type(e).__name__}: {e}"
+        elif isinstance(e, ValueError):  # huggingface_hub refuses the id or file name itself (a '..', say)
+            msg = f"{where}: {e}"
         else:
             return False
         raise DFlashError(msg.splitlines()[0]) from None
