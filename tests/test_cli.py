@@ -379,3 +379,15 @@ def test_sizes_read_as_mlx_lm_reads_them():
         2 * 2**30,
         12000,
     ]
+
+
+def test_a_stage_plan_of_a_bad_folder_is_one_error(capsys, tmp_path):
+    """info --stages read num_hidden_layers with int() and the shards' headers
+    unchecked: a bare ValueError, OverflowError or JSONDecodeError."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_hidden_layers": "eight"}))
+    code, _, err = cli(capsys, "info", str(tmp_path), "--stages", "2")
+    assert code == 2 and "num_hidden_layers must be a positive integer, got 'eight'" in err, err
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "num_hidden_layers": 4}))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
+    code, _, err = cli(capsys, "info", str(tmp_path), "--stages", "2")
+    assert code == 2 and "cannot read the safetensors header" in err and "Traceback" not in err, err

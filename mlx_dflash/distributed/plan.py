@@ -120,10 +120,13 @@ def stage_plan(model, n: int, draft=None) -> StagePlan:
     tensor sizes alone (nothing is loaded)."""
     cfg = text_config(model)
     sizes = tensor_sizes(model)
-    if "num_hidden_layers" not in cfg:
+    layers = cfg.get("num_hidden_layers")
+    if layers is None:
         raise DFlashError(f"{model}: no num_hidden_layers in its config (not a Qwen3.5 target?)")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise DFlashError(f"{model}: num_hidden_layers must be a positive integer, got {layers!r}")
     tied = bool(cfg.get("tie_word_embeddings", False))
-    costs = costs_from_sizes(sizes, int(cfg["num_hidden_layers"]))
+    costs = costs_from_sizes(sizes, layers)
     draft_bytes = sum(tensor_sizes(draft).values()) if draft is not None else 0
     head = costs.norm + (costs.embed if tied else costs.head)
     last_extra = head + draft_bytes + (costs.embed if draft is not None and not tied else 0)

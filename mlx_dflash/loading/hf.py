@@ -101,13 +101,18 @@ def safetensors_sizes(folder) -> Dict[str, int]:
     """Tensor name -> bytes, from the headers of a folder's safetensors files (no data read)."""
     sizes = {}
     for f in sorted(Path(folder).expanduser().glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                a, b = v["data_offsets"]
-                sizes[k] = b - a
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > f.stat().st_size:
+                    raise ValueError(f"a header of {n} bytes in a file of {f.stat().st_size}")
+                header = json.loads(fh.read(n))
+            for k, v in header.items():
+                if k != "__metadata__":
+                    a, b = v["data_offsets"]
+                    sizes[k] = b - a
+        except (OSError, ValueError, TypeError, KeyError, struct.error) as e:
+            raise DFlashError(f"cannot read the safetensors header of {f} (truncated or corrupt?): {e}") from None
     return sizes
 
 
