@@ -75,13 +75,15 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
 
 def _add(w: GGUFWriter, name: str, arr: np.ndarray, q) -> None:
     """Add one tensor in type ``q``; vectors and rows that do not fill a block stay F32."""
-    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.F16: 1, Q.BF16: 1, Q.F32: 1}.get(q, 32)
+    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.F16: 1, Q.BF16: 1, Q.F32: 1, Q.F64: 1}.get(q, 32)
     if arr.ndim < 2 or arr.shape[-1] % block:
         q = Q.F32
     if q == Q.F32:
         w.add_tensor(name, arr.astype(np.float32))
     elif q == Q.F16:
         w.add_tensor(name, arr.astype(np.float16))
+    elif q == Q.F64:
+        w.add_tensor(name, arr.astype(np.float64))
     elif q in (Q.Q4_K, Q.Q6_K):
         enc = encode_q4_k if q == Q.Q4_K else encode_q6_k
         w.add_tensor(name, enc(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1), raw_dtype=q)

@@ -700,3 +700,14 @@ def test_a_gguf_without_its_merges_or_tokens_is_refused(tmp_path, key):
     for _ in range(2):  # and the same error again, not an empty temporary folder's
         with pytest.raises(DFlashError, match=f"GGUF {path}: {key} is missing"):
             mlx_dflash.load(path)
+
+
+def test_f64_tensors_load_as_the_file_holds_them(tok_dir, tmp_path):
+    """gguf-py's dequantize does not take F64: the loader failed on a type it lists as float."""
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=13), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    f64 = convert_hf_to_gguf(hf, tmp_path / "f64.gguf", lambda name, arr: Q.F64 if "ffn" in name else Q.F32)
+    assert any(t.tensor_type == Q.F64 for t in open_gguf(f64).tensors)
+    got, _ = load_gguf_target(f64)
+    ref = mlx_lm_model(hf)
+    np.testing.assert_allclose(np.array(got(PROMPT)), np.array(ref(mx.array([PROMPT]))[0]), atol=1e-4, rtol=0)

@@ -826,7 +826,6 @@ def load_gguf_target(
     ``only(parameter name)``: decode just those tensors (a pipeline stage's
     share); the other parameters stay lazy placeholders, never evaluated.
     """
-    from gguf.quants import dequantize
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
@@ -908,7 +907,7 @@ def load_gguf_target(
                     ) from None
             else:
                 try:
-                    w = dequantize(t.data, t.tensor_type)
+                    w = _decode(t)
                 except (NotImplementedError, ValueError, KeyError) as e:
                     raise DFlashError(
                         f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}"
@@ -975,6 +974,16 @@ def load_gguf_target(
         out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": mode_, **per_layer}
         out_cfg["quantization_config"] = out_cfg["quantization"]
     return Target(model, out_cfg), out_cfg
+
+
+def _decode(t) -> np.ndarray:
+    """A tensor's values as floats: gguf-py's dequantize, and F64 (which it
+    does not take) as the file holds it."""
+    from gguf.quants import dequantize
+
+    if t.tensor_type.name == "F64":
+        return np.asarray(t.data, dtype=np.float64).reshape([int(x) for x in reversed(t.shape)])
+    return dequantize(t.data, t.tensor_type)
 
 
 def lazy_target(cfg: dict):
@@ -1210,7 +1219,6 @@ def gguf_draft_config(reader) -> dict:
 def load_gguf_draft(path, target, *, dtype=None):
     """Read a DFlash draft GGUF (F16/BF16/F32/Q8_0/...): returns (config dict,
     weights dict under z-lab names, as float arrays)."""
-    from gguf.quants import dequantize
 
     reader = open_gguf(path)
     cfg = gguf_draft_config(reader)
@@ -1231,7 +1239,12 @@ def load_gguf_draft(path, target, *, dtype=None):
         if name is None:
             raise DFlashError(f"draft GGUF {path}: missing tensor {names[0]}")
         t = tensors[name]
-        w = dequantize(t.data, t.tensor_type)
+        try:
+            w = _decode(t)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise DFlashError(
+                f"draft GGUF {path}: cannot decode tensor {name} of type {t.tensor_type.name}: {e}"
+            ) from None
         src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(
             t.tensor_type.name, mx.float32 if t.tensor_type.name == "F32" else mx.float16
         )
