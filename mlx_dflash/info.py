@@ -1,5 +1,6 @@
 """``mlx-dflash info``: what a model folder holds and whether a draft fits it."""
 
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -60,14 +61,18 @@ def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
     target = load_target(p, lazy=True)
     a = target.args
     n_lin = sum(target.is_linear)
-    q = target.config.get("quantization")
-    if q:
-        overrides = sum(1 for k, v in q.items() if isinstance(v, dict))
-        quant = f"{q.get('bits')}-bit {q.get('mode', 'affine')}, group {q.get('group_size')}"
-        if overrides:
-            quant += f" ({overrides} per-layer overrides)"
-    else:
-        quant = "none"
+    # What the modules hold (a recipe such as mlx_lm.convert's mixed_3_6 overrides
+    # the config's default bits on every layer), most common first.
+    held = Counter(
+        (m.bits, getattr(m, "mode", "affine"), m.group_size)
+        for _, m in target.model.named_modules()
+        if hasattr(m, "bits") and hasattr(m, "group_size")
+    )
+    quant = (
+        "; ".join(f"{b}-bit {mode}, group {g} ({n} layers)" for (b, mode, g), n in held.most_common())
+        if held
+        else "none"
+    )
     moe = f", MoE {a.num_experts} experts top-{a.num_experts_per_tok}" if a.num_experts else ""
     lines += [
         f"architecture: {target.config.get('model_type')}{moe}",

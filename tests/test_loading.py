@@ -232,3 +232,21 @@ def test_a_config_that_is_not_an_object_of_fields_is_named(tmp_path, text):
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(DFlashError, match="config.json( holds a JSON|: model_type must be a string)"):
         mlx_dflash.load(tmp_path)
+
+
+def test_info_says_the_bits_a_mixed_recipe_holds(tok_dir, tmp_path):
+    """mlx_lm.convert's mixed_3_6 overrides the config's default 4 bits on
+    every layer: info said "4-bit ... (N per-layer overrides)", where no layer is 4-bit."""
+    import contextlib
+    import io
+
+    from mlx_lm import convert
+
+    from mlx_dflash.info import describe
+
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(hf), str(tmp_path / "q"), quantize=True, quant_predicate="mixed_3_6", q_group_size=32)
+    (line,) = [l for l in describe(tmp_path / "q")[0].splitlines() if l.startswith("quantization:")]
+    assert "3-bit affine, group 32" in line and "6-bit affine, group 32" in line and "4-bit" not in line, line
