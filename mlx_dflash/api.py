@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
-from .errors import DFlashError, check_text, is_int
+from .errors import DFlashError, check_text, token_ids
 from .loading import (
     check_adapter_files,
     check_draft_fit,
@@ -23,19 +23,6 @@ from .loading.hub import DraftHint, draft_hint, resolve, suggest_draft
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 DEFAULT_MODEL = DEFAULT_MODEL_DIR / "target"
 DEFAULT_DRAFT = DEFAULT_MODEL_DIR / "draft"
-
-
-def token_ids(prompt) -> List[int]:
-    """A prompt given as token ids (a list, tuple or array of integers), as a
-    list; anything else is one error (bytes are not ids, 2.5 is not rounded)."""
-    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
-        prompt = prompt.tolist()  # an mx or numpy array
-    if not isinstance(prompt, (list, tuple)):
-        raise DFlashError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
-    for t in prompt:
-        if not is_int(t):
-            raise DFlashError(f"a prompt's token ids must be integers, got {t!r}")
-    return [int(t) for t in prompt]
 
 
 DTYPES = ("float32", "bfloat16", "float16")

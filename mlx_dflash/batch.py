@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -49,7 +49,7 @@ from .decode import (
     make_policy,
     open_decoder,
 )
-from .errors import DFlashError, is_int
+from .errors import DFlashError, is_int, token_ids
 from .models.draft import draft_logits_slots, propose_slots
 from .policy import (
     Acceptance,
@@ -413,16 +413,21 @@ class BatchDecoder:
         prefill_budget: int = 512,
         policy: Optional[BatchPolicy] = None,
     ):
-        if not isinstance(max_batch, int) or max_batch < 1:
+        if not is_int(max_batch) or max_batch < 1:
             raise DFlashError(f"max_batch must be a positive number of slots, got {max_batch!r}")
         if not hasattr(target, "forward_slots"):
             raise DFlashError(f"target must be a loaded target (engine.target), got {type(target).__name__}")
+        if draft is not None and not hasattr(draft, "block_size"):
+            raise DFlashError(f"draft must be a loaded draft (engine.draft) or None, got {type(draft).__name__}")
         check_prefix_cache(prefix_cache)
         if policy is not None and not all(hasattr(policy, a) for a in ("plan", "observe", "max_width")):
             raise DFlashError(f"policy must be a BatchPolicy (plan, observe, max_width), got {type(policy).__name__}")
-        if isinstance(eos_token_ids, (str, bytes)) or not all(is_int(t) for t in eos_token_ids):
+        if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable):
+            raise DFlashError(f"eos_token_ids must be a sequence of token ids (ints), got {eos_token_ids!r}")
+        eos_token_ids = list(eos_token_ids)
+        if not all(is_int(t) for t in eos_token_ids):
             raise DFlashError(f"eos_token_ids must be token ids (ints), got {eos_token_ids!r}")
-        if prefill_budget < 1:
+        if not is_int(prefill_budget) or prefill_budget < 1:
             raise DFlashError(f"prefill_budget must be a positive number of tokens, got {prefill_budget}")
         self.target, self.draft, self.max_batch = target, draft, max_batch
         self.prefill_budget = prefill_budget
@@ -463,6 +468,9 @@ class BatchDecoder:
         cache (see ``prefix.py``)."""
         if isinstance(prompt, (str, bytes)):
             raise DFlashError("add takes token ids; encode a text prompt first (engine.encode(text))")
+        prompt = token_ids(prompt)  # a list, tuple or array of ints; anything else is one error now
+        if prefix_boundary is not None and (not is_int(prefix_boundary) or prefix_boundary < 0):
+            raise DFlashError(f"prefix_boundary must be a token count (an int >= 0), got {prefix_boundary!r}")
         c = GenerationConfig.build(config, **options)
         if self.done:
             self.shape = None  # a drained batch takes any shape
@@ -472,7 +480,15 @@ class BatchDecoder:
                 "batched decoding does not choose trees: auto_tree (--auto-tree) is not supported (the batch's width "
                 "policy prices chains; --tree-budget pins a tree per slot)"
             )
-        check_prompt(self.target, list(prompt), c)
+        check_prompt(self.target, prompt, c)
+        if self.prefix_cache is not None:  # one KV format per cache: checked now, not mid-step
+            kv = [q.kv_bits for q in self.configs.values()] + [q[2].kv_bits for q in self.queue]
+            if any(k != c.kv_bits for k in kv):
+                raise DFlashError(
+                    "requests sharing a prefix cache need one KV format: kv_bits "
+                    f"{c.kv_bits} here, {kv[0]} in this batch (or give it no prefix cache)"
+                )
+            self.prefix_cache.check_budget(self.target, c.kv_bits)
         # Trees of one batch share a node count, which tree_topk bounds too.
         shape = (c.block_size, c.baseline, c.adaptive, c.tree_budget, c.tree_topk if c.tree_budget else None)
         if self.shape is not None and shape != self.shape:
@@ -485,7 +501,7 @@ class BatchDecoder:
             self.policy = None  # widths made for another shape (a drained batch's) are made again
         index = self.count
         self.count += 1
-        self.queue.append((index, list(prompt), c, prefix_boundary))
+        self.queue.append((index, prompt, c, prefix_boundary))
         return index
 
     def cancel(self, index: int) -> Optional[SlotEvent]:

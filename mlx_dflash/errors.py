@@ -42,3 +42,16 @@ def writable_folder(path, label: str):
     if not os.access(p, os.W_OK):
         raise DFlashError(f"the {label} {p} is not writable")
     return p
+
+
+def token_ids(prompt) -> list:
+    """A prompt given as token ids (a list, tuple or array of integers), as a
+    list; anything else is one error (bytes are not ids, 2.5 is not rounded)."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+        prompt = prompt.tolist()  # an mx or numpy array
+    if not isinstance(prompt, (list, tuple)):
+        raise DFlashError(f"a prompt is text or a list of token ids, got {type(prompt).__name__}")
+    for t in prompt:
+        if not is_int(t):
+            raise DFlashError(f"a prompt's token ids must be integers, got {t!r}")
+    return [int(t) for t in prompt]

@@ -304,13 +304,15 @@ class PrefixCache:
         return n - 1
 
     # --- prefill / restore -------------------------------------------------------
-    def _check_format(self, cache) -> None:
+    def _check_format(self, cache, adopt: bool = True) -> None:
         """Snapshots restore only into a cache of their layout (float or
-        quantized KV of the same bits)."""
+        quantized KV of the same bits). ``adopt``: an empty cache takes
+        ``cache``'s layout (else it is only compared)."""
         ours = [c.layout() for c in cache.layers]
         with self._lock:
             if self._layout is None or not self._snaps:
-                self._layout = ours
+                if adopt:
+                    self._layout = ours
                 return
             theirs = self._layout
         if theirs != ours:
@@ -322,8 +324,11 @@ class PrefixCache:
 
     def check_budget(self, target, kv_bits: Optional[int] = None) -> None:
         """A DFlashError now if the budget cannot hold one snapshot of
-        ``target`` (with ``kv_bits`` KV), rather than at every prompt later."""
-        self._check_budget(target, target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache())
+        ``target`` (with ``kv_bits`` KV), or the snapshots held are of
+        another KV format, rather than at every prompt later."""
+        cache = target.make_cache(kv_bits=kv_bits) if kv_bits else target.make_cache()
+        self._check_budget(target, cache)
+        self._check_format(cache, adopt=False)
 
     def _check_budget(self, target, cache) -> None:
         if self._target is None:
@@ -477,10 +482,15 @@ class PrefixCache:
         one the cache was used with) so :meth:`load` refuses it for another
         model, and a checksum of the data. Each cache state is stored as its
         arrays plus its JSON meta (the index). Written atomically."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise DFlashError(f"save: path must be a file path, got {type(path).__name__}")
         path = Path(path)
+        if engine is not None and (not hasattr(engine, "target") or not hasattr(engine, "tokenizer")):
+            raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
         engine = engine if engine is not None else self._engine
         if engine is None:
             raise DFlashError("save: this prefix cache was never used with an engine; pass engine=")
+        self.bind(engine)  # the fingerprint written must be the model's whose snapshots these are
         with self._lock:
             snaps = sorted(self._snaps, key=lambda s: s.used)
         segs, seg_ids = [], {}
@@ -551,6 +561,8 @@ class PrefixCache:
         Snapshots beyond ``max_bytes`` are dropped, least recently used first."""
         if not hasattr(engine, "target") or not hasattr(engine, "tokenizer"):  # (api imports this module)
             raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise DFlashError(f"load: path must be a file path, got {type(path).__name__}")
         path = Path(path)
         if not path.is_file():
             raise DFlashError(f"prompt cache file not found: {path}")

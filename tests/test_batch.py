@@ -2,10 +2,13 @@
 caches and rollback equal its solo run's, bit for bit, and no slot's
 operation touches another's arrays; batch_generate equals solo generate."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlx_dflash
 from mlx_dflash.cache import SlotBatch
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
@@ -1263,3 +1266,61 @@ def test_shadow_drafts_with_real_drafts_keep_solo_tokens(dense, tok_dir, kind):
         first_plain = sizes.index(1)
         assert sizes[first_plain : first_plain + 16] == [1] * 16, sizes
         assert any(w > 1 for w in sizes[first_plain + 16 :]), sizes
+
+
+def test_a_prefix_cache_is_saved_only_for_its_own_model_and_holds_one_kv_format(tmp_path):
+    """save(engine=another model) stamped the snapshots with that model's
+    fingerprint, and load then restored them into it (other tokens than a
+    cold run). Requests of one batch with different kv_bits put two KV
+    formats in one cache, which then restored in neither."""
+    from mlx.utils import tree_map
+
+    eng = mlx_dflash.load()
+    pc = mlx_dflash.PrefixCache()
+    ids = eng.encode("def quicksort(arr):")
+    mlx_dflash.generate(eng, ids, max_tokens=4, prefix_cache=pc)
+    other = mlx_dflash.load()
+    other.target.model.update(tree_map(lambda a: a * 1.5 if a.ndim == 1 else a, other.target.model.parameters()))
+    with pytest.raises(DFlashError, match="snapshots of another model"):
+        pc.save(tmp_path / "p.safetensors", engine=other)
+    assert not (tmp_path / "p.safetensors").exists()
+    GC = mlx_dflash.GenerationConfig
+    with pytest.raises(DFlashError, match="need one KV format: kv_bits None here, 8 in this batch"):
+        mlx_dflash.batch_generate(
+            eng,
+            [ids, ids[:-1]],
+            configs=[GC(kv_bits=8, max_tokens=4), GC(max_tokens=4)],
+            prefix_cache=mlx_dflash.PrefixCache(),
+        )
+    with pytest.raises(DFlashError, match="snapshots of a full-precision KV cache"):
+        mlx_dflash.batch_generate(eng, [ids], configs=[GC(kv_bits=8, max_tokens=4)], prefix_cache=pc)
+
+
+def test_bad_batch_input_is_one_error_when_given_not_at_a_later_step(tmp_path):
+    eng = mlx_dflash.load()
+    ids = eng.encode("def f(x):")
+    bd = mlx_dflash.BatchDecoder(eng.target, eng.draft, eos_token_ids=eng.tokenizer.eos_token_ids)
+    cases = [
+        (lambda: bd.add(None), "a prompt is text or a list of token ids, got NoneType"),
+        (lambda: bd.add(5), "got int"),
+        (lambda: bd.add(mx.array([1.5])), "must be integers"),
+        (lambda: bd.add(ids, prefix_boundary="x"), "prefix_boundary must be a token count"),
+        (lambda: bd.add(ids, prefix_boundary=2.5), "prefix_boundary must be a token count"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, draft="x"), "draft must be a loaded draft"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, eos_token_ids=None), "eos_token_ids must be a sequence"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, eos_token_ids=2), "eos_token_ids must be a sequence"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, prefill_budget="5"), "prefill_budget must be"),
+        (lambda: mlx_dflash.BatchDecoder(eng.target, max_batch=True), "max_batch must be"),
+        (lambda: mlx_dflash.PrefixCache().save(None), "path must be a file path"),
+        (lambda: mlx_dflash.PrefixCache().save(tmp_path / "x", engine="x"), "engine must be an Engine"),
+        (lambda: mlx_dflash.PrefixCache.load(None, eng), "path must be a file path"),
+    ]
+    for call, words in cases:
+        with pytest.raises(DFlashError, match=re.escape(words)):
+            call()
+    # a numpy array of ids is a prompt, as generate takes it
+    i = bd.add(np.array(ids), max_tokens=3, baseline=True)
+    got = []
+    while not bd.done:
+        got += [t for ev in bd.step() if ev.index == i for t in ev.tokens]
+    assert got == mlx_dflash.generate(eng, ids, max_tokens=3, baseline=True).tokens

@@ -517,3 +517,56 @@ def test_usage_counts_tokens_up_to_the_stop_string(monkeypatch, slots):
     assert r["choices"][0]["finish_reason"] == "stop"
     assert r["choices"][0]["text"] == eng.tokenizer.decode(tokens).split(stop)[0]
     assert r["usage"]["completion_tokens"] == used + 1
+
+
+def test_a_failed_admission_keeps_the_seeds_of_the_requests_it_resumes(monkeypatch):
+    """After a failed step, requests resume one at a time from what they
+    committed; one still queued (no sampler yet) resumed with seed None,
+    so its seeded text was not its solo run's."""
+    import asyncio
+    import logging
+
+    import mlx_dflash.batch as batch
+    from mlx_dflash import GenerationConfig
+    from mlx_dflash.server.metrics import Metrics
+    from mlx_dflash.server.worker import Job, Worker
+
+    eng = mlx_dflash.load()
+    prompts = [eng.encode(p) for p in ("Once upon a time there was a", "def quicksort(arr):", "The capital of")]
+    configs = [GenerationConfig(max_tokens=24, temperature=1.0, seed=s, accept_rule="equality") for s in (11, 22, 33)]
+    want = [mlx_dflash.generate(eng, p, c, baseline=True).text for p, c in zip(prompts, configs)]
+    real, calls = batch.open_decoder, []
+
+    def flaky(*a, **k):  # a transient fault (an allocation, say) while the batch admits its second request
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected transient fault")
+        return real(*a, **k)
+
+    monkeypatch.setattr(batch, "open_decoder", flaky)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        w = Worker(lambda: eng, max_queue=8, metrics=Metrics(), max_batch=4, generation=GenerationConfig())
+        jobs = [Job(p, dict(config=c), [], 120.0, loop) for p, c in zip(prompts, configs)]
+        for j in jobs:  # queued before the engine thread starts: one batch takes all three
+            w.submit(j)
+        await loop.run_in_executor(None, w.start)
+        texts = []
+        for j in jobs:
+            text, ev = "", None
+            while ev is None or ev[0] == "text":
+                ev = await j.out.get()
+                text += ev[1] if ev[0] == "text" else ""
+            texts.append((text, ev[:2]))
+        w.cancel_all()
+        w.stop()
+        return texts
+
+    logging.disable(logging.CRITICAL)
+    try:
+        got = asyncio.run(run())
+    finally:
+        logging.disable(logging.NOTSET)
+    assert len(calls) >= 2  # the fault did happen
+    assert [g for g, _ in got] == want and all(ev == ("done", "length") for _, ev in got), got

@@ -538,7 +538,8 @@ class Worker:
             if slot.resumed is not None:  # it failed running alone: the fault is its own
                 slot.job.send("error", 500, f"generation failed: {type(error).__name__}: {error}")
             else:
-                slot.seed = seeds.get(index)
+                # a request not yet prefilling has no sampler: its own seed (None: it drew nothing yet)
+                slot.seed = seeds.get(index, slot.job.gen["config"].seed)
                 self.resuming.append(slot)
         self.slots.clear()
         return self._new_batch()
