@@ -906,12 +906,7 @@ def load_gguf_target(
                         f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}"
                     ) from None
             else:
-                try:
-                    w = _decode(t)
-                except (NotImplementedError, ValueError, KeyError) as e:
-                    raise DFlashError(
-                        f"GGUF {path}: cannot decode tensor {gname} of type {t.tensor_type.name}: {e}"
-                    ) from None
+                w = _decode(t, f"GGUF {path}")
                 w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
                 arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
                 del w
@@ -976,14 +971,18 @@ def load_gguf_target(
     return Target(model, out_cfg), out_cfg
 
 
-def _decode(t) -> np.ndarray:
+def _decode(t, where: str) -> np.ndarray:
     """A tensor's values as floats: gguf-py's dequantize, and F64 (which it
-    does not take) as the file holds it."""
+    does not take) as the file holds it; one DFlashError naming ``where``
+    and the tensor for a type or block it cannot decode."""
     from gguf.quants import dequantize
 
-    if t.tensor_type.name == "F64":
-        return np.asarray(t.data, dtype=np.float64).reshape([int(x) for x in reversed(t.shape)])
-    return dequantize(t.data, t.tensor_type)
+    try:
+        if t.tensor_type.name == "F64":
+            return np.asarray(t.data, dtype=np.float64).reshape([int(x) for x in reversed(t.shape)])
+        return dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise DFlashError(f"{where}: cannot decode tensor {t.name} of type {t.tensor_type.name}: {e}") from None
 
 
 def lazy_target(cfg: dict):
@@ -1239,12 +1238,7 @@ def load_gguf_draft(path, target, *, dtype=None):
         if name is None:
             raise DFlashError(f"draft GGUF {path}: missing tensor {names[0]}")
         t = tensors[name]
-        try:
-            w = _decode(t)
-        except (NotImplementedError, ValueError, KeyError) as e:
-            raise DFlashError(
-                f"draft GGUF {path}: cannot decode tensor {name} of type {t.tensor_type.name}: {e}"
-            ) from None
+        w = _decode(t, f"draft GGUF {path}")
         src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(
             t.tensor_type.name, mx.float32 if t.tensor_type.name == "F32" else mx.float16
         )
