@@ -250,3 +250,16 @@ def test_info_says_the_bits_a_mixed_recipe_holds(tok_dir, tmp_path):
         convert(str(hf), str(tmp_path / "q"), quantize=True, quant_predicate="mixed_3_6", q_group_size=32)
     (line,) = [l for l in describe(tmp_path / "q")[0].splitlines() if l.startswith("quantization:")]
     assert "3-bit affine, group 32" in line and "6-bit affine, group 32" in line and "4-bit" not in line, line
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", "eight"), ("hidden_size", 64.0), ("head_dim", 0)])
+def test_a_target_config_field_of_the_wrong_kind_is_named(tmp_path, field, value):
+    """mlx-lm's own error named neither file nor field ("'str' object cannot be
+    interpreted as an integer")."""
+    cfg = tiny.target_config()
+    folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t")
+    c = json.loads((folder / "config.json").read_text())
+    c["text_config"][field] = value
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match=re.escape(f"config.json: {field} must be a positive integer, got {value!r}")):
+        load_target(folder)

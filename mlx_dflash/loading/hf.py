@@ -66,6 +66,37 @@ def _cast(module: nn.Module, dtype) -> None:
     )
 
 
+_COUNTS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "full_attention_interval",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+_MOE_COUNTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")  # 0 in some dense configs
+
+
+def _check_counts(cfg: dict, where: Path) -> None:
+    """The shape fields of a target's config (or its text_config) as positive
+    integers, one error naming the file and field (mlx-lm's own error names
+    neither: "'str' object cannot be interpreted as an integer")."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for k in _COUNTS + _MOE_COUNTS:
+        v, least = text.get(k), 0 if k in _MOE_COUNTS else 1
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+            raise DFlashError(
+                f"{where}: {k} must be {'an integer >= 0' if least == 0 else 'a positive integer'}, got {v!r}"
+            )
+
+
 def load_target(path, dtype=None, lazy: bool = False) -> Target:
     """Load a Qwen3.5/3.6 target from an HF- or MLX-format folder.
 
@@ -84,6 +115,7 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
         raise DFlashError(
             f"unsupported model_type {mt!r} in {p / 'config.json'}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    _check_counts(cfg, p / "config.json")
     _weight_files(p, "model")
     try:
         model, config = load_model(p, lazy=lazy, model_config=override)
