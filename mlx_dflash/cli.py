@@ -1,6 +1,5 @@
 """The ``mlx-dflash`` command line."""
 
-import math
 import os
 import re
 import shutil
@@ -13,7 +12,7 @@ import typer
 
 from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
-from .errors import DFlashError, writable_folder
+from .errors import DFlashError, check_positive, writable_folder
 from .sampling import DEFAULT_ACCEPT_RULE
 
 app = typer.Typer(
@@ -336,8 +335,7 @@ def _engine_loader(
 
     if not pipeline and pipeline_timeout != PIPELINE_TIMEOUT:
         raise DFlashError("--pipeline-timeout is for --pipeline runs; give --pipeline or drop it")
-    if not (pipeline_timeout > 0 and math.isfinite(pipeline_timeout)):  # before the processes are looked for
-        raise DFlashError(f"--pipeline-timeout must be a positive number of seconds, got {pipeline_timeout}")
+    check_positive(pipeline_timeout, "--pipeline-timeout", "number of seconds")  # before the processes are looked for
     dt = _dtype(dtype)  # a bad --dtype is an error before anything loads
     _not_a_count(model)
 
@@ -1271,9 +1269,8 @@ def serve(
         raise DFlashError(f"--port must be in 0..65535 (0: any free port), got {port}")
     if max_queue < 1:
         raise DFlashError(f"--max-queue must be positive, got {max_queue}")
-    for flag, value in (("--timeout", timeout), ("--max-body-mb", max_body_mb)):
-        if not (value > 0 and math.isfinite(value)):  # NaN compares false to any bound
-            raise DFlashError(f"{flag} must be a positive number, got {value}")
+    check_positive(timeout, "--timeout")
+    check_positive(max_body_mb, "--max-body-mb")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if no_prompt_cache and prompt_cache_bytes is not None:
@@ -1405,9 +1402,6 @@ def _bundled_bench(args: List[str]) -> bool:
     return "--blas=bundled" in after or any(a == "--blas" and b == "bundled" for a, b in zip(after, after[1:]))
 
 
-_COMMANDS = ("generate", "chat", "train-draft", "bench", "convert", "info", "serve")
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point: user errors print one line and exit 2, no traceback.
 
@@ -1441,7 +1435,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         else:
             where = ctx.command_path if ctx is not None else "mlx-dflash"
             words = sys.argv[1:] if argv is None else argv
-            if where == "mlx-dflash" and words and words[0] in _COMMANDS:  # an option's value missing
+            commands = typer.main.get_command(app).commands
+            if where == "mlx-dflash" and words and words[0] in commands:  # an option's value missing
                 where = f"mlx-dflash {words[0]}"
             typer.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
         raise SystemExit(2)

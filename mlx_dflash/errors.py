@@ -1,5 +1,6 @@
 """The one exception type for errors a user can cause, and the checks of user input shared by the modules."""
 
+import math
 import numbers
 
 
@@ -8,6 +9,18 @@ class DFlashError(Exception):
 
     The message names the cause; the CLI prints it and exits with status 2.
     """
+
+
+def check_positive(value, what: str, unit: str = "number") -> None:
+    """A DFlashError naming ``what`` unless ``value`` is a finite number above
+    0 (written so: NaN compares false to every bound, and passed ``<= 0``)."""
+    if not (isinstance(value, numbers.Real) and value > 0 and math.isfinite(value)):
+        raise DFlashError(f"{what} must be a positive {unit}, got {value}")
+
+
+def is_count(value, least: int = 1) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``least``."""
+    return is_int(value) and value >= least
 
 
 def is_int(value) -> bool:

@@ -28,7 +28,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import DFlashError, writable_folder
+from .errors import DFlashError, check_positive, writable_folder
 from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
 
@@ -83,10 +83,8 @@ class TrainConfig:
         ):
             if value < least:
                 raise DFlashError(f"{flag} must be >= {least}, got {value}")
-        # "not (x > 0)" so that NaN, which compares false to everything, is refused too
         for flag, value in (("--lr", self.lr), ("--gamma", self.gamma), ("--grad-clip", self.grad_clip)):
-            if not (value > 0 and math.isfinite(value)):
-                raise DFlashError(f"{flag} must be a positive number, got {value}")
+            check_positive(value, flag)
         for flag, value in (("--weight-decay", self.weight_decay), ("selector weight", self.selector_weight)):
             if not (value >= 0 and math.isfinite(value)):
                 raise DFlashError(f"{flag} must be a number >= 0, got {value}")

@@ -106,14 +106,12 @@ def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
         "model-3.safetensors",
         "optimizer-3.safetensors",
     ]
-    resumed = train_draft(
-        path,
-        tmp_path / "b",
-        corpus=[corpus],
-        resume=True,
-        config=TrainConfig(steps=6, checkpoint_every=3, **CFG),
-        log=quiet,
-    )
+
+    def resume(steps):
+        cfg = TrainConfig(steps=steps, checkpoint_every=3, **CFG)
+        return train_draft(path, tmp_path / "b", corpus=[corpus], resume=True, config=cfg, log=quiet)
+
+    resumed = resume(6)
     assert resumed["start_step"] == 3
     assert [h["step"] for h in resumed["history"]] == [4, 5, 6]
     assert resumed["final_loss"] == pytest.approx(full["final_loss"], rel=1e-4)
@@ -123,14 +121,7 @@ def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
         assert mx.allclose(wa[k], wb[k], atol=1e-5).item(), k
     # the finished run is checkpointed too: more --steps train on from it
     assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 6
-    more = train_draft(
-        path,
-        tmp_path / "b",
-        corpus=[corpus],
-        resume=True,
-        config=TrainConfig(steps=8, checkpoint_every=3, **CFG),
-        log=quiet,
-    )
+    more = resume(8)
     assert more["start_step"] == 6 and [h["step"] for h in more["history"]] == [7, 8]
     assert not (tmp_path / "b" / ".partial").exists()
 

@@ -2,7 +2,6 @@
 header message per hop (1 KB, the meta ints inline), then the hidden states;
 a watchdog ends a rank whose receive waits too long."""
 
-import math
 import os
 import sys
 import threading
@@ -11,7 +10,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..errors import DFlashError
+from ..errors import DFlashError, check_positive
 
 _DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 HEADER = 8  # op, T, n_meta, width, dtype, n_pre, n_capture, flags
@@ -30,8 +29,7 @@ class Link:
     """
 
     def __init__(self, group, timeout: float = 60.0):
-        if not (timeout > 0 and math.isfinite(timeout)):  # NaN compares false to any bound
-            raise DFlashError(f"--pipeline-timeout must be a positive number of seconds, got {timeout}")
+        check_positive(timeout, "--pipeline-timeout", "number of seconds")
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timeout

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from ..errors import DFlashError
+from ..errors import DFlashError, is_count
 from ..loading import tensor_sizes, text_config
 from ..loading.gguf import is_gguf
 
@@ -123,7 +123,7 @@ def stage_plan(model, n: int, draft=None) -> StagePlan:
     layers = cfg.get("num_hidden_layers")
     if layers is None:
         raise DFlashError(f"{model}: no num_hidden_layers in its config (not a Qwen3.5 target?)")
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+    if not is_count(layers):
         raise DFlashError(f"{model}: num_hidden_layers must be a positive integer, got {layers!r}")
     tied = bool(cfg.get("tie_word_embeddings", False))
     costs = costs_from_sizes(sizes, layers)

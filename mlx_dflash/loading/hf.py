@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import DFlashError
+from ..errors import DFlashError, is_count
 from ..models.draft import V2_FIELDS, DFlashDraft, DraftConfig
 from ..models.qwen35 import SUPPORTED_MODEL_TYPES, Target
 
@@ -91,7 +91,7 @@ def _check_counts(cfg: dict, where: Path) -> None:
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     for k in _COUNTS + _MOE_COUNTS:
         v, least = text.get(k), 0 if k in _MOE_COUNTS else 1
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < least):
+        if v is not None and not is_count(v, least):
             raise DFlashError(
                 f"{where}: {k} must be {'an integer >= 0' if least == 0 else 'a positive integer'}, got {v!r}"
             )

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..cache import LayerCache, Rows, State
+from ..errors import is_count
 from ..kernels.fused_exp import attention, fused_exp_for, silu_fused
 from .qwen35 import array_offset_rope
 
@@ -89,16 +90,16 @@ class DraftConfig:
             raise ValueError(f"dflash_config must be an object, got {type(dc).__name__}")
         counts = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
         for k, v in [(k, d[k]) for k in counts if k in d] + [(k, d[k]) for k in ("head_dim", "vocab_size") if d.get(k)]:
-            if not _is_count(v):
+            if not is_count(v):
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
         for k in ("block_size", "mask_token_id", "num_target_layers"):
             v = dc.get(k, d.get(k))
-            if v is not None and not (_is_count(v) or (k == "mask_token_id" and v == 0)):
+            if v is not None and not is_count(v, 0 if k == "mask_token_id" else 1):
                 raise ValueError(
                     f"{k} must be a {'non-negative' if k == 'mask_token_id' else 'positive'} integer, got {v!r}"
                 )
         ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
-        if ids is not None and not (isinstance(ids, list) and all(_is_count(i) or i == 0 for i in ids)):
+        if ids is not None and not (isinstance(ids, list) and all(is_count(i, 0) for i in ids)):
             raise ValueError(f"target_layer_ids must be a list of layer numbers, got {ids!r}")
         n = d["num_hidden_layers"]
         head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
@@ -137,10 +138,6 @@ class DraftConfig:
 
     def is_sliding(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _rope_scaling(params: Optional[dict]) -> Optional[dict]:
