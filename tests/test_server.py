@@ -547,6 +547,9 @@ BAD = [
         400,
         "not valid UTF-8",
     ),
+    # Out of OpenAI's documented range (0-2), refused as OpenAI refuses it.
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "temperature": 2.5}, 400, "temperature"),
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "temperature": 3}, 400, "temperature"),
     # Fields that would change the reply and are not implemented: refused, not ignored.
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "logprobs": True}, 400, "'logprobs'"),
     ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "presence_penalty": 0.5}, 400, "repetition"),

@@ -63,7 +63,7 @@ class _Sampling(_Model):
     stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
+    temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
