@@ -8,11 +8,11 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
+from typing import Annotated, Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..config import SAMPLING, GenerationConfig
@@ -20,6 +20,9 @@ from ..errors import DFlashError, check_text
 from .metrics import Metrics
 from .tools import prompt_opens_thinking
 from .worker import SHUTDOWN, Job, QueueFull, Worker
+
+# The temperature range OpenAI's chat, completions and Responses APIs accept (Anthropic's is 0-1).
+OpenAITemperature = Annotated[Optional[float], Field(ge=0, le=2)]
 
 log = logging.getLogger("mlx_dflash.server")
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000

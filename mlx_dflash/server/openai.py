@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
+from .app import APIError, OpenAITemperature, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -63,7 +63,7 @@ class _Sampling(_Model):
     stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
+    temperature: OpenAITemperature = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None

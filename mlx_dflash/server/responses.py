@@ -15,9 +15,9 @@ from typing import Any, Dict, List, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, Server, cut_short, event_stream, off_loop, read_request, sse
+from .app import APIError, OpenAITemperature, Server, cut_short, event_stream, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -37,7 +37,7 @@ class ResponsesRequest(_Model):
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(default=None, ge=0, le=2)  # OpenAI's range
+    temperature: OpenAITemperature = None
     top_p: Optional[float] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Union[str, Dict[str, Any], None] = None
