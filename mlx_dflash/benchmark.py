@@ -11,7 +11,6 @@ speedup is the median of per-repeat ratios (see :func:`paired_speedup`).
 """
 
 import json
-import os
 import platform
 import statistics
 from pathlib import Path
@@ -22,6 +21,7 @@ import mlx.core as mx
 from . import blas
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError
+from .files import write_text, written_whole
 
 BASE_MODES = ("mlx-lm", "baseline", "dflash")
 PROMPTS_DIR = Path(__file__).parent / "bench_prompts"  # the prompt set shipped with the package
@@ -457,13 +457,9 @@ def write_results(res: dict, folder: Path, name: str, *, with_plot: bool = True)
     folder.mkdir(parents=True, exist_ok=True)
     js, md, png = folder / f"{name}.json", folder / f"{name}.md", folder / f"{name}.png"
     for path, text in ((js, json.dumps(res, indent=1)), (md, to_markdown(res))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_text(path, text)
     if not with_plot:
         return [js, md]
-    tmp = png.with_name(name + ".tmp.png")  # the suffix tells matplotlib the format
-    plot(res, tmp)
-    if tmp.exists():
-        os.replace(tmp, png)
+    with written_whole(png) as tmp:
+        plot(res, tmp)
     return [js, md, png]

@@ -25,7 +25,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+from .files import write_text
 
 CACHE_FILE = "costs.json"
 READ_ROWS = 32  # context rows a draft forward reads when its cost per row is measured
@@ -427,20 +428,11 @@ def read_entries(path: Path, key: str = "entries") -> list:
 
 
 def write_json(path: Path, data) -> bool:
-    """Replace a cache file atomically (a uniquely named temporary file
-    renamed over it: a reader, or another process writing too, never sees
-    half a file); False where the folder is read-only."""
-    path = Path(path)
+    """Replace a cache file whole (``files.written_whole``); False where the
+    folder is read-only."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(data, indent=1))
     except OSError:
         return False
     return True

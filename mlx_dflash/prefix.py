@@ -50,6 +50,7 @@ import mlx.core as mx
 
 from .cache import State, describe, first_rows, piece_rows
 from .errors import DFlashError, is_int
+from .files import written_whole
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
 # Rungs fall on multiples of this (the default prefill chunk), so they split
@@ -542,16 +543,11 @@ class PrefixCache:
             "rung_interval": "" if self.rung_interval is None else str(self.rung_interval),
         }
         meta["checksum"] = _checksum(arrays, meta)
-        tmp = path.with_name(path.name + ".tmp.safetensors")
         try:
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
-            os.replace(tmp, path)
+            with written_whole(path, suffix=".safetensors") as tmp:
+                mx.save_safetensors(str(tmp), arrays, metadata=meta)
         except (RuntimeError, OSError) as e:  # MLX says RuntimeError for a file it cannot open
-            tmp.unlink(missing_ok=True)
             raise DFlashError(f"cannot write the prefix cache to {path}: {e}") from None
-        except BaseException:  # a second Ctrl-C while saving: no half-written file left beside it
-            tmp.unlink(missing_ok=True)
-            raise
 
     @classmethod
     def load(cls, path, engine, max_bytes: Optional[int] = None) -> "PrefixCache":

@@ -15,7 +15,7 @@ head's loss); its convolutions start as the identity.
 import hashlib
 import json
 import math
-import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import DFlashError, check_positive, writable_folder
+from .files import write_text, written_whole
 from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
 
@@ -390,16 +391,10 @@ def _save_draft(draft, cfg: dict, path: Path) -> None:
     run killed while saving leaves the previous draft readable)."""
     part = path / ".partial"  # a folder of its own: a loader reads every *.safetensors beside config.json
     part.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(part / "model.safetensors"), dict(tree_flatten(draft.parameters())))
-    os.replace(part / "model.safetensors", path / "model.safetensors")
-    part.rmdir()
-    _write_text(path / "config.json", json.dumps(cfg, indent=2))
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with written_whole(path / "model.safetensors", scratch=part) as tmp:
+        mx.save_safetensors(str(tmp), dict(tree_flatten(draft.parameters())))
+    shutil.rmtree(part, ignore_errors=True)  # with what a killed run left there
+    write_text(path / "config.json", json.dumps(cfg, indent=2))
 
 
 def _save_checkpoint(draft, cfg: dict, opt, step: int, tc: "TrainConfig", ckpt: Path) -> None:
@@ -410,8 +405,8 @@ def _save_checkpoint(draft, cfg: dict, opt, step: int, tc: "TrainConfig", ckpt: 
     files = {"model": f"model-{step}.safetensors", "optimizer": f"optimizer-{step}.safetensors"}
     mx.save_safetensors(str(ckpt / files["model"]), dict(tree_flatten(draft.parameters())))
     mx.save_safetensors(str(ckpt / files["optimizer"]), dict(tree_flatten(opt.state)))
-    _write_text(ckpt / "config.json", json.dumps(cfg, indent=2))
-    _write_text(ckpt / "state.json", json.dumps({"step": step, "train": asdict(tc), **files}))
+    write_text(ckpt / "config.json", json.dumps(cfg, indent=2))
+    write_text(ckpt / "state.json", json.dumps({"step": step, "train": asdict(tc), **files}))
     for f in ckpt.glob("*.safetensors"):
         if f.name not in files.values():
             f.unlink()
@@ -588,10 +583,9 @@ def _train_draft(
         tokens = mx.array([s[:L] for s in seqs])
         mx.eval(tokens, feats)
         log(f"target features for {tokens.shape[0]} x {L} tokens in {time.perf_counter() - t:.1f}s")
-        if fc is not None:  # written whole or not at all
-            tmp = fc.with_name(fc.name + ".tmp.safetensors")
-            mx.save_safetensors(str(tmp), {"tokens": tokens, "features": feats})
-            os.replace(tmp, fc)
+        if fc is not None:
+            with written_whole(fc) as tmp:
+                mx.save_safetensors(str(tmp), {"tokens": tokens, "features": feats})
     L = tokens.shape[1]
 
     # Model and optimizer.
@@ -659,5 +653,5 @@ def _train_draft(
         "seq_len": L,
         "history": history,
     }
-    _write_text(out / "train_summary.json", json.dumps(summary, indent=1))
+    write_text(out / "train_summary.json", json.dumps(summary, indent=1))
     return summary

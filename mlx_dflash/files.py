@@ -1,0 +1,37 @@
+"""Files written whole or not at all."""
+
+import os
+import secrets
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+
+@contextmanager
+def written_whole(path, scratch: Optional[Path] = None, suffix: Optional[str] = None) -> Iterator[Path]:
+    """A temporary name to write ``path``'s new contents to, renamed over
+    ``path`` when the block ends and removed if it raises (a second Ctrl-C
+    included). A reader, or another process writing the same file, never
+    sees half a file, and a run killed while writing keeps the old one.
+
+    The name is unique (two writers never share it) and ends in ``path``'s
+    suffix, or ``suffix`` (MLX and matplotlib pick the format from it, and
+    MLX adds ``.safetensors`` to a name without it). ``scratch``: a
+    folder on the same file system to write in instead of ``path``'s own,
+    where a half-written file beside it would be read (a model folder's
+    ``*.safetensors``)."""
+    path = Path(path)
+    folder = path.parent if scratch is None else Path(scratch)
+    tmp = folder / f"{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix if suffix is None else suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path, text: str) -> None:
+    """``path``'s text replaced whole (see :func:`written_whole`)."""
+    with written_whole(path) as tmp:
+        tmp.write_text(text)
