@@ -437,6 +437,8 @@ class BatchDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.queue = deque()
         self.prefilling = deque()  # (index, Decoder, its prefill steps), round robin
+        self.boundaries: Dict[int, Optional[int]] = {}  # index -> its prefix boundary, while it prefills
+        self.started: set = set()  # indices whose prefill has run a chunk
         self.active: List[tuple] = []  # (index, Decoder)
         self.count = 0
         self.shape = None  # (block_size, baseline, adaptive, tree_budget, tree_topk) shared by every request
@@ -535,6 +537,7 @@ class BatchDecoder:
         events = []
         spent = 0
         while self.prefilling and spent < self.prefill_budget:
+            self._next_prefill()
             d = self.prefilling[0][1]
             before = d.cache.offset
             ev = self._prefill_chunk()
@@ -559,13 +562,46 @@ class BatchDecoder:
         d.stats.policy = f"batch of up to {self.max_batch}, chain of {d.stats.block_size}" if draft else "batch, plain"
         steps = d.prefill_steps(c.prefill_chunk, self.prefix_cache, prefix_boundary)
         self.prefilling.append((index, d, steps))
+        self.boundaries[index] = prefix_boundary
         self.configs[index] = c
+
+    def _next_prefill(self) -> None:
+        """Put first the slot to prefill next. One not started yet waits while
+        a slot mid-prefill will leave a snapshot it would restore, so a
+        prefix two requests share (the same system prompt, the same question
+        twice) is prefilled once and restored by the other."""
+        for _ in range(len(self.prefilling)):
+            if not self._waits(*self.prefilling[0][:2]):
+                return
+            self.prefilling.rotate(-1)
+
+    def _waits(self, index: int, d: Decoder) -> bool:
+        if self.prefix_cache is None or index in self.started:
+            return False
+        prompt = d.history  # the prompt, until the prefill ends
+        layout = d.dcache.layout() if d.dcache is not None else None
+        have = self.prefix_cache.lookup(prompt, draft_layout=layout)
+        have = have.n if have is not None else 0
+        for j, e, _ in self.prefilling:
+            if j not in self.started or (layout is not None and (e.dcache is None or e.dcache.layout() != layout)):
+                continue
+            common = 0
+            for a, b in zip(prompt, e.history):
+                if a != b:
+                    break
+                common += 1
+            points = self.prefix_cache.snapshot_points(e.history, self.boundaries[j])
+            if any(have < p <= common and p < len(prompt) for p in points):
+                return True
+        return False
 
     def _leave(self, index: int, d: Decoder) -> None:
         """A slot that finished or was cancelled: snapshot its committed
         tokens into the prefix cache (as a solo generation does at its end)."""
         self.configs.pop(index, None)
         self.solo.pop(index, None)
+        self.started.discard(index)
+        self.boundaries.pop(index, None)
         if self.lone is not None and self.lone[0] == index:
             self.lone[1].close()
             self.lone = None
@@ -576,9 +612,12 @@ class BatchDecoder:
         """The next chunk of the first slot in prefill; when that was its
         last, its first token (and the slot joins the decoding ones)."""
         index, d, steps = self.prefilling.popleft()
+        self.started.add(index)
         if next(steps, StopIteration) is not StopIteration:
             self.prefilling.append((index, d, steps))
             return None
+        self.started.discard(index)
+        self.boundaries.pop(index, None)
         out = d.emit([d.anchor])
         d.tic = time.perf_counter()
         if not d.finished:

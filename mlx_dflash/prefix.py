@@ -290,6 +290,17 @@ class PrefixCache:
                     best = s
         return best
 
+    def snapshot_points(self, prompt: Sequence[int], boundary: Optional[int] = None, start: int = 0) -> set:
+        """The prompt lengths a prefill of ``prompt`` from ``start`` takes
+        snapshots at: its stable ``boundary`` (default: all but the last
+        token) and every ``rung_interval`` tokens before it."""
+        P = len(prompt)
+        boundary = P - 1 if boundary is None else min(boundary, P - 1)
+        points = {boundary}
+        if self.rung_interval:
+            points.update(range(self.rung_interval, boundary, self.rung_interval))
+        return {p for p in points if start < p < P}
+
     def stable_boundary(self, tokenizer, ids: Sequence[int], template_args: Optional[dict] = None) -> int:
         """Tokens of ``ids`` before the chat template's generation-prompt tail
         (the part the next turn renders differently; ``template_args``: extra
@@ -400,7 +411,6 @@ class PrefixCache:
         if draft is not None and not hasattr(draft, "add_context"):
             raise DFlashError("this draft cannot be used with a prefix cache (no add_context)")
         prompt = [int(t) for t in prompt]
-        P = len(prompt)
         start, base = 0, (None, 0)
         with self._lock:
             snap = self.lookup(prompt, draft_layout=dcache.layout() if dcache is not None else None)
@@ -410,12 +420,7 @@ class PrefixCache:
                 start, base = snap.n, (snap.seg, snap.n)
         if stats is not None:
             stats.cached_tokens = start
-        boundary = P - 1 if boundary is None else min(boundary, P - 1)
-        points = set()
-        if self.rung_interval:
-            points.update(range(self.rung_interval, boundary, self.rung_interval))
-        points.add(boundary)
-        points = {p for p in points if start < p < P}
+        points = self.snapshot_points(prompt, boundary, start)
         with self._lock:
             have = {s.tokens for s in self._snaps}
         points = {p for p in points if tuple(prompt[:p]) not in have}

@@ -1324,3 +1324,36 @@ def test_bad_batch_input_is_one_error_when_given_not_at_a_later_step(tmp_path):
     while not bd.done:
         got += [t for ev in bd.step() if ev.index == i for t in ev.tokens]
     assert got == mlx_dflash.generate(eng, ids, max_tokens=3, baseline=True).tokens
+
+
+def test_a_prefix_two_requests_share_is_prefilled_once(engines):
+    """Two requests added together with a shared long prefix (the same system
+    prompt): the second waits for the first's prefill and restores its
+    snapshot instead of prefilling the prefix itself; both give their solo
+    tokens. A third prompt that shares nothing is not held back."""
+    from mlx_dflash import BatchDecoder, PrefixCache
+
+    engine = engines["dense"]
+    system = [(5 * i + 11) % 400 for i in range(40)]
+    prompts = [system + [21, 22, 23], system + [31, 32], [(3 * i + 1) % 400 for i in range(12)]]
+    boundary = len(system)  # the stable boundary a chat template gives
+    configs = [c.update(prefill_chunk=8) for c in configs_for()[:3]]
+    want = solo(engine, prompts, configs)
+    batch = BatchDecoder(
+        engine.target, engine.draft, max_batch=3, eos_token_ids=[2], prefill_budget=8, prefix_cache=PrefixCache()
+    )
+    for p, c in zip(prompts, configs):
+        batch.add(p, c, prefix_boundary=boundary if p[:boundary] == system else None)
+    out = [[] for _ in prompts]
+    stats = {}
+    first_at = {}
+    step = 0
+    while not batch.done:
+        step += 1
+        for ev in batch.step():
+            out[ev.index].extend(ev.tokens)
+            stats[ev.index] = ev.stats
+            first_at.setdefault(ev.index, step)
+    assert out == [r.tokens for r in want]
+    assert stats[0].cached_tokens == 0 and stats[1].cached_tokens == boundary
+    assert first_at[2] < first_at[1]  # the unrelated prompt went ahead of the waiting one
