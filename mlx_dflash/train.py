@@ -17,10 +17,11 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -163,7 +164,18 @@ def corpus_sequences(tokenizer, texts: List[str], seq_len: int, eos: int) -> Lis
     return seqs
 
 
-def generated_sequences(
+def _prompt_buckets(tok, prompts: List[str], seq_len: int) -> dict:
+    """Prompt ids (their last ``seq_len // 2`` tokens) grouped by length: one
+    batch decodes prompts of one length."""
+    buckets = {}
+    for p in prompts:
+        ids = tok.encode(p, add_special_tokens=False)[-(seq_len // 2) :]
+        if ids:
+            buckets.setdefault(len(ids), []).append(ids)
+    return dict(sorted(buckets.items()))
+
+
+def generated_batches(
     engine,
     prompts: List[str],
     seq_len: int,
@@ -171,24 +183,21 @@ def generated_sequences(
     progress=None,
     batch_size: int = 64,
     capture: Sequence[int] = (),
-):
+) -> Iterator[Tuple[List[List[int]], Optional[mx.array]]]:
     """The target's own greedy continuations of each prompt (prompt + output),
     and with ``capture`` the target features of every position, taken from
     the same forward passes (cached, as at inference) instead of a second pass.
 
     Prompts of equal token length decode together in one batch (a plain
     batched greedy loop over the target cache), which costs about as much
-    per step as a single sequence on small models. Returns (sequences,
-    features: one [len, N*H] array per sequence, or None).
+    per step as a single sequence on small models. Yields, batch by batch,
+    (sequences, their features [b, len, N*H] or None); a sequence of a
+    ``p``-token prompt is ``p + min(gen_tokens, seq_len - p)`` tokens long.
     """
     target, tok = engine.target, engine.tokenizer
-    buckets = {}
-    for p in prompts:
-        ids = tok.encode(p, add_special_tokens=False)[-(seq_len // 2) :]
-        if ids:
-            buckets.setdefault(len(ids), []).append(ids)
-    seqs, feats, done, total = [], [], 0, sum(len(b) for b in buckets.values())
-    for n_prompt, group in sorted(buckets.items()):
+    buckets = _prompt_buckets(tok, prompts, seq_len)
+    done, total = 0, sum(len(b) for b in buckets.values())
+    for n_prompt, group in buckets.items():
         n_new = min(gen_tokens, seq_len - n_prompt)
         for s in range(0, len(group), batch_size):
             batch = mx.array(group[s : s + batch_size])
@@ -209,14 +218,22 @@ def generated_sequences(
                 cache_out.append(nxt)
                 tokens = nxt
             out = mx.concatenate([batch] + cache_out, axis=1).tolist()
-            seqs.extend(o[:seq_len] for o in out)
-            if capture:
-                fb = mx.concatenate(feat_out, axis=1)[:, :seq_len]
-                feats.extend(fb[i] for i in range(fb.shape[0]))
+            fb = mx.concatenate(feat_out, axis=1)[:, :seq_len] if capture else None
             done += batch.shape[0]
             if progress:
                 progress(done, total)
-    return seqs, (feats if capture else None)
+            yield [o[:seq_len] for o in out], fb
+
+
+def generated_sequences(engine, prompts: List[str], seq_len: int, gen_tokens: int, **options):
+    """:func:`generated_batches` gathered: (sequences, one [len, N*H] feature
+    array per sequence, or None without ``capture``)."""
+    seqs, feats = [], []
+    for s, f in generated_batches(engine, prompts, seq_len, gen_tokens, **options):
+        seqs += s
+        if f is not None:
+            feats += [f[i] for i in range(f.shape[0])]
+    return seqs, (feats if options.get("capture") else None)
 
 
 def _batched_step(target, tokens: mx.array, cache, capture: Sequence[int] = ()):
@@ -227,19 +244,78 @@ def _batched_step(target, tokens: mx.array, cache, capture: Sequence[int] = ()):
     return target.lm_head(target.norm(h)), f
 
 
-def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8, progress=None):
-    """Target features (no gradient) for equal-length sequences: [n, L, N*H].
-    ``progress(done, total)`` after each batch of sequences."""
-    out = []
+def feature_batches(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8, progress=None):
+    """Target features (no gradient) for equal-length sequences, ``batch``
+    sequences at a time: [b, L, N*H] each. ``progress(done, total)`` after each."""
     for s in range(0, len(seqs), batch):
         toks = mx.array(seqs[s : s + batch])
         _, f = target.batch_forward(toks, capture=layer_ids)
         f = mx.stop_gradient(f)
         mx.eval(f)
-        out.append(f)
         if progress is not None:
             progress(min(s + batch, len(seqs)), len(seqs))
-    return mx.concatenate(out, axis=0)
+        yield f
+
+
+def compute_features(target, seqs: List[List[int]], layer_ids: List[int], batch: int = 8, progress=None):
+    """:func:`feature_batches` in one array: [n, L, N*H]."""
+    return mx.concatenate(list(feature_batches(target, seqs, layer_ids, batch, progress)), axis=0)
+
+
+# --- features on disk ---------------------------------------------------------------
+# The features of every training sequence ([n, L, N*H] floats: 20 KB a token for a
+# 0.8B target's five captured layers, so 20 GB for a million tokens) outgrow memory
+# long before a useful corpus does. They are written as they are computed into one
+# safetensors file, its header first and sized for the whole array, and training
+# reads the rows of each batch through a memory map.
+
+
+def _write_features(path: Path, n: int, L: int, width: int, batches) -> None:
+    """Write ``batches`` ((sequences, features [b, >= L, width]) in order,
+    ``n`` sequences in all) as a safetensors file: the header first, sized
+    for the whole array, then the features batch by batch, then the tokens
+    (plain writes: a full disk is an OSError, not a fault in a memory map)."""
+    fb, tb = n * L * width * 4, n * L * 4
+    header = {
+        "features": {"dtype": "F32", "shape": [n, L, width], "data_offsets": [0, fb]},
+        "tokens": {"dtype": "I32", "shape": [n, L], "data_offsets": [fb, fb + tb]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+    tokens = []
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        for seqs, feats in batches:
+            f.write(np.asarray(feats[:, :L].astype(mx.float32)).tobytes())
+            tokens += [s[:L] for s in seqs]
+        if len(tokens) != n:
+            raise RuntimeError(f"{len(tokens)} sequences of features, {n} expected")
+        f.write(np.asarray(tokens, dtype=np.int32).tobytes())
+
+
+def _map_features(path: Path, mode: str = "r"):
+    """(tokens [n, L] int32, features [n, L, W] float32) memory maps of a
+    feature file; ValueError when it is not a whole one."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size < 1 << 20:
+            raise ValueError("no safetensors header")
+        header = json.loads(f.read(size))
+    t, fe = header.get("tokens"), header.get("features")
+    if not isinstance(t, dict) or not isinstance(fe, dict) or (t.get("dtype"), fe.get("dtype")) != ("I32", "F32"):
+        raise ValueError("not a feature file (int32 tokens, float32 features)")
+    n, L = t["shape"]
+    if fe["shape"][:2] != [n, L] or len(fe["shape"]) != 3:
+        raise ValueError(f"features of shape {fe['shape']} for tokens of shape {t['shape']}")
+    end = 8 + size + max(fe["data_offsets"][1], t["data_offsets"][1])
+    sizes = (fe["data_offsets"][1] - fe["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
+    if path.stat().st_size < end or sizes != (4 * math.prod(fe["shape"]), 4 * n * L):
+        raise ValueError("shorter than its header says")
+    base = 8 + size
+    tokens = np.memmap(path, np.int32, mode, offset=base + t["data_offsets"][0], shape=(n, L))
+    feats = np.memmap(path, np.float32, mode, offset=base + fe["data_offsets"][0], shape=tuple(fe["shape"]))
+    return tokens, feats
 
 
 # --- model init ---------------------------------------------------------------------
@@ -541,51 +617,62 @@ def _train_draft(
     weights = tree_digest(target.model.parameters())
     key = hashlib.sha256(json.dumps([str(target_path), weights, ids, source]).encode()).hexdigest()[:16]
     fc = Path(feature_cache) / f"features-{key}.safetensors" if feature_cache is not None else None
-    data = None
+    maps = None
     if fc is not None and fc.exists():
         try:
-            data = mx.load(str(fc))
-            tokens, feats = data["tokens"], data["features"]
+            maps = _map_features(fc)
             log(f"tokens and features from cache {fc}")
-        except Exception as e:  # damaged (say, a run killed while writing it): computed again
+        except (OSError, ValueError, KeyError, TypeError) as e:  # damaged: computed again
             log(f"feature cache {fc} unreadable ({type(e).__name__}); computing the features again")
-            data = None
-    if data is None:
+    if maps is None:
         t = time.perf_counter()
         if corpus is not None:
-            L = min(len(s) for s in seqs)
+            n, L = len(seqs), min(len(s) for s in seqs)
             log(f"target features for {len(seqs)} sequences of {tc.seq_len} tokens")
             every = max(1, len(seqs) // 10)
-            feats = compute_features(
-                target,
-                seqs,
-                ids,
-                progress=lambda i, n: (
-                    log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % every < 8 or i == n else None
-                ),
+            progress = lambda i, n: (  # noqa: E731
+                log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % every < 8 or i == n else None
             )
+            chunks = (seqs[i : i + 8] for i in range(0, len(seqs), 8))
+            batches = zip(chunks, feature_batches(target, seqs, ids, 8, progress))
         else:
+            lengths = [
+                p + min(tc.gen_tokens, tc.seq_len - p)
+                for p, group in _prompt_buckets(tok, prompts, tc.seq_len).items()
+                for _ in group
+            ]
+            if not lengths:
+                raise DFlashError(f"no prompt in {pf} has a token")
+            n, L = len(lengths), min(lengths)
             log(f"generating target continuations for {len(prompts)} prompts")
-            seqs, flist = generated_sequences(
-                engine,
-                prompts,
-                tc.seq_len,
-                tc.gen_tokens,
-                capture=ids,
-                progress=lambda i, n: (
-                    log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % 256 < 64 or i == n else None
-                ),
+            progress = lambda i, n: (  # noqa: E731
+                log(f"  {i}/{n} ({time.perf_counter() - t:.0f}s)") if i % 256 < 64 or i == n else None
             )
-            L = min(len(s) for s in seqs)
-            feats = mx.stack([f[:L] for f in flist])
+            batches = generated_batches(engine, prompts, tc.seq_len, tc.gen_tokens, capture=ids, progress=progress)
         if L < tc.block_size + 2:
             raise DFlashError(f"sequences of {L} tokens are too short for block size {tc.block_size}")
-        tokens = mx.array([s[:L] for s in seqs])
-        mx.eval(tokens, feats)
-        log(f"target features for {tokens.shape[0]} x {L} tokens in {time.perf_counter() - t:.1f}s")
-        if fc is not None:
-            with written_whole(fc) as tmp:
-                mx.save_safetensors(str(tmp), {"tokens": tokens, "features": feats})
+        width = len(ids) * target.hidden_size
+        path = fc or Path(tempfile.mkdtemp(prefix="mlx-dflash-features-")) / "features.safetensors"
+        need = n * L * (width + 1) * 4
+        try:
+            free = shutil.disk_usage(path.parent).free
+            if need > free:
+                raise DFlashError(
+                    f"the target features need {need / 2**30:.1f} GiB on disk, {path.parent} has "
+                    f"{free / 2**30:.1f} GiB free; give --feature-cache a folder with room, or fewer sequences"
+                )
+            size = f"{need / 2**30:.1f} GiB" if need >= 2**30 else f"{need / 2**20:.0f} MiB"
+            where = path if fc is not None else f"{path} (removed at the end)"
+            log(f"features: {size}, written to {where} as they are computed")
+            with written_whole(path) as tmp:
+                _write_features(tmp, n, L, width, batches)
+            maps = _map_features(path)
+        finally:
+            if fc is None:  # mapped, the file lives as long as the maps; no run leaves it behind
+                shutil.rmtree(path.parent, ignore_errors=True)
+        log(f"target features for {n} x {L} tokens in {time.perf_counter() - t:.1f}s")
+    tokens_map, feats = maps
+    tokens = mx.array(np.asarray(tokens_map))
     L = tokens.shape[1]
 
     # Model and optimizer.
@@ -626,7 +713,7 @@ def _train_draft(
         idx = rng.choice(n, size=min(tc.batch_size, n), replace=n < tc.batch_size)
         anchors = mx.array(sample_anchors(rng, len(idx), tc.blocks_per_seq, L, tc.block_size))
         bi = mx.array(idx)
-        loss, acc, parts = step_fn(feats[bi], tokens[bi], anchors)
+        loss, acc, parts = step_fn(mx.array(feats[idx]), tokens[bi], anchors)  # the rows from disk
         mx.eval(loss, acc, parts, draft.parameters(), opt.state)
         done_tokens += len(idx) * tc.blocks_per_seq * (tc.block_size - 1)
         if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:

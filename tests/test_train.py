@@ -3,6 +3,7 @@ training mask isolates blocks, resume continues from the checkpoint."""
 
 import json
 import re
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -214,6 +215,54 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
         c = TrainConfig(target_layer_ids=[0, 99], **CFG)
         train_draft(path, tmp_path / "d3", corpus=[corpus], feature_cache=tmp_path / "fc3", config=c)
     assert not (tmp_path / "d3").exists() and not (tmp_path / "fc3").exists()
+
+
+def test_features_stay_on_disk_and_are_read_a_batch_at_a_time(target_dir, tmp_path, monkeypatch):
+    """The features are written as they are computed, into a safetensors file
+    (read here by the safetensors library itself) that training reads a
+    batch of rows at a time: MLX's peak memory stays under half the
+    features' size, where it used to hold them all (about twice their size
+    here). Without --feature-cache the file is temporary, gone after the run."""
+    from safetensors.numpy import load_file
+
+    from mlx_dflash.train import compute_features
+
+    path, corpus = target_dir
+    big = tmp_path / "big.txt"
+    big.write_text(corpus.read_text() * 36)
+    cfg = TrainConfig(steps=2, **{**CFG, "seq_len": 128})
+    mx.synchronize()
+    mx.reset_peak_memory()
+    train_draft(path, tmp_path / "a", corpus=[big], feature_cache=tmp_path / "fc", config=cfg, log=lambda _: None)
+    peak = mx.get_peak_memory()
+    (cached,) = (tmp_path / "fc").glob("features-*.safetensors")
+    data = load_file(str(cached))
+    tokens, feats = data["tokens"], data["features"]
+    assert feats.dtype == np.float32 and feats.shape[:2] == tokens.shape and tokens.shape[1] == 128
+    assert peak < feats.nbytes / 2, (peak, feats.nbytes)
+    eng = mlx_dflash.load(path)
+    ids = json.loads((tmp_path / "a" / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+    for i in (0, tokens.shape[0] - 1):
+        ref = compute_features(eng.target, [tokens[i].tolist()], ids)[0]
+        np.testing.assert_allclose(feats[i], np.array(ref), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    logs = []
+    train_draft(path, tmp_path / "b", corpus=[corpus], config=TrainConfig(steps=1, **CFG), log=logs.append)
+    assert any("(removed at the end)" in line for line in logs)
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_features_that_do_not_fit_on_disk_are_refused_before_computing(target_dir, tmp_path, monkeypatch):
+    path, corpus = target_dir
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    logs = []
+    with pytest.raises(DFlashError, match=r"need .* on disk, .* has .* free; give --feature-cache a folder with room"):
+        train_draft(path, tmp_path / "d", corpus=[corpus], config=TrainConfig(steps=1, **CFG), log=logs.append)
+    assert not any("/" in line and "  " in line for line in logs)  # no progress lines: nothing was computed
 
 
 def test_generation_features_equal_a_plain_forward(target_dir):
