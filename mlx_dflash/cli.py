@@ -1202,6 +1202,14 @@ def serve(
     max_body_mb: float = typer.Option(
         32.0, "--max-body-mb", help="Largest request body accepted, in MiB (else HTTP 413)."
     ),
+    keepalive: float = typer.Option(
+        10.0,
+        "--keepalive",
+        metavar="SECONDS",
+        help="While a streamed reply sends nothing (queued, prefilling a long prompt, a pause), send an SSE "
+        "comment (': keep-alive') every this many seconds, so clients and proxies with read timeouts keep "
+        "the connection; SSE parsers skip it. 0: off.",
+    ),
     chat_template_args: Optional[str] = typer.Option(
         None,
         "--chat-template-args",
@@ -1271,6 +1279,8 @@ def serve(
         raise DFlashError(f"--max-queue must be positive, got {max_queue}")
     check_positive(timeout, "--timeout")
     check_positive(max_body_mb, "--max-body-mb")
+    if not (keepalive >= 0 and keepalive != float("inf")):  # NaN compares false
+        raise DFlashError(f"--keepalive must be a number of seconds, 0 or more (0: off), got {keepalive:g}")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if no_prompt_cache and prompt_cache_bytes is not None:
@@ -1302,6 +1312,7 @@ def serve(
         max_body_bytes=int(max_body_mb * 1024 * 1024),
         max_queue=max_queue,
         timeout=timeout,
+        keepalive=keepalive,
         generation=gen,
         chat_template_args=template_args,
         prompt_cache=not no_prompt_cache and not pipeline,

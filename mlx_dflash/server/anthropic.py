@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
+from .app import APIError, Server, cut_short, error_body, off_loop, read_request, sse
 from .tools import OutputParser
 
 router = APIRouter()
@@ -327,4 +327,4 @@ async def messages(request: Request):
                 )
                 yield sse({"type": "message_stop"}, "message_stop")
 
-    return event_stream(stream(), job)
+    return server.event_stream(stream(), job)

@@ -26,6 +26,7 @@ OpenAITemperature = Annotated[Optional[float], Field(ge=0, le=2)]
 
 log = logging.getLogger("mlx_dflash.server")
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: a parser ignores it
 FLAGS = re.compile(r" \(--[a-z-]+(?:, --[a-z-]+)*\)")  # "top_p (--top-p) must ..." -> "top_p must ..."
 
 
@@ -46,6 +47,10 @@ class Settings:
     prompt_cache_bytes: Optional[int] = None  # None: the prefix cache's default budget
     max_batch: Optional[int] = None  # requests decoded together; None: batch.DEFAULT_MAX_BATCH as memory allows
     allowed_origins: Sequence[str] = ("*",)  # origins browsers may call from (CORS); () sends no CORS headers
+    # Seconds a stream may go without a byte before an SSE comment is sent (0: never): a
+    # long prefill or queue wait sends nothing else, and clients and proxies with read
+    # timeouts would drop the connection before the first event.
+    keepalive: float = 10.0
 
 
 class APIError(Exception):
@@ -301,6 +306,47 @@ class Server:
                 job.cancel()
                 self.metrics.record_cancel()
 
+    def event_stream(self, chunks: AsyncIterator[str], job: Job) -> StreamingResponse:
+        """Server-sent events from ``chunks``, with a keep-alive comment whenever
+        none comes for ``settings.keepalive`` seconds; ``job`` is cancelled however
+        the stream ends: a client gone before ``chunks`` reached the engine's events
+        (whose own cleanup then never runs) included. A finished job ignores it."""
+        every = self.settings.keepalive
+        every = every if every > 0 else None  # 0: no keep-alive
+
+        async def next_chunk():
+            return await chunks.__anext__()
+
+        async def body():
+            # The next chunk is awaited in a task of its own, so that a keep-alive
+            # timeout leaves it running (asyncio.wait_for would cancel the generator).
+            pending = None
+            try:
+                while True:
+                    if pending is None:
+                        pending = asyncio.ensure_future(next_chunk())
+                    finished, _ = await asyncio.wait({pending}, timeout=every)
+                    if not finished:
+                        # An SSE comment: every client's parser skips it, so no
+                        # dialect's event order changes; it keeps the connection
+                        # alive through a queue wait, a prefill or a pause.
+                        yield KEEPALIVE
+                        continue
+                    step, pending = pending, None
+                    try:
+                        chunk = step.result()
+                    except StopAsyncIteration:
+                        return
+                    yield chunk
+            finally:
+                if pending is not None:
+                    pending.cancel()  # ends ``chunks`` where it waits (its cleanup runs)
+                job.cancel()
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
 
 async def read_json(request: Request, limit: int) -> Any:
     """The request body as JSON, refusing bodies over ``limit`` bytes before reading them all."""
@@ -376,23 +422,6 @@ def _check_strings(value: Any, path: List[str]) -> None:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_strings(v, path + [str(i)])
-
-
-def event_stream(chunks: AsyncIterator[str], job: Job) -> StreamingResponse:
-    """Server-sent events from ``chunks``; ``job`` is cancelled however the
-    stream ends: a client gone before ``chunks`` reached the engine's events
-    (whose own cleanup then never runs) included. A finished job ignores it."""
-
-    async def body():
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            job.cancel()
-
-    return StreamingResponse(
-        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    )
 
 
 def sse(data: Any, event: Optional[str] = None) -> str:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, OpenAITemperature, Server, cut_short, error_body, event_stream, off_loop, read_request, sse
+from .app import APIError, OpenAITemperature, Server, cut_short, error_body, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -321,7 +321,7 @@ async def chat_completions(request: Request):
                     )
                 yield "data: [DONE]\n\n"
 
-    return event_stream(stream(), job)
+    return server.event_stream(stream(), job)
 
 
 @router.post("/v1/completions")
@@ -388,4 +388,4 @@ async def completions(request: Request):
                     )
                 yield "data: [DONE]\n\n"
 
-    return event_stream(stream(), job)
+    return server.event_stream(stream(), job)

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, OpenAITemperature, Server, cut_short, event_stream, off_loop, read_request, sse
+from .app import APIError, OpenAITemperature, Server, cut_short, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -446,4 +446,4 @@ async def responses(request: Request):
             final = response(status, out.items, ev[2], out.reasoning)
             yield event("response.incomplete" if status == "incomplete" else "response.completed", {"response": final})
 
-    return event_stream(stream(), job)
+    return server.event_stream(stream(), job)
