@@ -421,8 +421,9 @@ class PrefixCache:
         if stats is not None:
             stats.cached_tokens = start
         points = self.snapshot_points(prompt, boundary, start)
-        with self._lock:
-            have = {s.tokens for s in self._snaps}
+        layout = dcache.layout() if dcache is not None else None
+        with self._lock:  # a snapshot serves this run if its draft state fits it (or it needs none)
+            have = {s.tokens for s in self._snaps if layout is None or s.draft_layout == layout}
         points = {p for p in points if tuple(prompt[:p]) not in have}
         taken = []
 
@@ -475,8 +476,13 @@ class PrefixCache:
         with self._lock:
             for s in snaps:
                 s.used = self._tick()
-                # A snapshot of the same tokens replaces the older one.
-                self._snaps = [o for o in self._snaps if o.tokens != s.tokens]
+                # A snapshot of the same tokens replaces an older one that it serves for:
+                # one with the same draft state, or none (another draft window's stays).
+                self._snaps = [
+                    o
+                    for o in self._snaps
+                    if o.tokens != s.tokens or (o.draft_layout is not None and o.draft_layout != s.draft_layout)
+                ]
                 self._snaps.append(s)
             self._evict()
         return seg, end

@@ -496,3 +496,19 @@ def test_an_older_file_version_is_refused(engines, tmp_path):
     _rewrite_metadata(f, lambda meta: meta.update(version="2"))
     with pytest.raises(DFlashError, match="unsupported prompt cache version '2'.*delete the file"):
         PrefixCache.load(f, eng)
+
+
+def test_requests_with_other_draft_windows_keep_snapshots_of_their_own(engines):
+    """Two draft windows over one prompt: each run's snapshot holds its own
+    draft state, and neither replaces the other's (a request alternating
+    with another window used to find nothing cached, ever)."""
+    eng = engines["dense"]
+    prompt = ids(5, 90)
+    pc = PrefixCache()
+    runs = {}
+    for window in [(32, 4), (16, 2), (32, 4), (16, 2)]:
+        kw = dict(adaptive=False, max_tokens=8, draft_window=window)
+        r = mlx_dflash.generate(eng, prompt, prefix_cache=pc, **kw)
+        assert r.tokens == mlx_dflash.generate(eng, prompt, **kw).tokens
+        runs.setdefault(window, []).append(r.stats.cached_tokens)
+    assert runs == {(32, 4): [0, len(prompt) - 1], (16, 2): [0, len(prompt) - 1]}
