@@ -263,3 +263,90 @@ def test_a_target_config_field_of_the_wrong_kind_is_named(tmp_path, field, value
     (folder / "config.json").write_text(json.dumps(c))
     with pytest.raises(DFlashError, match=re.escape(f"config.json: {field} must be a positive integer, got {value!r}")):
         load_target(folder)
+
+
+# --- a sharded folder with a shard missing (an interrupted download) -----------------------
+
+
+def save_sharded(weights: dict, config: dict, path, parts: int = 3, *, metadata=None) -> Path:
+    """A sharded folder as transformers' save_pretrained writes one: weights in
+    ``model-0000i-of-0000n.safetensors`` and a ``model.safetensors.index.json``
+    holding ``metadata.total_size`` and a sorted ``weight_map`` (name -> shard)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(weights)
+    step = -(-len(names) // parts)
+    weight_map = {}
+    for i in range(parts):
+        shard = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {n: weights[n] for n in names[i * step : (i + 1) * step]}
+        mx.save_safetensors(str(path / shard), chunk, metadata=metadata or {"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, shard))
+    index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values())}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def test_a_sharded_folder_missing_a_shard_names_it(dense, draft_dir, tmp_path, capsys):
+    """mlx-lm reads the shards that are there: a folder whose download stopped
+    half-way failed as "Missing 27 parameters: ...", naming neither file nor cause."""
+    from test_cli import cli
+
+    cfg, model = dense
+    folder = save_sharded(tiny.hf_weights(model), cfg, tmp_path / "t")
+    want = logits_of(Target(model))
+    assert mx.abs(load_target(folder)(PROMPT) - want).max().item() <= 1e-5  # whole, it loads
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    words = (
+        f"model folder {folder} is incomplete: model.safetensors.index.json names 1 weight file(s) that are not "
+        "there: model-00002-of-00003.safetensors (an interrupted download?"
+    )
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        load_target(folder)
+    for args in (["info", str(folder)], ["info", str(folder), "--stages", "2"]):
+        code, _, err = cli(capsys, *args)
+        assert code == 2 and words in err and "Traceback" not in err, (args, err)
+    (folder / "model-00003-of-00003.safetensors").unlink()
+    with pytest.raises(DFlashError, match=re.escape("names 2 weight file(s) that are not there: model-00002-of-00003")):
+        load_target(folder)
+    # A draft folder, sharded the same way
+    src, dcfg = draft_dir
+    draft = save_sharded(mx.load(str(src / "model.safetensors")), dcfg, tmp_path / "d", parts=2, metadata={})
+    assert load_draft(draft, Target(model)).block_size == 8
+    (draft / "model-00001-of-00002.safetensors").unlink()
+    with pytest.raises(DFlashError, match=re.escape(f"draft folder {draft} is incomplete")):
+        load_draft(draft, Target(model))
+
+
+# --- eos_token_id -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["top", "text_config"])
+@pytest.mark.parametrize("value", ["<|im_end|>", -1, 512, 3.0, True, [2, "<|im_end|>"], [2, -3], [2, 4096]])
+def test_a_bad_eos_token_id_names_the_config_field(tok_dir, tmp_path, capsys, where, value):
+    """A string was taken by mlx-lm's tokenizer as the set of its characters, an
+    id outside the vocabulary or a negative one kept silently, a float failed as
+    a tokenizer error ("'float' object is not iterable")."""
+    from test_cli import cli
+
+    cfg = tiny.target_config()  # vocab_size 512
+    folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t", tokenizer_dir=tok_dir)
+    c = json.loads((folder / "config.json").read_text())
+    (c if where == "top" else c["text_config"])["eos_token_id"] = value
+    (folder / "config.json").write_text(json.dumps(c))
+    field = "eos_token_id" if where == "top" else "text_config.eos_token_id"
+    words = f"{folder / 'config.json'}: {field} must be a token id (an integer 0..511) or a list of them, got {value!r}"
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        mlx_dflash.load(folder)
+    code, _, err = cli(capsys, "generate", "-m", str(folder), "-n", "2", "hi")
+    assert code == 2 and words in err and "Traceback" not in err, err
+
+
+def test_a_list_of_eos_token_ids_is_kept(tok_dir, tmp_path):
+    cfg = tiny.target_config()
+    folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t", tokenizer_dir=tok_dir)
+    c = json.loads((folder / "config.json").read_text())
+    c["eos_token_id"] = [7, 11]
+    (folder / "config.json").write_text(json.dumps(c))
+    assert {7, 11} <= set(mlx_dflash.load(folder).tokenizer.eos_token_ids)

@@ -48,10 +48,39 @@ def read_config(path, what: str = "model") -> dict:
     return cfg
 
 
+def check_shards(p: Path, what: str) -> None:
+    """That every shard a ``*.safetensors.index.json`` of folder ``p`` names
+    (its ``weight_map``, as transformers and mlx-lm write it) is there: one
+    error naming the missing files, where mlx-lm's load (which reads whatever
+    shards are present) says only "Missing N parameters". An index that
+    cannot be read is left alone: the loaders never read it."""
+    missing, indexes = set(), []
+    for index in sorted(p.glob("*.safetensors.index.json")):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            continue
+        gone = {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
+        gone = {f for f in gone if not (p / f).is_file()}
+        if gone:
+            missing |= gone
+            indexes.append(index.name)
+    if missing:
+        names = sorted(missing)
+        raise DFlashError(
+            f"{what} folder {p} is incomplete: {' and '.join(indexes)} names {len(names)} weight file(s) "
+            "that are not there: "
+            + ", ".join(names[:8])
+            + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            + " (an interrupted download? fetch the folder again)"
+        )
+
+
 def _weight_files(p: Path, what: str):
     files = sorted(glob.glob(str(p / "*.safetensors")))
     if not files:
         raise DFlashError(f"{what} folder has no .safetensors weights: {p}")
+    check_shards(p, what)
     return files
 
 
@@ -97,6 +126,27 @@ def _check_counts(cfg: dict, where: Path) -> None:
             )
 
 
+def _check_eos(cfg: dict, where: Path) -> None:
+    """A config's ``eos_token_id`` (top level or in text_config) as a token id
+    of the vocabulary or a list of them, else one error naming the field, the
+    file and the value (mlx-lm's tokenizer took a string as the set of its
+    characters, and a float failed as "not iterable", blamed on the tokenizer)."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    vocab = text.get("vocab_size", cfg.get("vocab_size"))
+    for name, c in (("eos_token_id", cfg), ("text_config.eos_token_id", text)):
+        v = c.get("eos_token_id")
+        if v is None:
+            continue
+        ids = v if isinstance(v, list) else [v]
+        bad = [i for i in ids if not is_count(i, 0) or (is_count(vocab) and i >= vocab)]
+        if bad:
+            span = f" 0..{vocab - 1}" if is_count(vocab) else ""
+            raise DFlashError(
+                f"{where}: {name} must be a token id (an integer{span}) or a list of them, got {v!r}"
+                + (f" ({bad[0]!r} is not one)" if isinstance(v, list) else "")
+            )
+
+
 def load_target(path, dtype=None, lazy: bool = False) -> Target:
     """Load a Qwen3.5/3.6 target from an HF- or MLX-format folder.
 
@@ -116,6 +166,7 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
             f"unsupported model_type {mt!r} in {p / 'config.json'}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     _check_counts(cfg, p / "config.json")
+    _check_eos(cfg, p / "config.json")
     _weight_files(p, "model")
     try:
         model, config = load_model(p, lazy=lazy, model_config=override)
@@ -132,6 +183,7 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
 def safetensors_sizes(folder) -> Dict[str, int]:
     """Tensor name -> bytes, from the headers of a folder's safetensors files (no data read)."""
     sizes = {}
+    check_shards(Path(folder).expanduser(), "model")  # a plan of the shards that are there would mislead
     for f in sorted(Path(folder).expanduser().glob("*.safetensors")):
         try:
             with open(f, "rb") as fh:
