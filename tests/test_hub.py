@@ -65,8 +65,13 @@ def hub(tmp_path_factory, tok_dir):
     # draft: tag v1 = an older commit with another config; main = the embedded draft
     old_cfg = json.loads(draft["config.json"].read_text())
     old_cfg["block_size"] = 4
+    # (and the head of pull request 1: huggingface_hub keeps the ref refs/pr/1 in the cache's refs/refs/pr/1)
     v1 = add_snapshot(
-        cache, "test-org/tiny-draft", {**draft, "config.json": json.dumps(old_cfg).encode()}, "1", refs=("v1",)
+        cache,
+        "test-org/tiny-draft",
+        {**draft, "config.json": json.dumps(old_cfg).encode()},
+        "1",
+        refs=("v1", "refs/pr/1"),
     )
     main = add_snapshot(cache, "test-org/tiny-draft", draft, "2")
     add_snapshot(cache, "mlx-community/Qwen3.5-9B-4bit", target, "1")
@@ -84,6 +89,7 @@ def hub(tmp_path_factory, tok_dir):
             "README.md": b"# gguf\n",
         },
         "1",
+        refs=("main", "refs/pr/2"),
     )
     # A split GGUF (the converter's --split-max-tensors), its parts in a subfolder as GGUF repos keep them
     (root / "split").mkdir()
@@ -102,7 +108,7 @@ def hub(tmp_path_factory, tok_dir):
         "test-org/split-GGUF",
         "test-org/broken-split-GGUF",
     }
-    assert {tuple(sorted(r.refs)) for r in repos["test-org/tiny-draft"].revisions} == {("main",), ("v1",)}
+    assert {tuple(sorted(r.refs)) for r in repos["test-org/tiny-draft"].revisions} == {("main",), ("refs/pr/1", "v1")}
     env = {
         **os.environ,
         "HF_HOME": str(root / "home"),
@@ -178,6 +184,10 @@ SPECS = [
     "test-org/tiny-GGUF/other.gguf",
     "test-org/missing",
     "test-org/tiny-draft@nope",
+    "test-org/tiny-draft@refs/pr/1",
+    "test-org/tiny-draft@refs/pr/9",
+    "test-org/tiny-GGUF:F32@refs/pr/2",
+    "test-org/tiny-GGUF/tiny-F32.gguf@refs/pr/2",
 ]
 
 
@@ -207,6 +217,11 @@ def test_revision_picks_its_snapshot(hub, api):
         r["test-org/tiny-draft@nope"].startswith("error: ")
         and "@nope is not in the Hugging Face cache" in r["test-org/tiny-draft@nope"]
     )
+    # A pull request's head (huggingface_hub's revision refs/pr/N), for a folder and a GGUF file
+    assert r["test-org/tiny-draft@refs/pr/1"] == snap + hub["v1"]
+    assert "@refs/pr/9 is not in the Hugging Face cache" in r["test-org/tiny-draft@refs/pr/9"]
+    gguf = r["test-org/tiny-GGUF:F32"]
+    assert r["test-org/tiny-GGUF:F32@refs/pr/2"] == r["test-org/tiny-GGUF/tiny-F32.gguf@refs/pr/2"] == gguf
 
 
 def test_gguf_repo_resolves_the_one_named_file(hub, api):
@@ -309,6 +324,14 @@ def test_what_counts_as_a_hub_id(tmp_path):
     assert parse("z-lab/Qwen3.5-9B-DFlash@v1") == ("z-lab/Qwen3.5-9B-DFlash", "v1", None, None)
     assert parse("unsloth/Qwen3.5-9B-GGUF:Q4_K_M") == ("unsloth/Qwen3.5-9B-GGUF", None, "Q4_K_M", None)
     assert parse("org/repo/sub/m-Q8_0.gguf@abc") == ("org/repo", "abc", None, "sub/m-Q8_0.gguf")
+    # full git refs as huggingface_hub takes them as a revision: a pull request's, a branch's, a tag's
+    assert parse("org/name@refs/pr/1") == ("org/name", "refs/pr/1", None, None)
+    assert parse("org/name:Q4_K_M@refs/pr/12") == ("org/name", "refs/pr/12", "Q4_K_M", None)
+    assert parse("org/name/sub/m-Q8_0.gguf@refs/pr/3") == ("org/name", "refs/pr/3", None, "sub/m-Q8_0.gguf")
+    assert parse("org/name@refs/heads/feature/x-1.2") == ("org/name", "refs/heads/feature/x-1.2", None, None)
+    assert parse("org/name:Q8_0@refs/tags/v1.0") == ("org/name", "refs/tags/v1.0", "Q8_0", None)
+    for not_a_ref in ("refs/pr/x", "refs/pr/1/2", "refs/other/1", "refs/heads/", "refs/heads/../../x", "pr/1", ".."):
+        assert parse(f"org/name@{not_a_ref}") is None, not_a_ref
     for not_an_id in ("/abs/m", "~/models/m", "./m/x", "a/b/c", "model", "a--b/c", "a/b:c/d"):
         assert parse(not_an_id) is None, not_an_id
     # a local path that exists wins over the id it spells
@@ -418,6 +441,7 @@ out["tokens"] = mlx_dflash.generate(e, "def fibonacci(n):", max_tokens=16, adapt
 out["draft_block"] = e.draft.block_size
 out["gguf"] = str(resolve("test-org/tiny-GGUF:F32"))
 out["split"] = str(resolve("test-org/split-GGUF:BF16"))
+out["pr"] = str(resolve("test-org/tiny-draft@refs/pr/1"))
 for spec in ("test-org/missing", "test-org/gated", "test-org/tiny-target@nope", "test-org/tiny-GGUF/other.gguf"):
     try:
         resolve(spec)
@@ -446,7 +470,7 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
         {
             "test-org/tiny-target": {"c" * 40: {"refs": ["main"], "files": {**target, **extras}}},
             "test-org/tiny-draft": {
-                "a" * 40: {"refs": ["v1"], "files": {**draft, "config.json": json.dumps(old).encode()}},
+                "a" * 40: {"refs": ["v1", "refs/pr/1"], "files": {**draft, "config.json": json.dumps(old).encode()}},
                 "b" * 40: {"refs": ["main"], "files": draft},
             },
             "test-org/tiny-GGUF": {
@@ -481,6 +505,7 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert "Fetching" in r.stderr  # huggingface_hub's progress bars
     assert out["draft_block"] == 8 and out["gguf"].endswith("/tiny-F32.gguf")
     assert out["split"].endswith("/BF16/" + hub["split"][0])
+    assert out["pr"].endswith("/snapshots/" + "a" * 40)  # a pull request's revision, asked of the Hub as that
     assert "no repo test-org/missing on the Hub" in out["test-org/missing"]
     assert "test-org/gated is gated" in out["test-org/gated"]
     assert "has no revision 'nope'" in out["test-org/tiny-target@nope"]
@@ -496,4 +521,5 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert r2.returncode == 0, r2.stderr
     out2 = json.loads(r2.stdout.strip().splitlines()[-1])
     assert out2["tokens"] == out["tokens"] and out2["draft_block"] == 8 and out2["gguf"] == out["gguf"]
+    assert out2["pr"] == out["pr"]
     assert "not in the Hugging Face cache and the Hub cannot be reached" in out2["test-org/missing"]

@@ -2,7 +2,8 @@
 
 Accepted forms (a local path that exists always wins):
 
-- ``org/name`` and ``org/name@revision`` (branch, tag or commit): a safetensors
+- ``org/name`` and ``org/name@revision`` (branch, tag or commit, or a full ref:
+  ``refs/pr/N`` for a pull request, ``refs/heads/BRANCH``, ``refs/tags/TAG``): a safetensors
   repo; only the files the loaders read are fetched (top-level weights and
   index, config, tokenizer and chat-template files).
 - ``org/name:QUANT`` (as llama.cpp's ``-hf`` and ollama's ``hf.co/`` take it) or
@@ -26,10 +27,13 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "t
 IGNORE_PATTERNS = ["*/*"]  # the loaders read the top level only
 
 _PART = r"[A-Za-z0-9][\w.-]*"
+# A revision: a branch, tag or commit, or a full git ref as huggingface_hub takes
+# one: refs/pr/N (a pull request), refs/heads/BRANCH, refs/tags/TAG (either may hold slashes).
+_REV = r"[\w.-]+|refs/pr/\d+|refs/(?:heads|tags)/[\w.-]+(?:/[\w.-]+)*"
 _HUB_ID = re.compile(
     rf"^(?P<repo>{_PART}/{_PART})"
     rf"(?:(?::(?P<quant>[\w.-]+))|(?:/(?P<file>[^@:]+\.gguf)))?"
-    rf"(?:@(?P<rev>[\w.-]+))?$"
+    rf"(?:@(?P<rev>{_REV}))?$"
 )
 
 
@@ -38,10 +42,12 @@ def parse(spec: str) -> Optional[Tuple[str, Optional[str], Optional[str], Option
     m = _HUB_ID.match(spec)
     if m is None or spec.startswith(("/", ".", "~")):
         return None
-    repo = m["repo"]
+    repo, rev = m["repo"], m["rev"]
     if "--" in repo or ".." in repo or repo.endswith((".", "-")) or len(repo.split("/")[1]) > 96:
         return None
-    return repo, m["rev"], m["quant"], m["file"]
+    if rev is not None and ".." in rev:  # no git ref holds one; in the cache's refs/ it would climb out
+        return None
+    return repo, rev, m["quant"], m["file"]
 
 
 def resolve(path_or_id: Union[str, Path, None]) -> Optional[Path]:
