@@ -1078,9 +1078,12 @@ def convert(
     bmap = {}
     for b in bits or []:
         k, _, v = b.partition("=")
-        if not v.isdigit() or int(v) not in (2, 3, 4, 5, 6, 8):
+        k = k.strip().upper()
+        if not k or not v.isdigit() or int(v) not in (2, 3, 4, 5, 6, 8):
             raise DFlashError(f"--bits takes TYPE=BITS with BITS one of 2, 3, 4, 5, 6, 8, got {b!r}")
-        bmap[k.upper()] = int(v)
+        if bmap.get(k, int(v)) != int(v):
+            raise DFlashError(f"--bits gives {k} two values ({bmap[k]} and {v})")
+        bmap[k] = int(v)
     if bmap and keep_precision:
         raise DFlashError("--keep-precision stores floats: --bits has nothing to requantize then")
     if out.exists() and not out.is_dir():

@@ -603,6 +603,32 @@ def test_convert_refuses_a_folder_and_a_type_the_file_lacks(tok_dir, tmp_path, c
     assert code == 2 and "--keep-precision stores floats" in err
 
 
+def test_convert_bits_that_would_change_nothing_are_refused(tok_dir, tmp_path, capsys):
+    """--bits F32=4 on a file whose F32 tensors are norms and the like (llama.cpp
+    keeps those F32 in every quantized file) was taken and did nothing: the
+    folder came out Q8_0 as without it."""
+    src = DATA / "tiny-qwen35-Q8_0.gguf"  # Q8_0 matrices, F32 norms, A_log, dt bias, conv
+    code, _, err = cli(capsys, "convert", str(src), str(tmp_path / "out"), "--bits", "F32=4")
+    assert code == 2 and "Traceback" not in err, err
+    assert (
+        "--bits F32=4 matches no layer that can be quantized: its F32 tensors (blk.0.attn_norm.weight, "
+        "blk.0.post_attention_norm.weight, blk.0.ssm_a, ...) are norms, biases, convolutions or other tensors "
+        "that are no linear layer's weight and stay float (the types of its linear weights: Q8_0)"
+    ) in err, err
+    assert not (tmp_path / "out").exists()
+    for bits, words in (
+        (["=4"], "--bits takes TYPE=BITS"),
+        (["Q8_0=4", "--bits", "q8_0=8"], "--bits gives Q8_0 two values (4 and 8)"),
+    ):
+        code, _, err = cli(capsys, "convert", str(src), str(tmp_path / "out"), "--bits", *bits)
+        assert code == 2 and words in err, err
+    # In an all-F32 file the F32 tensors include the matrices: F32=4 quantizes them.
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=3), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    _, qcfg = load_gguf_target(convert_hf_to_gguf(hf, tmp_path / "f32.gguf"), bits={"F32": 4}, dtype=mx.float32)
+    assert qcfg["quantization"]["bits"] == 4
+
+
 def test_a_failed_convert_into_an_empty_folder_leaves_it_empty(tok_dir, tmp_path, capsys, monkeypatch):
     """The weights were written when the tokenizer failed: they go, and the
     folder the user made stays (empty), as it was."""

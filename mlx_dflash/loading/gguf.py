@@ -861,6 +861,7 @@ def load_gguf_target(
     t_cfg = cfg["text_config"]
     head_cols_ok = t_cfg["linear_value_head_dim"] % GROUP == 0  # column groups survive the head reorder
     plan, qconf, native = {}, {}, {}
+    asked, linear = set(), set()  # types of ``bits`` requantized as asked; types of linear weights
     for gname, (pname, kind) in names.items():
         tname = tensors[gname].tensor_type.name
         own = default_bits(tname)
@@ -873,11 +874,32 @@ def load_gguf_target(
         for pn in parts(pname, kind):
             mod_path = pn.rsplit(".", 1)[0]
             quantizable = pn.endswith(".weight") and hasattr(mods.get(mod_path), "to_quantized")
+            if quantizable:
+                linear.add(tname)
             gs = GROUP if as_file else _group_size(int(tensors[gname].shape[0]))
             if b is not None and quantizable and gs is not None:
                 mode = "mxfp4" if as_file and tname == "MXFP4" else "affine"
                 plan[pn] = (b, gs, mode)
                 qconf[mod_path] = {"group_size": gs, "bits": b, **({"mode": mode} if mode != "affine" else {})}
+                asked.add(tname)
+    idle = sorted(set(bits or ()) - asked)
+    if idle and not keep_precision:  # a --bits that would change nothing is a mistake, not a no-op
+        t = idle[0]
+        held_t = sorted(g for g in names if tensors[g].tensor_type.name == t)
+        if not held_t:
+            why = "tensors of the MTP blocks, which are skipped"
+        elif t in linear:
+            why = (
+                "linear weights that cannot be stored so (rows that no group of 64 or 32 divides, "
+                "or heads reordered across the groups)"
+            )
+        else:
+            why = "norms, biases, convolutions or other tensors that are no linear layer's weight and stay float"
+        shown = f" ({', '.join(held_t[:3])}{', ...' if len(held_t) > 3 else ''})" if held_t else ""
+        raise DFlashError(
+            f"GGUF {path}: --bits {t}={bits[t]} matches no layer that can be quantized: its {t} tensors{shown} "
+            f"are {why} (the types of its linear weights: {', '.join(sorted(linear)) or 'none'})"
+        )
     if plan:
         nn.quantize(model, class_predicate=lambda p, m: qconf.get(p, False))
     # The shapes the metadata gives every parameter (placeholders, never
