@@ -11,7 +11,7 @@ from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
 from .errors import DFlashError, check_text, token_ids
 from .loading import (
-    check_adapter_files,
+    check_adapter_fit,
     check_draft_fit,
     load_draft,
     load_target,
@@ -153,7 +153,7 @@ def load(
         dtype = dtype or mx.float32
     model, draft = resolve(model), resolve(draft)
     if adapter_path is not None:
-        adapter_path = check_adapter_files(adapter_path)  # before a load the adapters would not fit anyway
+        adapter_path = check_adapter_fit(adapter_path, model)  # before a load the adapters would not fit anyway
     stage, tok_dir = None, None
     if pipeline:
         from .distributed import Pipeline, load_stage

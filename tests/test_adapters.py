@@ -2,6 +2,7 @@
 checked against mlx-lm's own load(..., adapter_path=...)."""
 
 import json
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -16,11 +17,13 @@ from tools import tiny
 PROMPT = [1, 5, 9, 33, 71, 100, 4, 8, 200, 301, 17]
 
 
-def write_adapters(model_dir, out, kind: str, num_layers: int = 2, seed: int = 0):
+def write_adapters(model_dir, out, kind: str, num_layers: int = 2, seed: int = 0, keys=None, config_keys="same"):
     """An adapter folder as `mlx_lm.lora` leaves it after training: mlx-lm's
     own layer conversion, the trainable parameters saved, its config file
     with the trainer's defaults. Training is stood in for by random values
-    (a fresh LoRA's B is zero: it would change nothing)."""
+    (a fresh LoRA's B is zero: it would change nothing). ``keys``: the
+    lora_parameters.keys trained (default: mlx-lm's, every linear layer);
+    ``config_keys``: those the config file says, where another differs."""
     import mlx_lm
     from mlx_lm.lora import CONFIG_DEFAULTS
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -29,6 +32,8 @@ def write_adapters(model_dir, out, kind: str, num_layers: int = 2, seed: int = 0
     model, _ = mlx_lm.load(str(model_dir))
     model.freeze()
     params = {"rank": 4, "dropout": 0.0, "scale": 10.0}
+    if keys is not None:
+        params["keys"] = keys
     if kind == "full":
         for layer in model.layers[-num_layers:]:
             layer.unfreeze()
@@ -40,7 +45,11 @@ def write_adapters(model_dir, out, kind: str, num_layers: int = 2, seed: int = 0
     out.mkdir(parents=True)
     mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
     config = dict(CONFIG_DEFAULTS, model=str(model_dir), fine_tune_type=kind, num_layers=num_layers)
-    config["lora_parameters"] = params
+    config["lora_parameters"] = dict(params)
+    if config_keys != "same":
+        config["lora_parameters"].pop("keys", None)
+        if config_keys is not None:
+            config["lora_parameters"]["keys"] = config_keys
     save_config(config, out / "adapter_config.json")
     return out
 
@@ -148,3 +157,42 @@ def test_chat_and_serve_take_adapter_path(tmp_path, capsys):
     assert code == 2 and err.strip() == f"error: adapter path does not exist: {tmp_path / 'nope'}"
     last = _serve_load_error("--adapter-path", str(tmp_path / "nope"))
     assert last == f"error: adapter path does not exist: {tmp_path / 'nope'}"
+
+
+def test_dora_on_the_experts_of_an_moe_target_is_refused_before_the_load(moe, tok_dir, tmp_path, capsys, monkeypatch):
+    """mlx-lm has no DoRA form of expert (SwitchLinear) layers: the adapters
+    were refused after the target's weights were read, as adapters "that do not
+    fit this model" ("ValueError: SwitchLinear doesn't support DoRA yet.")."""
+    import mlx_lm
+    from test_cli import cli
+
+    import mlx_dflash.api
+    from mlx_dflash.loading import load_target
+
+    cfg, model = moe
+    path = tiny.save_mlx(model, cfg, tmp_path / "m", tokenizer_dir=tok_dir)
+    # DoRA on the attention and the router (plain linear layers) works, as mlx-lm's does.
+    keys = ["self_attn.q_proj", "self_attn.v_proj", "linear_attn.in_proj_qkv", "mlp.gate"]
+    fine = write_adapters(path, tmp_path / "fine", "dora", keys=keys)
+    ref, _ = mlx_lm.load(str(path), adapter_path=str(fine))
+    got = mlx_dflash.load(path, adapter_path=fine).target(PROMPT)
+    np.testing.assert_allclose(np.array(got), np.array(ref(mx.array([PROMPT]))[0]), atol=1e-4, rtol=0)
+    # Its config saying no keys (mlx-lm's default: every layer, experts too), or naming an expert layer.
+    for name, config_keys in (("default", None), ("experts", keys + ["mlp.switch_mlp.gate_proj"])):
+        adapters = write_adapters(path, tmp_path / name, "dora", keys=keys, config_keys=config_keys)
+        words = (
+            f"{adapters / 'adapter_config.json'}: a DoRA adapter (fine_tune_type 'dora') cannot apply to this "
+            "MoE target: it would adapt the target's mixture-of-experts layers (layers.2.mlp.switch_mlp."
+        )
+        with pytest.raises(DFlashError, match=re.escape(words)):
+            load_target(path, adapter_path=adapters)  # after the load too (a pipeline stage loads first)
+
+        def loaded(*a, **k):
+            raise AssertionError("the target was loaded before the adapters were checked")
+
+        with monkeypatch.context() as mp:
+            mp.setattr(mlx_dflash.api, "load_target", loaded)
+            with pytest.raises(DFlashError, match=re.escape(words)):
+                mlx_dflash.load(path, adapter_path=adapters)
+        code, _, err = cli(capsys, "generate", "-m", str(path), "--adapter-path", str(adapters), "-n", "2", "hi")
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

@@ -19,6 +19,7 @@ from .hf import load_tokenizer as load_folder_tokenizer
 __all__ = [
     "apply_adapters",
     "check_adapter_files",
+    "check_adapter_fit",
     "load_draft",
     "load_target",
     "load_tokenizer",
@@ -93,6 +94,61 @@ def check_adapter_files(path) -> Path:
     return p
 
 
+def _adapter_config(p: Path) -> dict:
+    return json.loads((p / ADAPTER_FILES[0]).read_text())  # read and checked by check_adapter_files
+
+
+def dora_expert_layers(model, adapter_cfg: dict) -> list:
+    """The mixture-of-experts layers (SwitchLinear) of ``model`` that mlx-lm's
+    ``load_adapters`` would turn into DoRA layers for this adapter config: it
+    has no DoRA form for them ("SwitchLinear doesn't support DoRA yet"). The
+    layers picked as it picks them: ``lora_parameters.keys`` (default: every
+    linear, expert and embedding layer) of the last ``num_layers`` blocks,
+    and keys that name a module by its full path."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    if adapter_cfg.get("fine_tune_type", "lora") != "dora":
+        return []
+    experts = (SwitchLinear, QuantizedSwitchLinear)
+    keys = adapter_cfg["lora_parameters"].get("keys")
+    blocks = list(enumerate(model.layers))[-max(adapter_cfg["num_layers"], 0) :]
+    found = [
+        f"layers.{i}.{k}"
+        for i, layer in blocks
+        for k, m in layer.named_modules()
+        if isinstance(m, experts) and (keys is None or k in keys)
+    ]
+    if keys is not None:
+        found += [k for k, m in model.named_modules() if isinstance(m, experts) and k in keys]
+    return found
+
+
+def _refuse_dora_experts(p: Path, found: list) -> None:
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise DFlashError(
+            f"{p / ADAPTER_FILES[0]}: a DoRA adapter (fine_tune_type 'dora') cannot apply to this MoE target: "
+            f"it would adapt the target's mixture-of-experts layers ({shown}), and mlx-lm has no DoRA form of "
+            "expert layers; use a LoRA adapter, or a DoRA one whose lora_parameters.keys leave out the experts"
+        )
+
+
+def check_adapter_fit(path, model) -> Path:
+    """The adapter folder ``path`` checked (:func:`check_adapter_files`) and,
+    a DoRA adapter that would adapt the expert layers of the MoE target at
+    ``model``, refused from the configs and shapes before the target's weights
+    are read (:func:`apply_adapters` refuses it too, for callers that load first)."""
+    p = check_adapter_files(path)
+    cfg = _adapter_config(p)
+    if cfg.get("fine_tune_type", "lora") != "dora" or not (text_config(model).get("num_experts") or 0):
+        return p
+    from .gguf import lazy_target
+
+    shapes = lazy_target(gguf_config(open_gguf(model))) if is_gguf(model) else load_folder_target(model, lazy=True)
+    _refuse_dora_experts(p, dora_expert_layers(shapes.model, cfg))
+    return p
+
+
 def apply_adapters(model, path) -> None:
     """Apply mlx-lm fine-tuning adapters (LoRA, DoRA or full, as ``mlx_lm.lora``
     saves them) to an mlx-lm model in place, by mlx-lm's own ``load_adapters``:
@@ -105,6 +161,7 @@ def apply_adapters(model, path) -> None:
         mx.load(str(p / ADAPTER_FILES[1]))
     except Exception as e:
         raise DFlashError(f"cannot read {p / ADAPTER_FILES[1]}: {' '.join(str(e).split())}") from None
+    _refuse_dora_experts(p, dora_expert_layers(model, _adapter_config(p)))
     try:
         load_adapters(model, str(p))
     except Exception as e:  # mlx-lm raises ValueError/KeyError for adapters of another model
