@@ -790,7 +790,10 @@ def train_draft_cmd(
     ),
     text_field: str = typer.Option("text", "--text-field", help="JSONL field holding the text."),
     feature_cache: Optional[Path] = typer.Option(
-        None, "--feature-cache", help="Folder to cache target features in, so reruns skip the target."
+        None,
+        "--feature-cache",
+        help="Folder to keep the target features in, so reruns skip the target (default: a temporary "
+        "file, removed at the end; features go to disk as they are computed, not to memory).",
     ),
     resume: bool = typer.Option(
         False,
