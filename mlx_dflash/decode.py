@@ -662,7 +662,8 @@ def speculative(c: GenerationConfig, sampler: Sampler) -> bool:
 
 
 def check_prompt(target, prompt: Sequence[int], c: GenerationConfig) -> int:
-    """Refuse a prompt that is empty or fills the context; returns the context limit."""
+    """Refuse a prompt that is empty or fills the context, and token ids of
+    ``c`` outside the vocabulary; returns the context limit."""
     max_context = c.max_context or target.max_context
     if max_context > target.max_context:
         raise DFlashError(f"max_context {max_context} is beyond the model's context of {target.max_context} tokens")
@@ -674,6 +675,9 @@ def check_prompt(target, prompt: Sequence[int], c: GenerationConfig) -> int:
         raise DFlashError(f"prompt token id {bad[0]!r} is not a token of this model (ids are integers 0..{V - 1})")
     if len(prompt) >= max_context:
         raise DFlashError(f"prompt has {len(prompt)} tokens; the context limit is {max_context}")
+    bad = [t for t in c.xtc_special_tokens if not 0 <= t < V]
+    if bad:  # the sampler gathers their logits: an id past the vocabulary would read outside them
+        raise DFlashError(f"xtc_special_tokens: {bad[0]} is not a token of this model (ids are 0..{V - 1})")
     return max_context
 
 

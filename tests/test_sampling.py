@@ -262,3 +262,11 @@ def test_xtc_through_every_mode_and_interface(capsys):
     assert out.rstrip("\n") == plain.text
     code, _, err = cli(capsys, "generate", "--temp", "1", "--xtc-threshold", "0.9", "x")
     assert code == 2 and "xtc_threshold (--xtc-threshold) must be in [0, 0.5]" in err
+    # Tokens XTC never cuts must be tokens of the model: the sampler gathers their logits.
+    V = eng.target.vocab_size
+    for call, bad in (
+        (lambda: mlx_dflash.generate(eng, "def f(x):", **{**kw, "xtc_special_tokens": (1, V)}), V),
+        (lambda: mlx_dflash.batch_generate(eng, ["def f(x):"], **{**kw, "xtc_special_tokens": (V + 5,)}), V + 5),
+    ):
+        with pytest.raises(DFlashError, match=f"xtc_special_tokens: {bad} is not a token of this model"):
+            call()
