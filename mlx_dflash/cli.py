@@ -13,6 +13,7 @@ import typer
 from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
 from .errors import DFlashError, check_positive, writable_folder
+from .files import left_only_if_used
 from .sampling import DEFAULT_ACCEPT_RULE
 
 app = typer.Typer(
@@ -992,53 +993,56 @@ def bench(
         raise DFlashError("--tree-topk shapes a tree: give --tree-budget too, or drop it")
     if not name or Path(name).name != name or name in (".", ".."):
         raise DFlashError(f"--name must be a plain file name (the results go to --out), got {name!r}")
-    writable_folder(out, "results folder (--out)")  # now rather than after the whole run
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)
         blas.ensure_openblas(blas_mode, argv=[sys.executable, "-m", "mlx_dflash"] + sys.argv[1:])
-    with_plot = can_plot()
-    if not with_plot:  # said now, not after a run of many minutes
-        typer.echo(f"mlx-dflash: no matplotlib: {name}.png is not drawn (pip install 'mlx-dflash[bench]')", err=True)
-    texts = read_prompts(prompts)
-    load_engine = _engine_loader(
-        model, draft, dtype=dtype, compile_=compile_, pipeline=pipeline, pipeline_timeout=pipeline_timeout
-    )
-    if load_engine is None:
-        return
-    typer.echo(f"BLAS: {blas.describe()}", err=True)
-    engine = load_engine()
-    _say_draft_hint(engine)
-    if engine.draft is not None:
-        gen.validate(engine.draft)
-    second = None
-    if draft2 is not None:
-        import mlx.core as mx
-
-        from .loading import load_draft
-
-        # as load() does for the first: the embedded pair runs in float32
-        second = load_draft(
-            _local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None)
+    with left_only_if_used(out):  # a failed run leaves no empty results folder it made
+        writable_folder(out, "results folder (--out)")  # now rather than after the whole run
+        with_plot = can_plot()
+        if not with_plot:  # said now, not after a run of many minutes
+            typer.echo(
+                f"mlx-dflash: no matplotlib: {name}.png is not drawn (pip install 'mlx-dflash[bench]')", err=True
+            )
+        texts = read_prompts(prompts)
+        load_engine = _engine_loader(
+            model, draft, dtype=dtype, compile_=compile_, pipeline=pipeline, pipeline_timeout=pipeline_timeout
         )
-        second.compiled = compile_
-        gen.validate(second)
-    res = run_bench(
-        engine,
-        texts,
-        max_tokens=max_tokens,
-        repeats=repeats,
-        block_size=gen.block_size,
-        chat_template=chat_template,
-        tree_budget=tree_budget,
-        tree_topk=gen.tree_topk,
-        log=lambda s: typer.echo(s, err=True),
-        pipeline=pipeline,
-        draft2=second,
-        draft2_path=draft2,
-        contexts=context or (),
-        adaptive=gen.adaptive,
-    )
-    for p in write_results(res, out, name, with_plot=with_plot):
-        typer.echo(f"wrote {p}")
+        if load_engine is None:
+            return
+        typer.echo(f"BLAS: {blas.describe()}", err=True)
+        engine = load_engine()
+        _say_draft_hint(engine)
+        if engine.draft is not None:
+            gen.validate(engine.draft)
+        second = None
+        if draft2 is not None:
+            import mlx.core as mx
+
+            from .loading import load_draft
+
+            # as load() does for the first: the embedded pair runs in float32
+            second = load_draft(
+                _local(draft2), engine.target, dtype=_dtype(dtype) or (mx.float32 if model is None else None)
+            )
+            second.compiled = compile_
+            gen.validate(second)
+        res = run_bench(
+            engine,
+            texts,
+            max_tokens=max_tokens,
+            repeats=repeats,
+            block_size=gen.block_size,
+            chat_template=chat_template,
+            tree_budget=tree_budget,
+            tree_topk=gen.tree_topk,
+            log=lambda s: typer.echo(s, err=True),
+            pipeline=pipeline,
+            draft2=second,
+            draft2_path=draft2,
+            contexts=context or (),
+            adaptive=gen.adaptive,
+        )
+        for p in write_results(res, out, name, with_plot=with_plot):
+            typer.echo(f"wrote {p}")
 
 
 @app.command()

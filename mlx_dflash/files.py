@@ -35,3 +35,29 @@ def write_text(path, text: str) -> None:
     """``path``'s text replaced whole (see :func:`written_whole`)."""
     with written_whole(path) as tmp:
         tmp.write_text(text)
+
+
+@contextmanager
+def left_only_if_used(*folders) -> Iterator[None]:
+    """Of ``folders`` (None skipped), those not there yet, with the parents
+    made for them, are removed again if the block raises and leaves them
+    empty: a failed run leaves behind no empty folder it made."""
+    new = []  # (folder, the highest of its parents not there yet)
+    for f in folders:
+        if f is None:
+            continue
+        p = top = Path(f).expanduser().absolute()
+        while not top.parent.exists() and top.parent != top:
+            top = top.parent
+        if not p.exists():
+            new.append((p, top))
+    try:
+        yield
+    except BaseException:
+        for p, top in new:
+            while p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+                if p == top:
+                    break
+                p = p.parent
+        raise

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from .errors import DFlashError, check_positive, writable_folder
-from .files import write_text, written_whole
+from .files import left_only_if_used, write_text, written_whole
 from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
 
@@ -517,15 +517,8 @@ def train_draft(target_path, out, **options) -> dict:
     ``config`` (a :class:`TrainConfig`), ``engine`` (the target, loaded),
     ``log`` (a function of one line). A run that fails leaves no folder it
     made empty behind."""
-    folders = [Path(f).expanduser() for f in (out, options.get("feature_cache")) if f is not None]
-    new = [f for f in folders if not f.exists()]
-    try:
+    with left_only_if_used(out, options.get("feature_cache")):
         return _train_draft(target_path, out, **options)
-    except BaseException:
-        for f in new:
-            if f.is_dir() and not any(f.iterdir()):
-                f.rmdir()
-        raise
 
 
 def _train_draft(

@@ -321,3 +321,12 @@ def test_batch_bench_recommendation():
     assert bb.recommend(res)["max_batch"] == 8  # 4's slowest request finishes after the queue's
     res["rows"] = [row(1, 0.9, 1.1), row(2, 0.8, 1.3)]
     assert bb.recommend(res)["max_batch"] == 1
+
+
+def test_a_bench_that_fails_leaves_no_results_folder_it_made(tmp_path, capsys):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.txt").write_bytes("caf\xe9".encode("latin-1"))  # refused once the run started
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompts", str(tmp_path / "p"), "-n", "2", "--out", str(tmp_path / "new" / "o")])
+    assert e.value.code == 2 and "is not UTF-8 text" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
