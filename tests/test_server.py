@@ -561,6 +561,21 @@ BAD = [
         "response_format",
     ),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "echo": True}, 400, "'echo'"),
+    # The engine's own fields beyond the dialect's, in every dialect: checked, never dropped.
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "accept_rule": "bogus"}, 400, "accept_rule"),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "repetition_context_size": -5},
+        400,
+        "repetition",
+    ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 4, "messages": MSG, "min_tokens_to_keep": 0},
+        400,
+        "min_tokens",
+    ),
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "accept_rule": "bogus"}, 400, "accept_rule"),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "best_of": 3}, 400, "one completion"),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": ["a", "b"]}, 400, "one prompt per request"),
     (

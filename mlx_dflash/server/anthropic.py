@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, Server, cut_short, error_body, off_loop, read_request, sse
+from .app import APIError, EngineSampling, Server, cut_short, error_body, off_loop, read_request, sse
 from .tools import OutputParser
 
 router = APIRouter()
@@ -61,19 +61,12 @@ class CountRequest(_Model):
     output_config: Optional[Dict[str, Any]] = None  # read to refuse a structured-output format
 
 
-class MessagesRequest(CountRequest):
+class MessagesRequest(CountRequest, EngineSampling):
     max_tokens: int
     stop_sequences: Optional[List[str]] = None
     stream: Optional[bool] = False
     temperature: Optional[float] = Field(default=None, ge=0, le=1)  # Anthropic's range
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    # Not in Anthropic's API; accepted as the other dialects accept them.
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    xtc_probability: Optional[float] = None
-    xtc_threshold: Optional[float] = None
-    seed: Optional[int] = None
 
 
 def _text(blocks, where: str) -> str:

@@ -24,6 +24,25 @@ from .worker import SHUTDOWN, Job, QueueFull, Worker
 # The temperature range OpenAI's chat, completions and Responses APIs accept (Anthropic's is 0-1).
 OpenAITemperature = Annotated[Optional[float], Field(ge=0, le=2)]
 
+
+class EngineSampling(BaseModel):
+    """The engine's sampling fields that the dialects' own APIs lack, by
+    GenerationConfig's names (``config.SAMPLING``): every dialect takes all
+    of them, so a request may set whatever the command line sets (a field
+    left out of here would be dropped as unknown, and its reply would quietly
+    ignore it). Each dialect adds temperature and top_p, its own ranges."""
+
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    min_tokens_to_keep: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    repetition_context_size: Optional[int] = None
+    xtc_probability: Optional[float] = None
+    xtc_threshold: Optional[float] = None
+    seed: Optional[int] = None
+    accept_rule: Optional[str] = None
+
+
 log = logging.getLogger("mlx_dflash.server")
 MAX_STOPS, MAX_STOP_CHARS = 64, 1000
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment line: a parser ignores it

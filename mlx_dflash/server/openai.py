@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, OpenAITemperature, Server, cut_short, error_body, off_loop, read_request, sse
+from .app import APIError, EngineSampling, OpenAITemperature, Server, cut_short, error_body, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -58,19 +58,13 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class _Sampling(_Model):
+class _Sampling(_Model, EngineSampling):
     model: Optional[str] = None
     stream: Optional[bool] = False  # null as the SDK may send it: not streamed
     stream_options: Optional[StreamOptions] = None
     max_tokens: Optional[int] = None
     temperature: OpenAITemperature = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    xtc_probability: Optional[float] = None
-    xtc_threshold: Optional[float] = None
-    seed: Optional[int] = None
     stop: Union[str, List[str], None] = None
     n: Optional[int] = Field(1, ge=1, le=1)
     # Read only to refuse them when they would change the reply (see _refuse_unsupported).

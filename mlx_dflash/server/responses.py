@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, OpenAITemperature, Server, cut_short, off_loop, read_request, sse
+from .app import APIError, EngineSampling, OpenAITemperature, Server, cut_short, off_loop, read_request, sse
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -32,7 +32,7 @@ class Reasoning(_Model):
     summary: Optional[str] = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_Model, EngineSampling):
     model: Optional[str] = None
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
@@ -55,13 +55,6 @@ class ResponsesRequest(_Model):
     # Read to refuse them: no log-probabilities are returned.
     top_logprobs: Optional[int] = None
     include: Optional[List[str]] = None
-    # Not in OpenAI's API; accepted as /v1/chat/completions accepts them.
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    xtc_probability: Optional[float] = None
-    xtc_threshold: Optional[float] = None
-    seed: Optional[int] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
