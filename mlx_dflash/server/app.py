@@ -313,7 +313,7 @@ class Server:
                     continue
                 ev, getter = getter.result(), None
                 if ev[0] in ("done", "error"):
-                    done = True
+                    done = job.delivered = True
                     ev = self._cut_as_error(ev)
                 yield ev
                 if done:
@@ -321,9 +321,14 @@ class Server:
         finally:
             if getter is not None:
                 getter.cancel()
-            if not done:
-                job.cancel()
-                self.metrics.record_cancel()
+            self.drop(job)
+
+    def drop(self, job: Job) -> None:
+        """The route is done with ``job``: cancelled, and counted as cancelled
+        once, unless its last event reached the route."""
+        if not job.delivered and not job.cancelled.is_set():
+            self.metrics.record_cancel()
+        job.cancel()
 
     def event_stream(self, chunks: AsyncIterator[str], job: Job) -> StreamingResponse:
         """Server-sent events from ``chunks``, with a keep-alive comment whenever
@@ -360,7 +365,9 @@ class Server:
             finally:
                 if pending is not None:
                     pending.cancel()  # ends ``chunks`` where it waits (its cleanup runs)
-                job.cancel()
+                # Now, not when ``chunks`` is collected: a client gone while a chunk was
+                # sent leaves ``chunks`` (and the events it reads) suspended for good.
+                self.drop(job)
 
         return StreamingResponse(
             body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -110,6 +110,7 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)
     started: Optional[float] = None
     cached_tokens: Optional[int] = None  # prompt tokens restored from the prefix cache, once prefilled
+    delivered: bool = False  # its last event reached the route
 
     def send(self, *event) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
