@@ -143,7 +143,7 @@ class Rows:
 
     def gather(self, start: int, idx: Sequence[int]) -> None:
         """Rows ``idx[i]`` move to ``start + i``."""
-        sel = mx.array(list(idx))
+        sel = mx.array(list(idx), dtype=mx.int32)  # an empty list would be float32
         for b in self.bufs:
             if b is not None:
                 b[:, :, start : start + len(idx)] = b[:, :, sel]

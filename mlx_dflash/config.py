@@ -187,6 +187,11 @@ class GenerationConfig:
             )
         if self.draft_window is not None and min(self.draft_window) < 0:
             raise DFlashError("draft_window (--draft-window, --draft-sink) must be >= 0")
+        if self.draft_window is not None and self.draft_window[1] < 1:  # the CLI's --draft-window 0 is None
+            raise DFlashError(
+                f"draft_window (sink, window): the window of recent rows must be >= 1 (None keeps every row), "
+                f"got {tuple(self.draft_window)}"
+            )
         if self.max_context is not None and self.max_context < 2:
             raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
         if self.block_size is None or self.baseline or draft is NOT_LOADED:

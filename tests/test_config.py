@@ -37,6 +37,7 @@ PROMPT = [3, 17, 42, 5, 99, 7]
         (dict(auto_tree=5000), 16, "must be at most 1024 draft nodes, got 5000"),
         (dict(tree_budget=6, auto_tree=6), 16, "not both"),
         (dict(draft_window=(16, -1)), 16, "draft_window (--draft-window, --draft-sink) must be >= 0"),
+        (dict(draft_window=(0, 0)), 16, "the window of recent rows must be >= 1 (None keeps every row), got (0, 0)"),
         (dict(temperature=-1.0), 16, "temperature (--temp) must be a finite number >= 0"),
         (dict(temperature=float("nan")), 16, "temperature (--temp) must be a finite number >= 0, got nan"),
         (dict(temperature=float("inf")), 16, "temperature (--temp) must be a finite number >= 0, got inf"),
