@@ -803,7 +803,7 @@ class BatchDecoder:
             st.draft_time += t1 - t0  # the batch's draft, verify and rollback time
             st.verify_time += t2 - t1
             st.rollback_time += time.perf_counter() - t2
-            st.add_cycle(len(path), plan.width, d.tic)
+            st.add_cycle(len(out), plan.width, d.tic)  # tokens past EOS or max_tokens are no output
             if not d.finished and d.room() < 1:
                 st.finish_reason = "length"  # context full
             if d.finished and self.queued is not None:  # its queued row is undone; the others' stand

@@ -832,7 +832,7 @@ def decode_loop(d: Decoder, policy: Policy, profile: bool = False) -> Iterator[L
             timed = (plan, d.committed, t0, read)
             nxt = policy.plan(d.room(), d.pos, d.unread()) if not d.finished else plan
             d.prefetch(nxt)
-            stats.add_cycle(d.committed, d.verified, d.tic)
+            stats.add_cycle(len(out), d.verified, d.tic)  # tokens past EOS or max_tokens are no output
             yield out
             plan = nxt
             continue

@@ -1357,3 +1357,18 @@ def test_a_prefix_two_requests_share_is_prefilled_once(engines):
     assert out == [r.tokens for r in want]
     assert stats[0].cached_tokens == 0 and stats[1].cached_tokens == boundary
     assert first_at[2] < first_at[1]  # the unrelated prompt went ahead of the waiting one
+
+
+def test_batch_stats_count_only_the_tokens_handed_out():
+    """A cycle that accepts past max_tokens books only the tokens a request
+    got (its tau counted the rest, 3.0 where 2 tokens were handed out). The embedded pair:
+    its draft is right for whole blocks on this prompt."""
+    engine = mlx_dflash.load()
+    p = "import os\nimport sys\n\n\ndef parse_args(argv):\n    options = {}\n    for arg in argv:\n"
+    for n in (2, 3):
+        got = mlx_dflash.batch_generate(engine, [p, p], max_tokens=n, block_size=13)
+        want = mlx_dflash.generate(engine, p, max_tokens=n, block_size=13)
+        for r in got:
+            assert r.tokens == want.tokens
+            assert 1 + sum(r.stats.cycle_commits) == r.stats.generated_tokens == n
+            assert r.stats.tau == sum(r.stats.cycle_commits) / len(r.stats.cycle_commits)

@@ -130,6 +130,10 @@ def test_eos_stops_and_is_never_overshot(dense):
         out, stats = run(target, prompt, N, draft=d, block_size=16 if d else None, eos_token_ids=[eos])
         assert out == ref[: first + 1]
         assert stats.finish_reason == "stop"
+        # Stats count what was handed out: the oracle's block ran past EOS, and the
+        # tokens it accepted there are no output (tau counted them before).
+        assert 1 + sum(stats.cycle_commits) == stats.generated_tokens == len(out)
+        assert sum(n * c for n, c in enumerate(stats.accept_hist)) == sum(stats.cycle_commits)
 
 
 @pytest.mark.parametrize("profile", [False, True])
