@@ -783,6 +783,8 @@ def _generate_tokens(
     prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary, progress=prompt_progress_callback)
     yield d.emit([d.anchor])
     if d.finished:  # the first token was EOS, or max_tokens == 1
+        if prefix_run is not None:  # the next turn restores prompt and reply, as after a longer one
+            prefix_run.finish(d.history, d.pending_features())
         return
     d.tic = time.perf_counter()
     try:

@@ -512,3 +512,18 @@ def test_requests_with_other_draft_windows_keep_snapshots_of_their_own(engines):
         assert r.tokens == mlx_dflash.generate(eng, prompt, **kw).tokens
         runs.setdefault(window, []).append(r.stats.cached_tokens)
     assert runs == {(32, 4): [0, len(prompt) - 1], (16, 2): [0, len(prompt) - 1]}
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain"])
+def test_a_one_token_reply_is_snapshotted_as_a_longer_one(engines, mode):
+    """max_tokens=1 (or a first token that is EOS) ends right after the
+    prefill: the next turn still restores prompt and reply but one token."""
+    eng = engines["dense"]
+    kw = dict(MODES[mode], max_tokens=1)
+    prompt = ids(7, 40)
+    pc = PrefixCache()
+    first = mlx_dflash.generate(eng, prompt, prefix_cache=pc, **kw)
+    nxt = prompt + first.tokens + ids(8, 6)
+    warm = mlx_dflash.generate(eng, nxt, prefix_cache=pc, **dict(kw, max_tokens=4))
+    assert warm.stats.cached_tokens == len(prompt) + len(first.tokens) - 1
+    assert warm.tokens == mlx_dflash.generate(eng, nxt, **dict(kw, max_tokens=4)).tokens
