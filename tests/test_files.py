@@ -24,7 +24,11 @@ def test_writers_get_names_of_their_own_with_the_format_suffix(tmp_path):
         # MLX appends .safetensors to a name without it: the temporary name must have it already.
         mx.save_safetensors(str(a), {"x": mx.arange(3)})
         mx.save_safetensors(str(b), {"x": mx.arange(4)})
-    assert mx.load(str(path), format="safetensors")["x"].tolist() == [0, 1, 2]  # the outer block ends last: its rename wins
+    assert mx.load(str(path), format="safetensors")["x"].tolist() == [
+        0,
+        1,
+        2,
+    ]  # the outer block ends last: its rename wins
     assert [p.name for p in tmp_path.iterdir()] == ["cache.bin"]
 
 
