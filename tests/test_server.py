@@ -240,6 +240,39 @@ def test_sampling_settings_and_seed_equal_generate(server, engine):
     assert m.content[0].text == want.text
 
 
+def test_text_parts_are_joined_alike_in_every_dialect(server):
+    """A system prompt given as several text parts renders one prompt in every
+    dialect (Anthropic's blocks were joined with newlines, the others' parts not)."""
+    parts = [{"type": "text", "text": "You are"}, {"type": "text", "text": " a coder."}]
+    counts = {}
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"x-api-key": KEY},
+        json={"model": "mlx-dflash", "max_tokens": 1, "messages": [{"role": "system", "content": parts}, MSG[0]]},
+    )
+    counts["chat"] = r.json()["usage"]["prompt_tokens"]
+    r = httpx.post(
+        server.url + "/v1/responses",
+        headers={"x-api-key": KEY},
+        json={
+            "model": "mlx-dflash",
+            "max_output_tokens": 1,
+            "input": [
+                {"role": "system", "content": [{"type": "input_text", "text": p["text"]} for p in parts]},
+                {"role": "user", "content": MSG[0]["content"]},
+            ],
+        },
+    )
+    counts["responses"] = r.json()["usage"]["input_tokens"]
+    r = httpx.post(
+        server.url + "/v1/messages/count_tokens",
+        headers={"x-api-key": KEY},
+        json={"model": "mlx-dflash", "system": parts, "messages": MSG},
+    )
+    counts["messages"] = r.json()["input_tokens"]
+    assert len(set(counts.values())) == 1, counts
+
+
 def test_xtc_min_p_and_repetition_penalty_in_every_dialect(server, engine):
     """mlx-lm's extra sampling fields reach the sampler from each dialect
     (/v1/messages ignored min_p and repetition_penalty before)."""

@@ -79,7 +79,7 @@ def _text(blocks, where: str) -> str:
         if b.type != "text" or b.text is None:
             raise APIError(400, f"{where}: only text blocks are supported here, got '{b.type}'")
         out.append(b.text)
-    return "\n".join(out)
+    return "".join(out)  # as the other dialects (and mlx-lm, and the chat template itself) join parts
 
 
 def template_messages(req: CountRequest) -> List[dict]:
