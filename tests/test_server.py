@@ -273,6 +273,24 @@ def test_text_parts_are_joined_alike_in_every_dialect(server):
     assert len(set(counts.values())) == 1, counts
 
 
+def test_count_tokens_counts_a_conversation_past_the_context(server):
+    """A client counts tokens to learn whether its conversation still fits (and
+    compacts it if not): a count past the context limit is a count, not a 400."""
+    long = [{"role": "user", "content": "a " * 4200}]
+    r = httpx.post(
+        server.url + "/v1/messages/count_tokens",
+        headers={"x-api-key": KEY},
+        json={"model": "mlx-dflash", "messages": long},
+    )
+    assert r.status_code == 200 and r.json()["input_tokens"] > 4200
+    r = httpx.post(
+        server.url + "/v1/messages",
+        headers={"x-api-key": KEY},
+        json={"model": "mlx-dflash", "max_tokens": 4, "messages": long},
+    )
+    assert r.status_code == 400 and "context limit" in r.json()["error"]["message"]
+
+
 def test_xtc_min_p_and_repetition_penalty_in_every_dialect(server, engine):
     """mlx-lm's extra sampling fields reach the sampler from each dialect
     (/v1/messages ignored min_p and repetition_penalty before)."""

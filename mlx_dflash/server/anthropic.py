@@ -141,7 +141,7 @@ def _template_kwargs(req: CountRequest) -> Dict[str, Any]:
     return {}
 
 
-def _prompt(server: Server, req: CountRequest):
+def _prompt(server: Server, req: CountRequest, check: bool = True):
     fmt = (req.output_config or {}).get("format")
     if fmt:
         raise APIError(400, "output_config.format is not supported by this server; only plain text")
@@ -152,7 +152,7 @@ def _prompt(server: Server, req: CountRequest):
     if last.get("role") == "assistant" and not last.get("tool_calls") and not last.get("reasoning_content"):
         # A final assistant message is the start of the reply, which the model continues.
         prefill = messages.pop()["content"]
-    ids, thinking = server.render_chat(messages, tools, _template_kwargs(req), prefill)
+    ids, thinking = server.render_chat(messages, tools, _template_kwargs(req), prefill, check)
     return ids, thinking, tools
 
 
@@ -179,7 +179,8 @@ async def count_tokens(request: Request):
     server: Server = request.app.state.server
     req = await read_request(request, CountRequest, server.settings.max_body_bytes)
     server.check_model(req.model)
-    ids, _, _ = await off_loop(_prompt, server, req)
+    # Any length: a client counts to learn whether its conversation still fits.
+    ids, _, _ = await off_loop(_prompt, server, req, False)
     return {"input_tokens": len(ids)}
 
 

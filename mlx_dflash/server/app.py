@@ -210,10 +210,12 @@ class Server:
         tools: Optional[List[dict]],
         template_kwargs: Optional[Dict[str, Any]],
         prefill: str = "",
+        check: bool = True,
     ) -> Tuple[List[int], bool]:
         """Token ids of the chat prompt, and whether the template left a reasoning block open.
         ``prefill``: the start of the assistant's reply, which the model continues (the
-        template's generation prompt, then this text)."""
+        template's generation prompt, then this text). ``check``: refuse a prompt that is
+        empty or fills the context (a count of its tokens takes any)."""
         tok = self.tokenizer
         if getattr(tok, "chat_template", None) is None:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
@@ -231,7 +233,8 @@ class Server:
             raise APIError(400, f"the chat template rejected the messages: {e}") from None
         text += prefill
         ids = list(tok.encode(text, add_special_tokens=False))
-        self.check_prompt(ids)
+        if check:
+            self.check_prompt(ids)
         # Only what the template adds for the reply (and the prefill) can open a
         # reasoning block: a "<think>" in a message's own text does not.
         added = text[len(before) :] if text.startswith(before) else text
