@@ -712,6 +712,7 @@ def chat(
         "(// sends a message that starts with /).",
         err=True,
     )
+    interrupted = False
     while True:
         try:
             if sys.stdout.isatty():
@@ -720,8 +721,11 @@ def chat(
                 sys.stderr.write(">> ")
                 sys.stderr.flush()
                 line = input()
-        except (EOFError, KeyboardInterrupt):  # end of input, or Ctrl-C at the prompt: the session ends, saved
-            sys.stdout.write("\n")  # the shell's prompt on a line of its own
+        except (EOFError, KeyboardInterrupt) as e:  # end of input, or Ctrl-C at the prompt: the session ends, saved
+            # The shell's prompt on a line of its own, past ours (piped: ours is on stderr,
+            # and stdout holds only the replies).
+            (sys.stdout if sys.stdout.isatty() else sys.stderr).write("\n")
+            interrupted = isinstance(e, KeyboardInterrupt)
             break
         except UnicodeDecodeError as e:
             typer.echo(f"error: the line is not valid UTF-8 text ({e.reason} at byte {e.start})", err=True)
@@ -739,8 +743,10 @@ def chat(
                 typer.echo("(conversation reset)", err=True)
             elif cmd == "/save" and arg.strip():
                 try:
-                    pc.save(arg.strip(), engine)
-                    typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {arg.strip()})", err=True)
+                    to = Path(arg.strip()).expanduser()
+                    _check_output(to, "/save")
+                    pc.save(to, engine)
+                    typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {to})", err=True)
                 except (OSError, DFlashError) as e:
                     typer.echo(f"error: {e}", err=True)
             else:
@@ -755,7 +761,8 @@ def chat(
         except KeyboardInterrupt:  # stop this reply, keep the conversation
             pass
         except DFlashError as e:  # this turn (say, past the context): the session goes on
-            typer.echo(f"error: {e} (/reset starts a new conversation)", err=True)
+            full = "context limit" in str(e)  # only a new conversation gets past that
+            typer.echo(f"error: {e}" + (" (/reset starts a new conversation)" if full else ""), err=True)
             continue
         sys.stdout.write("\n")
         sys.stdout.flush()
@@ -770,6 +777,8 @@ def chat(
     if prompt_cache_file is not None:
         pc.save(prompt_cache_file, engine)
         typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {prompt_cache_file})", err=True)
+    if interrupted:  # as generate's Ctrl-C: a script can tell it from the end of its input
+        raise SystemExit(130)
 
 
 @app.command("train-draft")

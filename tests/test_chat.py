@@ -108,7 +108,7 @@ def test_chat_repl_through_a_pty(tmp_path):
         assert c2 >= p1 and c2 + f2 == p2  # the whole first turn came from the cache
         # A file that cannot be written is reported and the conversation goes on.
         os.write(fd, f"/save {tmp_path / 'missing' / 'x.safetensors'}\n".encode())
-        _read_until(fd, r"error: cannot write the prefix cache")
+        _read_until(fd, r"error: /save .*missing/x.safetensors: the folder .*missing does not exist")
         save = tmp_path / "chat.safetensors"
         os.write(fd, f"/save {save}\n".encode())
         _read_until(fd, r"saved")
@@ -233,6 +233,8 @@ def test_chat_saves_its_prompt_cache_file_at_the_end(tmp_path):
     ]
     for r in runs:
         assert r.returncode == 0 and f"to {cache})" in r.stderr, r.stderr
+    reply = mlx_dflash.ChatSession(mlx_dflash.load()).send("def fib(n):", max_tokens=8).text
+    assert runs[0].stdout == reply + "\n"  # piped: stdout holds only the replies, nothing at the end
     first, second = (re.search(r"\[(\d+) prompt tokens: (\d+) cached", r.stderr).groups() for r in runs)
     assert first[1] == "0" and int(second[1]) > 0  # the second session starts from the first one's file
     r = subprocess.run(cmd[:-1] + [str(tmp_path)], input="", capture_output=True, text=True, env=env, timeout=120)
@@ -247,11 +249,17 @@ def test_a_turn_that_fails_leaves_the_session_going(tmp_path):
     cache = tmp_path / "c.safetensors"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
-    stdin = ("x " * 5000 + "\n").encode() + b"caf\xe9\n" + b"//not a command\n" + b"def fib(n):\n"
+    saves = f"/save {tmp_path}\n/save ~/saved.safetensors\n".encode()
+    stdin = ("x " * 5000 + "\n").encode() + b"caf\xe9\n" + saves + b"//not a command\n" + b"def fib(n):\n"
+    env["HOME"] = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
     r = subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=180)
     err = r.stderr.decode()
     assert r.returncode == 0, err
     assert "error: prompt has" in err and "context limit" in err
+    assert err.count("(/reset starts a new conversation)") == 1  # only where a new one would help
+    assert f"error: /save {tmp_path} is a folder; give a file path" in err
+    assert (tmp_path / "home" / "saved.safetensors").is_file()  # ~ is the user's home, as in the flag
     assert "error: " in err and "UTF-8" in err
     assert err.count("prompt tokens:") == 2  # the "/"-message and the last one were answered
     assert cache.is_file() and "Traceback" not in err
@@ -277,5 +285,5 @@ def test_ctrl_c_at_the_prompt_ends_the_session_and_saves(tmp_path):
     p.send_signal(signal.SIGINT)
     _, rest = p.communicate(timeout=60)
     err = (err + rest).decode()
-    assert p.returncode == 0 and f"to {cache})" in err and "Traceback" not in err, err
+    assert p.returncode == 130 and f"to {cache})" in err and "Traceback" not in err, err  # as generate's Ctrl-C
     assert cache.is_file()
