@@ -1160,6 +1160,10 @@ def info(
     plan = None
     if stages:  # planned first: a split it cannot make is an error before any report
         from .distributed import stage_plan
+        from .loading import is_draft_path
+
+        if is_draft_path(path):
+            raise DFlashError("--stages splits a target over ranks: give a target folder, not a draft folder")
 
         plan = stage_plan(path, stages, draft)
     text, fits = describe(path, draft)

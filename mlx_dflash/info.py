@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from .errors import DFlashError
-from .loading.hf import read_config
+from .loading.hf import is_draft_config, read_config
 
 
 def _size_on_disk(p: Path) -> int:
@@ -38,7 +38,7 @@ def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
         return describe_gguf(p, draft)
     cfg = read_config(p)
     lines = [f"path: {p}"]
-    if "dflash_config" in cfg or {"DFlashDraftModel", "DFlash2DraftModel"} & set(cfg.get("architectures") or []):
+    if is_draft_config(cfg):
         d, _ = read_draft_config(p)  # a field of the wrong kind: one error naming it
         lines += [
             f"kind: {d.kind} draft",

@@ -5,12 +5,15 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from mlx_dflash import blas
 from mlx_dflash.cli import main
 from tools import tiny
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "mlx_dflash" / "default_model"
 
 
 def cli(capsys, *args):
@@ -222,6 +225,9 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--baseline", "--no-adaptive"], "--no-adaptive would do nothing"),
         (["serve", "--no-prompt-cache", "--prompt-cache-bytes", "1000"], "--no-prompt-cache turns off"),
         (["info", str(tmp_path), "--stages", "-1"], "--stages must be 2 or more"),
+        (["info", str(EMBEDDED / "draft"), "--stages", "2"], "--stages splits a target over ranks"),
+        (["info", str(EMBEDDED / "target"), "--draft", str(EMBEDDED / "target")], "is a target model"),
+        (["generate", "hi", "--draft", str(EMBEDDED / "target")], "not a DFlash draft; give the draft's folder"),
         (["generate", "hi", "--tree-topk", "8"], "--tree-topk shapes a tree"),
         (["generate", "hi", "--pipeline-timeout", "5"], "--pipeline-timeout is for --pipeline runs"),
     ]

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
-from .hf import build_draft, read_config, read_draft, safetensors_sizes
+from .hf import build_draft, draft_config, is_draft_config, read_config, read_draft, safetensors_sizes
 from .hf import load_target as load_folder_target
 from .hf import load_tokenizer as load_folder_tokenizer
 
@@ -205,22 +205,25 @@ def check_draft_fit(draft, model) -> None:
     validate_draft(cfg, shapes, where)
 
 
+def is_draft_path(path) -> bool:
+    """Whether the folder ``path`` holds a DFlash draft (by its config.json)."""
+    f = Path(path).expanduser() / "config.json"
+    try:
+        return f.is_file() and is_draft_config(json.loads(f.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def read_draft_config(draft):
     """A draft's DraftConfig from its config.json or GGUF metadata, and the
     place errors name; one DFlashError for a file missing or a field missing
     or of the wrong kind (bad input, not a misfit)."""
-    from ..models.draft import DraftConfig
     from .gguf import gguf_draft_config
 
     check_draft_files(draft)
     p = Path(draft).expanduser()
     raw, where = (gguf_draft_config(open_gguf(p)), str(p)) if is_gguf(p) else (read_config(p, "draft"), str(p))
-    try:
-        return DraftConfig.from_dict(raw), where
-    except KeyError as e:
-        raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"draft {where}: bad field value: {e}") from None
+    return draft_config(raw, where), where
 
 
 def load_draft(path, target, *, quantize_bits: Optional[int] = None, group_size: int = 64, dtype=None):

@@ -281,6 +281,31 @@ def read_draft(path):
     return raw, weights, str(p / "config.json")
 
 
+def is_draft_config(cfg) -> bool:
+    """Whether a config.json's dict is a DFlash draft's (v1 or DFlash 2)."""
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    return isinstance(cfg, dict) and (
+        "dflash_config" in cfg or bool({"DFlashDraftModel", "DFlash2DraftModel"} & set(archs or []))
+    )
+
+
+def draft_config(raw: dict, where: str):
+    """A DraftConfig from a draft's config dict; one DFlashError naming ``where``
+    for a target model's config (given where a draft goes) or a field missing
+    or of the wrong kind."""
+    if not is_draft_config(raw) and raw.get("model_type") in SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"draft {where} is a target model (model_type {raw['model_type']!r}), not a DFlash draft; "
+            "give the draft's folder"
+        )
+    try:
+        return DraftConfig.from_dict(raw)
+    except KeyError as e:
+        raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"draft {where}: bad field value: {e}") from None
+
+
 def build_draft(
     raw: dict,
     weights: dict,
@@ -297,12 +322,7 @@ def build_draft(
 
     ``quantize_bits`` (4 or 8) quantizes the draft's linear layers at load.
     """
-    try:
-        cfg = DraftConfig.from_dict(raw)
-    except KeyError as e:
-        raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"draft {where}: bad field value: {e}") from None
+    cfg = draft_config(raw, where)
     if cfg.vocab_size is None:
         cfg.vocab_size = target.vocab_size  # the selector's codebooks span the target vocab
     validate_draft(cfg, target, where)
