@@ -720,7 +720,12 @@ def chat(
             else:  # piped: stdout holds only the replies
                 sys.stderr.write(">> ")
                 sys.stderr.flush()
-                line = input()
+                # Bytes decoded line by line: a bad byte costs its own line, where input()
+                # decoding a whole buffered chunk lost the lines around it.
+                raw = sys.stdin.buffer.readline()
+                if not raw:
+                    raise EOFError
+                line = raw.decode("utf-8").rstrip("\r\n")
         except (EOFError, KeyboardInterrupt) as e:  # end of input, or Ctrl-C at the prompt: the session ends, saved
             # The shell's prompt on a line of its own, past ours (piped: ours is on stderr,
             # and stdout holds only the replies).

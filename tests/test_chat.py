@@ -287,3 +287,18 @@ def test_ctrl_c_at_the_prompt_ends_the_session_and_saves(tmp_path):
     err = (err + rest).decode()
     assert p.returncode == 130 and f"to {cache})" in err and "Traceback" not in err, err  # as generate's Ctrl-C
     assert cache.is_file()
+
+
+def test_a_bad_byte_costs_only_its_own_line_under_a_strict_utf8_locale():
+    """Piped input is decoded line by line: under a UTF-8 locale (strict, as on
+    a Mac) a bad byte used to lose the whole buffered chunk around it."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env["PYTHONIOENCODING"] = "utf-8:strict"
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "4"]
+    r = subprocess.run(cmd, input=b"def f(x):\n\xff\xfe bad\nimport os\n", capture_output=True, env=env, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert err.count("error: the line is not valid UTF-8 text (invalid start byte at byte 0)") == 1, err
+    assert err.count("prompt tokens:") == 2, err  # both good lines answered
