@@ -1,6 +1,8 @@
 """mlx_lm.generate's flag names work as aliases of ours, with the same effect."""
 
+import io
 import json
+import sys
 
 import pytest
 from test_cli import cli
@@ -180,7 +182,9 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
                 raise EOFError from None
 
         monkeypatch.setattr(mlx_dflash.session, "ChatSession", Session)
-        monkeypatch.setattr(builtins, "input", one_line)
+        monkeypatch.setattr(builtins, "input", one_line)  # a terminal's input
+        piped = type("Stdin", (), {"buffer": io.BytesIO(b"hello\n")})()  # piped input, read as bytes
+        monkeypatch.setattr(sys, "stdin", piped)
         monkeypatch.setattr("mlx_dflash.cli._prefix_cache", lambda *a: None)
         code, _, err = cli(capsys, "chat", *args)
         assert code in (0, None), err
