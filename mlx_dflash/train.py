@@ -175,6 +175,11 @@ def _prompt_buckets(tok, prompts: List[str], seq_len: int) -> dict:
     return dict(sorted(buckets.items()))
 
 
+def _generated_length(n_prompt: int, seq_len: int, gen_tokens: int) -> int:
+    """Tokens of a generated sequence: the prompt's and its continuation, up to ``seq_len``."""
+    return n_prompt + min(gen_tokens, seq_len - n_prompt)
+
+
 def generated_batches(
     engine,
     prompts: List[str],
@@ -191,14 +196,14 @@ def generated_batches(
     Prompts of equal token length decode together in one batch (a plain
     batched greedy loop over the target cache), which costs about as much
     per step as a single sequence on small models. Yields, batch by batch,
-    (sequences, their features [b, len, N*H] or None); a sequence of a
-    ``p``-token prompt is ``p + min(gen_tokens, seq_len - p)`` tokens long.
+    (sequences, their features [b, len, N*H] or None); a sequence is
+    :func:`_generated_length` tokens long.
     """
     target, tok = engine.target, engine.tokenizer
     buckets = _prompt_buckets(tok, prompts, seq_len)
     done, total = 0, sum(len(b) for b in buckets.values())
     for n_prompt, group in buckets.items():
-        n_new = min(gen_tokens, seq_len - n_prompt)
+        n_new = _generated_length(n_prompt, seq_len, gen_tokens) - n_prompt
         for s in range(0, len(group), batch_size):
             batch = mx.array(group[s : s + batch_size])
             cache = target.make_cache()
@@ -293,28 +298,25 @@ def _write_features(path: Path, n: int, L: int, width: int, batches) -> None:
         f.write(np.asarray(tokens, dtype=np.int32).tobytes())
 
 
-def _map_features(path: Path, mode: str = "r"):
-    """(tokens [n, L] int32, features [n, L, W] float32) memory maps of a
-    feature file; ValueError when it is not a whole one."""
+def _map_features(path: Path):
+    """(tokens [n, L] int32, features [n, L, W] float32) read-only memory maps
+    of a feature file; ValueError when it is not a whole one."""
+    from .loading.hf import safetensors_header
+
     path = Path(path)
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size < 1 << 20:
-            raise ValueError("no safetensors header")
-        header = json.loads(f.read(size))
+    header, base = safetensors_header(path)
     t, fe = header.get("tokens"), header.get("features")
     if not isinstance(t, dict) or not isinstance(fe, dict) or (t.get("dtype"), fe.get("dtype")) != ("I32", "F32"):
         raise ValueError("not a feature file (int32 tokens, float32 features)")
     n, L = t["shape"]
     if fe["shape"][:2] != [n, L] or len(fe["shape"]) != 3:
         raise ValueError(f"features of shape {fe['shape']} for tokens of shape {t['shape']}")
-    end = 8 + size + max(fe["data_offsets"][1], t["data_offsets"][1])
+    end = base + max(fe["data_offsets"][1], t["data_offsets"][1])
     sizes = (fe["data_offsets"][1] - fe["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
     if path.stat().st_size < end or sizes != (4 * math.prod(fe["shape"]), 4 * n * L):
         raise ValueError("shorter than its header says")
-    base = 8 + size
-    tokens = np.memmap(path, np.int32, mode, offset=base + t["data_offsets"][0], shape=(n, L))
-    feats = np.memmap(path, np.float32, mode, offset=base + fe["data_offsets"][0], shape=tuple(fe["shape"]))
+    tokens = np.memmap(path, np.int32, "r", offset=base + t["data_offsets"][0], shape=(n, L))
+    feats = np.memmap(path, np.float32, "r", offset=base + fe["data_offsets"][0], shape=tuple(fe["shape"]))
     return tokens, feats
 
 
@@ -630,7 +632,7 @@ def _train_draft(
             batches = zip(chunks, feature_batches(target, seqs, ids, 8, progress))
         else:
             lengths = [
-                p + min(tc.gen_tokens, tc.seq_len - p)
+                _generated_length(p, tc.seq_len, tc.gen_tokens)
                 for p, group in _prompt_buckets(tok, prompts, tc.seq_len).items()
                 for _ in group
             ]

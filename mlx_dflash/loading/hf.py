@@ -10,7 +10,7 @@ import glob
 import json
 import struct
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -180,17 +180,27 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
     return Target(model, config)
 
 
+def safetensors_header(f: Path) -> Tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets)
+    and the offset its data starts at, read without the data; ValueError
+    (or OSError) for a file that has none."""
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("no header")
+        (n,) = struct.unpack("<Q", head)
+        if n > Path(f).stat().st_size:
+            raise ValueError(f"a header of {n} bytes in a file of {Path(f).stat().st_size}")
+        return json.loads(fh.read(n)), 8 + n
+
+
 def safetensors_sizes(folder) -> Dict[str, int]:
     """Tensor name -> bytes, from the headers of a folder's safetensors files (no data read)."""
     sizes = {}
     check_shards(Path(folder).expanduser(), "model")  # a plan of the shards that are there would mislead
     for f in sorted(Path(folder).expanduser().glob("*.safetensors")):
         try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n > f.stat().st_size:
-                    raise ValueError(f"a header of {n} bytes in a file of {f.stat().st_size}")
-                header = json.loads(fh.read(n))
+            header, _ = safetensors_header(f)
             for k, v in header.items():
                 if k != "__metadata__":
                     a, b = v["data_offsets"]

@@ -298,7 +298,6 @@ class Server:
     async def events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
         """The job's events until it ends; cancels it if the client disconnects or we stop early."""
         getter = None
-        done = False
         loop = asyncio.get_running_loop()
         looked = loop.time()
         try:
@@ -316,10 +315,10 @@ class Server:
                     continue
                 ev, getter = getter.result(), None
                 if ev[0] in ("done", "error"):
-                    done = job.delivered = True
+                    job.delivered = True
                     ev = self._cut_as_error(ev)
                 yield ev
-                if done:
+                if job.delivered:
                     return
         finally:
             if getter is not None:
