@@ -298,6 +298,7 @@ class Server:
     async def events(self, job: Job, request: Request) -> AsyncIterator[tuple]:
         """The job's events until it ends; cancels it if the client disconnects or we stop early."""
         getter = None
+        done = False
         loop = asyncio.get_running_loop()
         looked = loop.time()
         try:
@@ -315,10 +316,10 @@ class Server:
                     continue
                 ev, getter = getter.result(), None
                 if ev[0] in ("done", "error"):
-                    job.delivered = True
+                    done = job.delivered = True
                     ev = self._cut_as_error(ev)
                 yield ev
-                if job.delivered:
+                if done:
                     return
         finally:
             if getter is not None:
