@@ -88,8 +88,14 @@ def main():
     check("timings vs mlx-lm", lambda: _timings(report, args.reps))
     # Not a pass/fail check: on the GPU, MLX's own matmul and attention kernels
     # may reduce one row in another order than several (the DeltaNet kernels
-    # do not; tests/test_metal_kernels.py), which is what this measures.
-    report["bf16_verify_rows_vs_single_steps"] = _verify_rows()
+    # do not; tests/test_metal_kernels.py), and its float32 matmuls of several
+    # rows may round through TF32 (MLX_ENABLE_TF32, on unless set to 0), which
+    # is what this measures.
+    report["verify_rows_vs_single_steps"] = {
+        "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32", "unset (on)"),
+        "bfloat16": _verify_rows(mx.bfloat16),
+        "float32": _verify_rows(mx.float32),
+    }
     report["all_ok"] = all(c["ok"] for c in report["checks"].values())
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -101,9 +107,9 @@ def main():
     sys.exit(0 if report["all_ok"] else 1)
 
 
-def _verify_rows():
-    """A bf16 tiny target: per row of an 8-token verify, the largest logit
-    difference from the same token run as a single step (0 = bit-exact,
+def _verify_rows(dtype):
+    """A tiny target in ``dtype``: per row of an 8-token verify, the largest
+    logit difference from the same token run as a single step (0 = bit-exact,
     so speculative greedy output equals plain output on this GPU)."""
     import mlx.core as mx
 
@@ -111,7 +117,7 @@ def _verify_rows():
     from tools import tiny
 
     cfg = tiny.target_config(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
-    target = Target(tiny.build_target(cfg, seed=1, dtype=mx.bfloat16))
+    target = Target(tiny.build_target(cfg, seed=1, dtype=dtype))
     prompt = list(range(3, 300, 7))
     block = [5, 9, 11, 2, 40, 41, 42, 43]
     c1, c2 = target.make_cache(), target.make_cache()

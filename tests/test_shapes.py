@@ -68,6 +68,26 @@ def test_oracle_draft_refuses_another_sequence(small):
             pass
 
 
+def test_a_lenient_oracle_records_the_parting_and_the_output_stays_plain(small):
+    """Benchmarks run the oracle leniently: a parting is recorded (the first
+    anchor position where the target committed another token than the
+    sequence holds), proposals stop, and decoding goes on to the end with the
+    target's own tokens."""
+    from mlx_dflash.decode import generate_tokens
+
+    target, draft = small
+    prompt = shapes.prompt_ids(40, target.vocab_size)
+    ref, _, _ = shapes.mlx_lm_generate(target.model, prompt, 12)
+    wrong = prompt + ref[:5] + [(ref[5] + 1) % target.vocab_size] + ref[6:]
+    oracle = shapes.OracleDraft(wrong, draft, strict=False)
+    out = []
+    for toks in generate_tokens(target, prompt, draft=oracle, max_tokens=12, block_size=4):
+        out.extend(toks)
+    assert out == ref
+    assert oracle.parted_at == len(prompt) + 5  # where the target committed its own token, not the wrong one
+    assert shapes.matching_prefix(out, wrong[len(prompt) :]) == 5
+
+
 def test_mlx_lm_continues_from_the_engines_state(small):
     """long_context.py hands the engine's prefilled state to mlx-lm: mlx-lm
     then decodes what it decodes after its own prefill, and the engine's
