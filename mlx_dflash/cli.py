@@ -1,5 +1,7 @@
 """The ``mlx-dflash`` command line."""
 
+import contextlib
+import errno
 import os
 import re
 import shutil
@@ -15,6 +17,10 @@ from .config import SAMPLING
 from .errors import DFlashError, check_positive, writable_folder
 from .files import left_only_if_used
 from .sampling import DEFAULT_ACCEPT_RULE
+
+# What writing the output can fail with that is the output's fault, not ours:
+# a reader gone (a closed pipe), a full disk, a device error.
+_OUTPUT_ERRNOS = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT)
 
 app = typer.Typer(
     add_completion=False,
@@ -597,6 +603,23 @@ def _ctrl_c_stops(pieces):
         signal.signal(signal.SIGINT, old)
 
 
+@contextlib.contextmanager
+def _sigint_held():
+    """Ctrl-C is ignored inside (short, must-finish work: a snapshot being
+    taken); outside, it acts as before."""
+    import signal
+
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no signals land here anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _add_eos_tokens(engine, tokens: Optional[List[str]]) -> None:
     """--extra-eos-token: each a token as the vocabulary spells it, or an id of the vocabulary."""
     for tok in tokens or ():
@@ -704,6 +727,8 @@ def chat(
     gen.validate(engine.draft)
     _add_eos_tokens(engine, extra_eos_token)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits)
+    if len(pc):
+        typer.echo(f"(restored {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, from {prompt_cache_file})", err=True)
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
@@ -712,7 +737,7 @@ def chat(
         "(// sends a message that starts with /).",
         err=True,
     )
-    interrupted = False
+    interrupted, closed = False, None
     while True:
         try:
             if sys.stdout.isatty():
@@ -757,20 +782,29 @@ def chat(
             else:
                 typer.echo("commands: /reset, /save FILE, /quit", err=True)
             continue
-        stats = None
+        stats, reply = None, session.stream(line, gen)
         try:
-            for r in _ctrl_c_stops(session.stream(line, gen)):
-                sys.stdout.write(r.text)
-                sys.stdout.flush()
-                stats = r.stats
-        except KeyboardInterrupt:  # stop this reply, keep the conversation
-            pass
+            try:
+                for r in _ctrl_c_stops(reply):
+                    sys.stdout.write(r.text)
+                    sys.stdout.flush()
+                    stats = r.stats
+            except KeyboardInterrupt:  # stop this reply, keep the conversation
+                pass
+            sys.stdout.write("\n")
+            sys.stdout.flush()
         except DFlashError as e:  # this turn (say, past the context): the session goes on
             full = "context limit" in str(e)  # only a new conversation gets past that
             typer.echo(f"error: {e}" + (" (/reset starts a new conversation)" if full else ""), err=True)
             continue
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        except OSError as e:  # stdout is gone (a closed pipe) or full: end the session, its cache saved
+            if e.errno not in _OUTPUT_ERRNOS:
+                raise
+            closed = e
+            break
+        finally:
+            with _sigint_held():  # the reply's end-of-turn snapshot: a second Ctrl-C must not cut it
+                reply.close()
         if stats is not None:
             s = stats
             typer.echo(
@@ -782,6 +816,8 @@ def chat(
     if prompt_cache_file is not None:
         pc.save(prompt_cache_file, engine)
         typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {prompt_cache_file})", err=True)
+    if closed is not None:  # main() ends a closed pipe quietly, a full disk with its error
+        raise closed
     if interrupted:  # as generate's Ctrl-C: a script can tell it from the end of its input
         raise SystemExit(130)
 
@@ -1482,9 +1518,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except (KeyboardInterrupt, typer.Abort):
         raise SystemExit(130)
     except OSError as e:  # the output could not be written: a closed pipe ends quietly, a full disk says so
-        import errno
-
-        if e.errno not in (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT):
+        if e.errno not in _OUTPUT_ERRNOS:
             raise
         try:  # so that the interpreter's last flush of stdout does not fail again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -781,15 +781,15 @@ def _generate_tokens(
     d.stats.policy = policy.describe() if draft is not None else "plain"
     mx.reset_peak_memory()
     prefix_run = d.prefill(c.prefill_chunk, prefix_cache, prefix_boundary, progress=prompt_progress_callback)
-    yield d.emit([d.anchor])
-    if d.finished:  # the first token was EOS, or max_tokens == 1
-        if prefix_run is not None:  # the next turn restores prompt and reply, as after a longer one
-            prefix_run.finish(d.history, d.pending_features())
-        return
-    d.tic = time.perf_counter()
     try:
+        yield d.emit([d.anchor])
+        if d.finished:  # the first token was EOS, or max_tokens == 1
+            if prefix_run is not None:  # the next turn restores prompt and reply, as after a longer one
+                prefix_run.finish(d.history, d.pending_features())
+            return
+        d.tic = time.perf_counter()
         yield from decode_loop(d, policy, c.profile)
-    except GeneratorExit:  # closed early: snapshot what is committed
+    except GeneratorExit:  # closed early (at the first token too): snapshot what is committed
         if prefix_run is not None:
             prefix_run.finish(d.history, d.pending_features())
         raise

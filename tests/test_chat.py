@@ -302,3 +302,76 @@ def test_a_bad_byte_costs_only_its_own_line_under_a_strict_utf8_locale():
     assert r.returncode == 0, err
     assert err.count("error: the line is not valid UTF-8 text (invalid start byte at byte 0)") == 1, err
     assert err.count("prompt tokens:") == 2, err  # both good lines answered
+
+
+def test_a_closed_stdout_ends_the_session_quietly_and_saves_its_cache(tmp_path):
+    """`mlx-dflash chat ... | head -c 0`: the reader is gone before the reply.
+    The session ends as main() ends a closed pipe (status 1, no traceback),
+    and its cache file is still written; the next session says what it restored."""
+    import subprocess
+
+    cache = tmp_path / "c.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "8", "--prompt-cache-file", str(cache)]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # no reader: the first write of the reply fails with EPIPE
+    _, err = p.communicate(b"def fib(n):\ndef g():\n", timeout=120)
+    err = err.decode()
+    assert p.returncode == 1 and "Traceback" not in err and "Exception ignored" not in err, err
+    assert f"to {cache})" in err and cache.is_file(), err
+    again = subprocess.run(cmd, input=b"", capture_output=True, env=env, timeout=120)
+    assert again.returncode == 0, again.stderr.decode()
+    assert re.search(
+        rf"\(restored [1-9]\d* snapshots, [\d.]+ MB, from {re.escape(str(cache))}\)", again.stderr.decode()
+    )
+
+
+_SECOND_CTRL_C = """
+import os, signal, sys, time
+import mlx_dflash.prefix as prefix
+from mlx_dflash import cli
+
+finish = prefix.PrefixRun.finish
+
+def finish_hit(self, *args, **kwargs):  # a second Ctrl-C while the reply's snapshot is taken
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    return finish(self, *args, **kwargs)
+
+class Out:  # the first Ctrl-C as the reply's first piece is shown
+    def __init__(self, f):
+        self.f, self.hit = f, False
+    def write(self, s):
+        if s and not self.hit:
+            self.hit = True
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        return self.f.write(s)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+prefix.PrefixRun.finish = finish_hit
+sys.stdout = Out(sys.stdout)
+cli.main(sys.argv[1:])
+"""
+
+
+def test_a_second_ctrl_c_while_the_reply_is_snapshotted_is_ignored(tmp_path):
+    """Ctrl-C stops a reply; the turn's snapshot is then taken with Ctrl-C held
+    off, so a second press in that moment neither prints a traceback
+    ("Exception ignored in: <generator ...>") nor drops the snapshot."""
+    import subprocess
+
+    cache = tmp_path / "c.safetensors"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["chat", "-n", "64", "--baseline", "--prompt-cache-file", str(cache)]
+    r = subprocess.run(
+        [sys.executable, "-c", _SECOND_CTRL_C, *args], input=b"def fib(n):\n", capture_output=True, env=env, timeout=120
+    )
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err and "Exception ignored" not in err, err
+    again = subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", *args], input=b"def fib(n):\n", capture_output=True, env=env, timeout=120
+    )
+    cached = re.search(r"\[(\d+) prompt tokens: (\d+) cached", again.stderr.decode()).groups()
+    assert int(cached[1]) > 0, again.stderr.decode()  # the stopped turn's snapshot was kept

@@ -160,6 +160,7 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
     import builtins
 
     import mlx_dflash.session
+    from mlx_dflash.prefix import PrefixCache
 
     def chat_with(*args):
         seen = _record_loads(monkeypatch)
@@ -169,9 +170,9 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
             def __init__(self, engine, system=None, **kw):
                 got["system"] = system
 
-            def stream(self, line, gen):
+            def stream(self, line, gen):  # a generator, as ChatSession.stream is
                 got["gen"] = gen
-                return iter(())
+                yield from ()
 
         lines = iter(["hello"])
 
@@ -185,7 +186,7 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
         monkeypatch.setattr(builtins, "input", one_line)  # a terminal's input
         piped = type("Stdin", (), {"buffer": io.BytesIO(b"hello\n")})()  # piped input, read as bytes
         monkeypatch.setattr(sys, "stdin", piped)
-        monkeypatch.setattr("mlx_dflash.cli._prefix_cache", lambda *a: None)
+        monkeypatch.setattr("mlx_dflash.cli._prefix_cache", lambda *a: PrefixCache())
         code, _, err = cli(capsys, "chat", *args)
         assert code in (0, None), err
         return seen[-1], got

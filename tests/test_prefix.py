@@ -515,6 +515,23 @@ def test_requests_with_other_draft_windows_keep_snapshots_of_their_own(engines):
 
 
 @pytest.mark.parametrize("mode", ["plain", "chain"])
+def test_a_reply_closed_at_its_first_token_is_snapshotted(engines, mode):
+    """A consumer that stops at the first token (Ctrl-C in chat as the reply
+    starts) closes the generation there: what it committed, prompt and first
+    token, is snapshotted as after a reply stopped later."""
+    eng = engines["dense"]
+    prompt = ids(9, 40)
+    pc = PrefixCache()
+    gen = mlx_dflash.stream_generate(eng, prompt, prefix_cache=pc, **dict(MODES[mode], max_tokens=50))
+    first = next(gen).tokens
+    gen.close()
+    nxt = prompt + first + ids(10, 6)
+    warm = mlx_dflash.generate(eng, nxt, prefix_cache=pc, **dict(MODES[mode], max_tokens=4))
+    assert warm.stats.cached_tokens == len(prompt) + len(first) - 1
+    assert warm.tokens == mlx_dflash.generate(eng, nxt, **dict(MODES[mode], max_tokens=4)).tokens
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain"])
 def test_a_one_token_reply_is_snapshotted_as_a_longer_one(engines, mode):
     """max_tokens=1 (or a first token that is EOS) ends right after the
     prefill: the next turn still restores prompt and reply but one token."""
