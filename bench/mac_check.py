@@ -108,24 +108,18 @@ def main():
 
 
 def _verify_rows(dtype):
-    """A tiny target in ``dtype``: per row of an 8-token verify, the largest
-    logit difference from the same token run as a single step (0 = bit-exact,
-    so speculative greedy output equals plain output on this GPU)."""
-    import mlx.core as mx
+    """A tiny target in ``dtype``: an 8-row verify against single steps
+    (bench/row_exact.py; 0 = bit-exact, so speculative greedy output equals
+    plain output on this GPU)."""
 
+    from bench.row_exact import verify_rows
     from mlx_dflash.models.qwen35 import Target
     from tools import tiny
 
     cfg = tiny.target_config(hidden_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
     target = Target(tiny.build_target(cfg, seed=1, dtype=dtype))
-    prompt = list(range(3, 300, 7))
-    block = [5, 9, 11, 2, 40, 41, 42, 43]
-    c1, c2 = target.make_cache(), target.make_cache()
-    target.prefill(prompt, c1)
-    target.prefill(prompt, c2)
-    logits, _ = target.forward(block, c1, record=True)
-    diffs = [mx.abs(target.forward([t], c2)[0][0] - logits[i]).max().item() for i, t in enumerate(block)]
-    return {"max_abs_logit_diff_per_row": diffs, "exact": all(d == 0 for d in diffs)}
+    rel, differ = verify_rows(target, list(range(3, 300, 7)), 8)
+    return {"max_logit_diff_of_spread": rel, "rows_whose_greedy_pick_differs": differ, "exact": rel == 0}
 
 
 def _pytest():

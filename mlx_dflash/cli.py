@@ -603,6 +603,50 @@ def _ctrl_c_stops(pieces):
         signal.signal(signal.SIGINT, old)
 
 
+def _read_line(prompt: str) -> str:
+    """One line of input, without its end. Piped, stdout holds only the
+    replies (the prompt goes to stderr) and bytes are decoded line by line: a
+    bad byte costs its own line, where input() decoding a whole buffered
+    chunk lost the lines around it."""
+    if sys.stdout.isatty():
+        return input(prompt)  # readline redraws its own prompt
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    raw = sys.stdin.buffer.readline()
+    if not raw:
+        raise EOFError
+    return raw.decode("utf-8").rstrip("\r\n")
+
+
+def _read_message() -> tuple:
+    """(text, whether it was a block): one line, or the lines from one that
+    starts with three double quotes to one that ends with them (pasted code
+    stays one message; the quotes are dropped). The end of input closes an
+    open block; a line that is not UTF-8 refuses the whole block, after it."""
+    line = _read_line(">> ")
+    if not line.lstrip().startswith('"""'):
+        return line, False
+    body, lines, bad = line.lstrip()[3:], [], None
+    while True:
+        if body.rstrip().endswith('"""'):
+            lines.append(body.rstrip()[:-3])
+            break
+        lines.append(body)
+        try:
+            body = _read_line(".. ")
+        except EOFError:
+            break
+        except UnicodeDecodeError as e:
+            bad, body = bad or e, ""
+    if bad is not None:
+        raise bad
+    if len(lines) > 1 and not lines[0].strip():  # the opening quotes on a line of their own
+        lines = lines[1:]
+    if len(lines) > 1 and not lines[-1].strip():  # and the closing ones
+        lines = lines[:-1]
+    return "\n".join(lines), True
+
+
 @contextlib.contextmanager
 def _sigint_held():
     """Ctrl-C is ignored inside (short, must-finish work: a snapshot being
@@ -712,7 +756,9 @@ def chat(
 ):
     """Chat in the terminal; each turn restores the conversation so far from the prefix cache.
 
-    Commands: /reset (new conversation), /save FILE (write the prefix snapshots), /quit.
+    Commands: /reset (new conversation), /save FILE (write the prefix snapshots), /quit. A line that
+    starts with three double quotes opens a message of several lines (pasted code), closed by a line
+    that ends with them.
     """
     from .api import load
     from .session import ChatSession
@@ -733,24 +779,14 @@ def chat(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
     typer.echo(
-        "Type a message; /reset starts over, /save FILE writes the prefix cache, /quit exits "
-        "(// sends a message that starts with /).",
+        'Type a message (""" opens and closes one of several lines); /reset starts over, /save FILE '
+        "writes the prefix cache, /quit exits (// sends a message that starts with /).",
         err=True,
     )
     interrupted, closed = False, None
     while True:
         try:
-            if sys.stdout.isatty():
-                line = input(">> ")  # readline redraws its own prompt
-            else:  # piped: stdout holds only the replies
-                sys.stderr.write(">> ")
-                sys.stderr.flush()
-                # Bytes decoded line by line: a bad byte costs its own line, where input()
-                # decoding a whole buffered chunk lost the lines around it.
-                raw = sys.stdin.buffer.readline()
-                if not raw:
-                    raise EOFError
-                line = raw.decode("utf-8").rstrip("\r\n")
+            line, block = _read_message()
         except (EOFError, KeyboardInterrupt) as e:  # end of input, or Ctrl-C at the prompt: the session ends, saved
             # The shell's prompt on a line of its own, past ours (piped: ours is on stderr,
             # and stdout holds only the replies).
@@ -762,7 +798,9 @@ def chat(
             continue
         if not line.strip():
             continue
-        if line.startswith("//"):
+        if block:  # a message as typed, whatever it starts with
+            pass
+        elif line.startswith("//"):
             line = line[1:]
         elif line.startswith("/"):
             cmd, _, arg = line.strip().partition(" ")

@@ -375,3 +375,23 @@ def test_a_second_ctrl_c_while_the_reply_is_snapshotted_is_ignored(tmp_path):
     )
     cached = re.search(r"\[(\d+) prompt tokens: (\d+) cached", again.stderr.decode()).groups()
     assert int(cached[1]) > 0, again.stderr.decode()  # the stopped turn's snapshot was kept
+
+
+def test_three_double_quotes_make_one_message_of_several_lines():
+    """Pasted code stays one message: from a line starting with three double
+    quotes to one ending with them. A bad byte inside refuses that whole
+    message (its lines are not sent one by one); the end of input closes an
+    open block."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "mlx_dflash", "chat", "-n", "6"]
+    stdin = b'"""\ndef f(x):\n    return x\n"""\n' + b'"""a\n\xff\n/quit\nb"""\n' + b'"""/reset\nclass A:'
+    r = subprocess.run(cmd, input=stdin, capture_output=True, env=env, timeout=120)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert err.count("prompt tokens:") == 2 and err.count("not valid UTF-8") == 1, err
+    assert "(conversation reset)" not in err  # a block is a message, whatever it starts with
+    session = mlx_dflash.ChatSession(mlx_dflash.load())
+    replies = [session.send(m, max_tokens=6).text for m in ("def f(x):\n    return x", "/reset\nclass A:")]
+    assert r.stdout.decode() == "".join(t + "\n" for t in replies)
