@@ -77,31 +77,50 @@ class Engine:
         chat_template: bool = False,
         system: Optional[str] = None,
         chat_template_config: Optional[dict] = None,
+        prefill_response: Optional[str] = None,
     ) -> List[int]:
         """Token ids for ``prompt`` (ids pass through); optionally via the chat template,
-        with ``chat_template_config`` as extra template arguments (e.g. enable_thinking)."""
+        with ``chat_template_config`` as extra template arguments (e.g. enable_thinking).
+        ``prefill_response``: the start of the reply, which the model continues (as
+        mlx-lm's ``--prefill-response``: the template renders it as the last assistant
+        message, left open)."""
         check_template_args(system, chat_template_config)
+        if prefill_response is not None and not isinstance(prefill_response, str):
+            raise DFlashError(f"prefill_response must be text, got {type(prefill_response).__name__}")
         if not isinstance(prompt, str):
             # (chat_template_config may say how the ids were rendered: the prefix cache reads it)
-            if chat_template or system:
-                raise DFlashError("a prompt of token ids is used as given: chat_template and system apply to text")
+            if chat_template or system or prefill_response is not None:
+                raise DFlashError(
+                    "a prompt of token ids is used as given: chat_template, system and prefill_response apply to text"
+                )
             return token_ids(prompt)
-        if (system or chat_template_config) and not chat_template:
-            raise DFlashError("system and chat_template_config are parts of the chat template: give chat_template=True")
+        if (system or chat_template_config or prefill_response is not None) and not chat_template:
+            raise DFlashError(
+                "system, chat_template_config and prefill_response are parts of the chat template: "
+                "give chat_template=True"
+            )
         if not prompt.strip():
             raise DFlashError("empty prompt: give some text")
         check_text(prompt, "the prompt")
         if system:
             check_text(system, "the system prompt")
+        if prefill_response:
+            check_text(prefill_response, "the prefilled response")
         if chat_template:
             if getattr(self.tokenizer, "chat_template", None) is None:
                 raise DFlashError("this model's tokenizer has no chat template; use --no-chat-template")
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
+            if prefill_response is not None:
+                messages.append({"role": "assistant", "content": prefill_response})
             return list(
                 self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, **(chat_template_config or {})
+                    messages,
+                    add_generation_prompt=prefill_response is None,
+                    continue_final_message=prefill_response is not None,
+                    tokenize=True,
+                    **(chat_template_config or {}),
                 )
             )
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
@@ -263,6 +282,7 @@ def stream_generate(
     chat_template: bool = False,
     system: Optional[str] = None,
     chat_template_config: Optional[dict] = None,
+    prefill_response: Optional[str] = None,
     prefix_cache=None,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     **options,
@@ -294,6 +314,8 @@ def stream_generate(
     draft's greedy block, kept where it equals the target's keyed sample.
     Both give exactly the target's distribution; only "equality" gives the
     same text for a seed in every mode (plain, chain, tree).
+    ``chat_template``, ``system``, ``chat_template_config``, ``prefill_response``:
+    how a text prompt becomes ids (:meth:`Engine.encode`).
     ``prefix_cache``: a :class:`~mlx_dflash.PrefixCache`; the longest cached
     prefix of the prompt is restored instead of prefilled (``stats.cached_tokens``)
     and this request's prompt and reply are snapshotted into it.
@@ -312,7 +334,13 @@ def stream_generate(
             f"got {type(prompt_progress_callback).__name__}"
         )
     config = engine.config(config, **options)
-    ids = engine.encode(prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config)
+    ids = engine.encode(
+        prompt,
+        chat_template=chat_template,
+        system=system,
+        chat_template_config=chat_template_config,
+        prefill_response=prefill_response,
+    )
     if prefix_cache is not None:
         prefix_cache.bind(engine)
     tok = engine.tokenizer

@@ -21,6 +21,17 @@ from .sampling import DEFAULT_ACCEPT_RULE
 # What writing the output can fail with that is the output's fault, not ours:
 # a reader gone (a closed pipe), a full disk, a device error.
 _OUTPUT_ERRNOS = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT)
+# mlx_lm.generate's flags with no counterpart here, and what to do instead.
+_MLX_LM_FLAGS = {
+    "--max-kv-size": "a rotating KV cache is not implemented (mlx-lm ignores the flag for Qwen3.5 models, which "
+    "build their own caches); --kv-bits 8 or 4 shrinks the KV",
+    "--kv-group-size": "the quantized KV's groups are 64 wide; --kv-bits sets its bits",
+    "--quantized-kv-start": "with --kv-bits the KV is quantized from the first token",
+    "--trust-remote-code": "tokenizers load without remote code (Qwen3.5's need none)",
+    "--use-default-chat-template": "the tokenizer's own template is used; --chat-template-config passes it arguments",
+    "--quantize-activations": "activations keep the model's dtype (--dtype sets it)",
+    "--image": "text only: a checkpoint's vision tower is not loaded",
+}
 
 app = typer.Typer(
     add_completion=False,
@@ -463,6 +474,12 @@ def generate(
     system: Optional[str] = typer.Option(
         None, "--system", "--system-prompt", help="System message (with the chat template)."
     ),
+    prefill_response: Optional[str] = typer.Option(
+        None,
+        "--prefill-response",
+        help="The start of the reply, which the model continues (with the chat template; printed output "
+        "is what follows it).",
+    ),
     extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
     adapter_path: Optional[Path] = ADAPTER_OPTION,
@@ -534,8 +551,9 @@ def generate(
         if chat_template:
             raise DFlashError("--chat-template and --ignore-chat-template contradict each other")
         chat_template = False
-    if chat_template is False and system is not None:
-        raise DFlashError("--system needs the chat template (it is a message of the chat); drop --no-chat-template")
+    for flag, value in (("--system", system), ("--prefill-response", prefill_response)):
+        if chat_template is False and value is not None:
+            raise DFlashError(f"{flag} needs the chat template (it is a message of the chat); drop --no-chat-template")
     template_kwargs = _template_config(chat_template_config)
     engine = load_engine()
     _say_draft_hint(engine, gen.baseline)
@@ -543,8 +561,9 @@ def generate(
     _add_eos_tokens(engine, extra_eos_token)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
-        if not chat_template and system is not None:
-            raise DFlashError("--system needs the chat template, and this model's tokenizer has none")
+        for flag, value in (("--system", system), ("--prefill-response", prefill_response)):
+            if not chat_template and value is not None:
+                raise DFlashError(f"{flag} needs the chat template, and this model's tokenizer has none")
     if not chat_template:
         template_kwargs = None  # (--chat-template-config has no template to configure)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits) if prompt_cache_file else None
@@ -558,6 +577,7 @@ def generate(
                 chat_template=chat_template,
                 system=system,
                 chat_template_config=template_kwargs,
+                prefill_response=prefill_response,
                 prefix_cache=pc,
             )
         ):
@@ -1551,6 +1571,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             commands = typer.main.get_command(app).commands
             if where == "mlx-dflash" and words and words[0] in commands:  # an option's value missing
                 where = f"mlx-dflash {words[0]}"
+            flag = getattr(e, "option_name", "")
+            if flag in _MLX_LM_FLAGS:  # an mlx-lm flag this engine does not take: say what to give instead
+                typer.echo(
+                    f"error: {flag} is an mlx-lm flag this engine does not take: {_MLX_LM_FLAGS[flag]} (see {where} --help)",
+                    err=True,
+                )
+                raise SystemExit(2)
             typer.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
         raise SystemExit(2)
     except (KeyboardInterrupt, typer.Abort):

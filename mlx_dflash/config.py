@@ -29,7 +29,8 @@ MLX_LM_NAMES = {
     "prompt_cache": "prompt_cache: give prefix_cache=mlx_dflash.PrefixCache()",
     "draft_model": "draft_model: give the draft to load(model, draft)",
     "num_draft_tokens": "num_draft_tokens N: give block_size=N + 1",
-    "max_kv_size": "max_kv_size: a rotating KV cache is not implemented",
+    "max_kv_size": "max_kv_size: a rotating KV cache is not implemented (mlx-lm ignores it for Qwen3.5 models, "
+    "whose make_cache builds their caches); kv_bits=8 or 4 shrinks the KV",
     "prefill_step_size": "prefill_step_size N: give prefill_chunk=N",
     "kv_group_size": "kv_group_size: the quantized KV's group size is 64 (give kv_bits)",
     "quantized_kv_start": "quantized_kv_start: the KV is quantized from the first token (give kv_bits)",

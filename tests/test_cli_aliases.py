@@ -212,3 +212,47 @@ def test_serve_allowed_origins_and_log_level_as_mlx_lm_takes_them(capsys, monkey
     assert settings.allowed_origins == ("http://a.example", "http://b.example")
     assert _serve_settings(capsys, monkeypatch, "--log-level", "INFO")[0].allowed_origins == ("*",)
     assert _serve_settings(capsys, monkeypatch, "--allowed-origins", "")[0].allowed_origins == ()
+
+
+def test_prefill_response_continues_the_reply_as_mlx_lm_does(capsys):
+    """--prefill-response: the template renders it as the assistant's message
+    left open, and the model continues it; the printed text is what follows,
+    token for token what mlx-lm's own generate prints (its reference run)."""
+    import re
+    import subprocess
+
+    from mlx_dflash.api import DEFAULT_MODEL
+
+    args = ["--prompt", "def f(x):", "--system-prompt", "be brief", "--prefill-response", "    return"]
+    ref = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(DEFAULT_MODEL), *args, "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ref.returncode == 0, ref.stderr
+    text = re.search(r"==========\n(.*)\n==========", ref.stdout, re.S).group(1)
+    code, out, err = cli(capsys, "generate", "-n", "8", *args)
+    assert code in (0, None) and out == text + "\n", err
+    without = cli(capsys, "generate", "-n", "8", *args[:4])[1]
+    assert without != out  # the prefill changed the prompt
+    code, _, err = cli(capsys, "generate", "hi", "--no-chat-template", "--prefill-response", "x")
+    assert code == 2 and "--prefill-response needs the chat template" in err
+
+
+def test_every_mlx_lm_generate_flag_is_taken_or_explained(capsys):
+    """Each flag of mlx-lm's own generate parser is one of ours, or gets one
+    error line saying what to do instead (exit 2), not "No such option"."""
+    import typer
+    from mlx_lm.generate import setup_arg_parser
+
+    from mlx_dflash.cli import _MLX_LM_FLAGS, app
+
+    theirs = {o for a in setup_arg_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    command = typer.main.get_command(app).commands["generate"]
+    ours = {o for p in command.params for o in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
+    assert theirs - ours == set(_MLX_LM_FLAGS)  # every gap explained, no stale explanation
+    for flag in _MLX_LM_FLAGS:
+        code, _, err = cli(capsys, "generate", "hi", flag, "1")
+        assert code == 2 and f"error: {flag} is an mlx-lm flag this engine does not take: " in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
