@@ -21,7 +21,8 @@ from .sampling import DEFAULT_ACCEPT_RULE
 # What writing the output can fail with that is the output's fault, not ours:
 # a reader gone (a closed pipe), a full disk, a device error.
 _OUTPUT_ERRNOS = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT)
-# mlx_lm.generate's flags with no counterpart here, and what to do instead.
+# mlx-lm's flags with no counterpart here (mlx_lm.generate's, then chat's and server's), and what to
+# do instead.
 _MLX_LM_FLAGS = {
     "--max-kv-size": "a rotating KV cache is not implemented (mlx-lm ignores the flag for Qwen3.5 models, which "
     "build their own caches); --kv-bits 8 or 4 shrinks the KV",
@@ -31,6 +32,13 @@ _MLX_LM_FLAGS = {
     "--use-default-chat-template": "the tokenizer's own template is used; --chat-template-config passes it arguments",
     "--quantize-activations": "activations keep the model's dtype (--dtype sets it)",
     "--image": "text only: a checkpoint's vision tower is not loaded",
+    # mlx_lm.chat's and mlx_lm.server's
+    "--pipeline": "chat runs on one machine; generate and serve split a model over several with --pipeline",
+    "--chat-template": "each request is rendered by the tokenizer's own template (--chat-template-args passes it "
+    "arguments)",
+    "--prompt-cache-size": "the prefix cache is bounded in bytes (--prompt-cache-bytes), not in entries",
+    "--prompt-concurrency": "each prompt is prefilled alone, in chunks taking turns with the batch's decode "
+    "cycles (docs/batching.md); --max-batch bounds the requests that run at once",
 }
 
 app = typer.Typer(

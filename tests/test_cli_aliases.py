@@ -240,19 +240,43 @@ def test_prefill_response_continues_the_reply_as_mlx_lm_does(capsys):
     assert code == 2 and "--prefill-response needs the chat template" in err
 
 
-def test_every_mlx_lm_generate_flag_is_taken_or_explained(capsys):
-    """Each flag of mlx-lm's own generate parser is one of ours, or gets one
-    error line saying what to do instead (exit 2), not "No such option"."""
+def _mlx_lm_server_flags() -> set:
+    """mlx_lm.server builds its parser inside main(): its flags, read from its source."""
+    import inspect
+    import re
+
+    import mlx_lm.server
+
+    return set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', inspect.getsource(mlx_lm.server)))
+
+
+def test_every_mlx_lm_flag_is_taken_or_explained(capsys):
+    """Each flag of mlx-lm's generate, chat and server parsers is one of the
+    matching command's, or gets one error line saying what to do instead
+    (exit 2), not "No such option"."""
     import typer
-    from mlx_lm.generate import setup_arg_parser
+    from mlx_lm.chat import setup_arg_parser as chat_parser
+    from mlx_lm.generate import setup_arg_parser as generate_parser
 
     from mlx_dflash.cli import _MLX_LM_FLAGS, app
 
-    theirs = {o for a in setup_arg_parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
-    command = typer.main.get_command(app).commands["generate"]
-    ours = {o for p in command.params for o in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
-    assert theirs - ours == set(_MLX_LM_FLAGS)  # every gap explained, no stale explanation
-    for flag in _MLX_LM_FLAGS:
-        code, _, err = cli(capsys, "generate", "hi", flag, "1")
-        assert code == 2 and f"error: {flag} is an mlx-lm flag this engine does not take: " in err, err
-        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    def flags(parser) -> set:
+        return {o for a in parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+
+    commands = typer.main.get_command(app).commands
+    gaps = {
+        "generate": flags(generate_parser),
+        "chat": flags(chat_parser),
+        "serve": _mlx_lm_server_flags() - {"--help"},
+    }
+    explained = set()
+    for name, theirs in gaps.items():
+        params = commands[name].params
+        missing = theirs - {o for p in params for o in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
+        assert missing <= set(_MLX_LM_FLAGS), (name, missing - set(_MLX_LM_FLAGS))
+        explained |= missing
+        for flag in missing:
+            code, _, err = cli(capsys, name, *(["hi"] if name == "generate" else []), flag, "1")
+            assert code == 2 and f"error: {flag} is an mlx-lm flag this engine does not take: " in err, err
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert explained == set(_MLX_LM_FLAGS)  # no stale explanation
