@@ -17,6 +17,14 @@ cost from the noise of a shared machine; ``bench/regret.py`` measures the
 real thing (timed, quiet and busy). ``--sweep``: the worst ratio per pair at
 more lengths (a policy's exploration is a fixed cost, so regret shrinks as
 generations grow).
+
+``--curve bench/results/real-shapes.md`` prices the replay at the cost
+ratios a ``bench/real_shapes.py`` run measured (its "/ T_plain" column:
+T_verify(B), T_draft at the pair's block, T_rollback there) in place of the
+pair's own curve: what the policy would choose, and lose, on the same recorded
+acceptance where a cycle costs what it does at a real Qwen3.5 shape rather than
+at the 8M target's, whose cycles are mostly dispatch. (The draft's cost per
+context row read stays the pair's own.)
 """
 
 import argparse
@@ -39,8 +47,14 @@ def main():
     ap.add_argument("--sweep", default="128,192,256,384,512", help="lengths of the worst-ratio summary (comma list)")
     ap.add_argument("--widths", default="4,8,16", help="pinned widths compared (up to each draft's block)")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
+    ap.add_argument(
+        "--curve",
+        type=Path,
+        help="a bench/real_shapes.py result (.md): price every pair by its cost ratios to a plain step",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
     args = ap.parse_args()
+    ratios = read_curve(args.curve) if args.curve else None
     blas.ensure_openblas("auto")
     import mlx.core as mx
 
@@ -61,8 +75,13 @@ def main():
         f"- {args.max_tokens} tokens per prompt (each length its own tables), greedy; each prompt decoded once with the draft proposing from "
         "every anchor, every mode replayed against that record and priced by the pair's cost model (no timing)",
         "- regret ratio = seconds of the better of (best pinned width, plain) / seconds of the default policy",
-        "",
     ]
+    if ratios:
+        lines.append(
+            f"- costs: the ratios to a plain step that `{args.curve}` measured, in place of each pair's own "
+            "curve (plain step in seconds and the draft's cost per context row: the pair's)"
+        )
+    lines.append("")
     lengths = [int(x) for x in args.max_tokens.split(",")]
     sweep = [int(x) for x in args.sweep.split(",") if x]
     longest = max(lengths + sweep)
@@ -70,7 +89,7 @@ def main():
     worst = {}  # (pair, length) -> the worst ratio over the prompts
     for n_tokens in sorted(set(lengths + sweep)):
         for name, draft in pairs:
-            part = section(engine, name, draft, prompts, n_tokens, longest, args.widths, records, worst)
+            part = section(engine, name, draft, prompts, n_tokens, longest, args.widths, records, worst, ratios)
             if n_tokens in lengths:
                 lines += part
     if sweep:
@@ -91,7 +110,45 @@ def main():
     print(f"wrote {args.out}")
 
 
-def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records, worst_of):
+def read_curve(path: Path) -> dict:
+    """The ``| T_name(B) | ms | ratio |`` rows of a bench/real_shapes.py result:
+    term -> its ratio to the engine's plain step (the first model's column)."""
+    import re
+
+    if not path.is_file():
+        sys.exit(f"error: --curve {path}: no such file")
+    out = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"\|\s*(T_(?:verify|draft|rollback)\(\d+\))\s*\|\s*[\d.]+\s*\|\s*([\d.]+)\s*\|", line)
+        if m:
+            out.setdefault(m.group(1), float(m.group(2)))
+    if not any(k.startswith("T_verify") for k in out) or not any(k.startswith("T_draft") for k in out):
+        sys.exit(f"error: --curve {path}: no 'T_verify(B)' and 'T_draft(B)' rows with a '/ T_plain' column")
+    return out
+
+
+def priced(costs, block: int, ratios: dict):
+    """``costs`` with its parts replaced by ``ratios`` (to its own plain step):
+    verifies at every width measured up to ``block``, and the draft and
+    rollback at the block (or the nearest width measured below it)."""
+    import dataclasses
+
+    def at(kind, B):
+        widths = [int(k[len(kind) + 1 : -1]) for k in ratios if k.startswith(kind + "(")]
+        below = [w for w in widths if w <= B]
+        return ratios[f"{kind}({max(below) if below else min(widths)})"]
+
+    verify = {
+        int(k[9:-1]): v * costs.plain for k, v in ratios.items() if k.startswith("T_verify(") and int(k[9:-1]) <= block
+    }
+    draft = at("T_draft", block) * costs.plain
+    rollback = at("T_rollback", block) * costs.plain if any(k.startswith("T_rollback(") for k in ratios) else 0.0
+    return dataclasses.replace(
+        costs, verify=verify, draft={B: draft for B in verify}, rollback=rollback, tree={}, fixes=[]
+    )
+
+
+def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records, worst_of, ratios=None):
     """One pair at one generation length: its table's lines (its worst ratio
     into ``worst_of``). Each prompt is recorded once, at the ``longest``
     length, and shorter runs replay its start."""
@@ -99,6 +156,8 @@ def section(engine, name, draft, prompts, n_tokens, longest, widths_arg, records
     from tools.replay import record, regret_row, widths_used
 
     costs, _ = load_costs(engine.target, draft)
+    if ratios:
+        costs = priced(costs, draft.block_size, ratios)
     widths = [w for w in (int(x) for x in widths_arg.split(",")) if 2 <= w <= draft.block_size]
     ratios = " ".join(f"B{B}:{costs.cycle(B) / costs.plain:.2f}" for B in sorted(costs.verify))
     lines = [

@@ -330,3 +330,32 @@ def test_a_bench_that_fails_leaves_no_results_folder_it_made(tmp_path, capsys):
         main(["bench", "--prompts", str(tmp_path / "p"), "-n", "2", "--out", str(tmp_path / "new" / "o")])
     assert e.value.code == 2 and "is not UTF-8 text" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_policy_replay_prices_by_a_real_shapes_curve(tmp_path):
+    """bench/policy_replay.py --curve: the '/ T_plain' column of a
+    real_shapes result replaces the pair's ratios; the draft and rollback are
+    taken at the pair's block (the nearest measured width below it), and a
+    file without the terms is one error."""
+    from mlx_dflash.policy import CostModel
+
+    pr = _bench_script("policy_replay")
+    md = tmp_path / "real.md"
+    md.write_text(
+        "| term | fp32 ms | / T_plain |\n|---|---:|---:|\n| T_plain | 700.0 | 1.00 |\n"
+        "| T_verify(2) | 742.0 | 1.06 |\n| T_rollback(2) | 14.0 | 0.02 |\n| T_verify(8) | 910.0 | 1.30 |\n"
+        "| T_rollback(8) | 28.0 | 0.04 |\n| T_verify(16) | 1050.0 | 1.50 |\n| T_draft(4) | 350.0 | 0.50 |\n"
+        "| T_draft(8) | 399.0 | 0.57 |\n| T_draft(16) | 420.0 | 0.60 |\n"
+    )
+    ratios = pr.read_curve(md)
+    assert ratios["T_verify(8)"] == 1.30 and ratios["T_draft(16)"] == 0.60 and "T_plain" not in ratios
+    own = CostModel(plain=0.004, verify={2: 0.01, 8: 0.02}, draft={2: 0.003, 8: 0.003}, rollback=0.001, draft_row=1e-5)
+    c = pr.priced(own, 12, ratios)
+    assert c.verify == pytest.approx({2: 0.00424, 8: 0.0052})  # 16 is past the block
+    assert c.full_draft() == pytest.approx(0.57 * 0.004) and c.rollback == pytest.approx(0.04 * 0.004)
+    assert c.cycle(8) / c.plain == pytest.approx(0.57 + 1.30 + 0.04)
+    assert c.plain == own.plain and c.draft_row == own.draft_row and own.verify[8] == 0.02
+    bad = tmp_path / "bad.md"
+    bad.write_text("| T_plain | 700.0 | 1.00 |\n")
+    with pytest.raises(SystemExit, match="no 'T_verify"):
+        pr.read_curve(bad)
