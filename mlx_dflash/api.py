@@ -13,6 +13,7 @@ from .errors import DFlashError, check_text, token_ids
 from .loading import (
     check_adapter_fit,
     check_draft_fit,
+    draft_vocab_ids,
     load_draft,
     load_target,
     load_tokenizer,
@@ -136,6 +137,7 @@ def load(
     compile: bool = True,
     pipeline=None,
     adapter_path: Union[str, Path, None] = None,
+    draft_vocab=None,
 ) -> Engine:
     """Load a target (folder, or a llama.cpp GGUF file) and, optionally, its DFlash draft (folder or GGUF).
 
@@ -161,6 +163,11 @@ def load(
     adapter_path=...)`` applies it. The draft is used as given: one trained
     for the base target proposes for the adapted one (the output is the
     adapted target's either way; acceptance may be lower).
+    ``draft_vocab``: the draft proposes only among these tokens: a count N
+    (the N lowest ids), a file of ids or a list of them, and the tokenizer's
+    added tokens always. It reads only those rows of the head, which on a
+    large vocabulary is most of a draft forward; the output is unchanged
+    (docs/performance.md#draft-vocabulary).
     """
     name = str(model) if model is not None else ""
     dtype, draft_dtype = dtype_of(dtype), dtype_of(draft_dtype, "draft_dtype")
@@ -171,6 +178,10 @@ def load(
         # Stored in float16 to keep the package small; float32 is exact and fast on every backend.
         dtype = dtype or mx.float32
     model, draft = resolve(model), resolve(draft)
+    if draft_vocab is not None:
+        if draft is None:
+            raise DFlashError("draft_vocab (--draft-vocab) restricts a draft: give one")
+        draft_vocab_ids(draft_vocab, None)  # a bad file fails before the weights load
     if adapter_path is not None:
         adapter_path = check_adapter_fit(adapter_path, model)  # before a load the adapters would not fit anyway
     stage, tok_dir = None, None
@@ -198,6 +209,12 @@ def load(
     d = None
     if draft is not None:
         d = load_draft(draft, target, quantize_bits=draft_quantize, dtype=draft_dtype or dtype)
+        if draft_vocab is not None:
+            keep = set(tokenizer.eos_token_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+            try:
+                d.restrict_vocab(draft_vocab_ids(draft_vocab, target.vocab_size, keep))
+            except ValueError as e:  # a pipeline stage without the head
+                raise DFlashError(f"draft_vocab (--draft-vocab): {e}") from None
     set_compiled(target, d, compile)
     engine = Engine(
         target, tokenizer, d, Path(model), Path(draft) if draft else None, stage=stage, adapter_path=adapter_path

@@ -129,6 +129,14 @@ def _size(text: str) -> int:
 PIPELINE_TIMEOUT = 60.0  # --pipeline-timeout's default, seconds
 DTYPE_OPTION = typer.Option(None, "--dtype", help="Cast weights to float32, bfloat16 or float16 at load.")
 DRAFT_QUANTIZE_OPTION = typer.Option(None, "--draft-quantize", help="Quantize the draft to 4 or 8 bits at load.")
+DRAFT_VOCAB_OPTION = typer.Option(
+    None,
+    "--draft-vocab",
+    metavar="N|FILE",
+    help="The draft proposes only among N tokens (the N lowest ids) or the ids in FILE (JSON list or "
+    "whitespace-separated), plus the tokenizer's added tokens: it reads only those rows of the head, most of "
+    "a draft's cost on a large vocabulary. Output unchanged; a token outside them ends an accepted run.",
+)
 ADAPTER_OPTION = typer.Option(
     None,
     "--adapter-path",
@@ -351,7 +359,16 @@ def _not_a_count(model: Optional[Path]) -> None:
 
 
 def _engine_loader(
-    model, draft, *, dtype, compile_, pipeline: bool, pipeline_timeout: float, draft_quantize=None, adapter_path=None
+    model,
+    draft,
+    *,
+    dtype,
+    compile_,
+    pipeline: bool,
+    pipeline_timeout: float,
+    draft_quantize=None,
+    adapter_path=None,
+    draft_vocab=None,
 ) -> Optional[Callable[[], object]]:
     """How a command gets its engine: a function that loads it (call it where
     the engine is used). With --pipeline every rank loads its stage now: rank 0
@@ -367,7 +384,14 @@ def _engine_loader(
 
     def get(**extra):
         return load(
-            model, draft, dtype=dt, draft_quantize=draft_quantize, compile=compile_, adapter_path=adapter_path, **extra
+            model,
+            draft,
+            dtype=dt,
+            draft_quantize=draft_quantize,
+            compile=compile_,
+            adapter_path=adapter_path,
+            draft_vocab=draft_vocab,
+            **extra,
         )
 
     if not pipeline:
@@ -389,7 +413,20 @@ def _say_draft_hint(engine, baseline: bool = False) -> None:
         typer.echo(f"mlx-dflash: {draft_hint(engine.suggested_drafts)} (pass it with -d)", err=True)
 
 
-def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> str:
+def _draft_vocab_row(draft, tokens: List[int]) -> List[tuple]:
+    """A stats row for a draft restricted by --draft-vocab: its size, and how
+    many of the generated tokens it could have proposed (the rest each end
+    an accepted run), which says whether the restriction fits the text."""
+    vocab = getattr(draft, "vocab", None)
+    if vocab is None:
+        return []
+    keep = set(vocab.tolist())
+    inside = sum(t in keep for t in tokens)
+    share = f"; {inside} of the {len(tokens)} generated tokens inside it" if tokens else ""
+    return [("draft vocabulary", f"{len(keep)} of {draft.target.vocab_size} tokens{share}")]
+
+
+def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True, extra=()) -> str:
     from . import blas
 
     rows = [
@@ -397,6 +434,7 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True) -> 
         ("BLAS", blas.describe()),
         ("forwards", "compiled (mx.compile)" if compiled else "plain ops (--no-compile)"),
         ("width policy", s.policy),
+        *extra,
         ("widths chosen (width:cycles)", " ".join(f"{w}:{c}" for w, c in s.widths.items())),
         ("shadow drafts", f"{s.shadow_drafts} (proposed during plain steps, scored, never verified)"),
         ("prompt tokens", f"{s.prompt_tokens}"),
@@ -490,6 +528,7 @@ def generate(
     ),
     extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    draft_vocab: Optional[str] = DRAFT_VOCAB_OPTION,
     adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
@@ -543,6 +582,7 @@ def generate(
         draft,
         dtype=dtype,
         draft_quantize=draft_quantize,
+        draft_vocab=draft_vocab,
         adapter_path=adapter_path,
         compile_=compile_,
         pipeline=pipeline,
@@ -575,7 +615,7 @@ def generate(
     if not chat_template:
         template_kwargs = None  # (--chat-template-config has no template to configure)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits) if prompt_cache_file else None
-    stats, interrupted = None, False
+    stats, interrupted, tokens = None, False, []
     try:
         for r in _ctrl_c_stops(
             stream_generate(
@@ -592,6 +632,7 @@ def generate(
             sys.stdout.write(r.text)
             sys.stdout.flush()
             stats = r.stats
+            tokens += r.tokens
     except KeyboardInterrupt:  # Ctrl-C: the text so far stands, and its stats and cache file are kept
         interrupted = True
         if stats is not None:
@@ -602,7 +643,8 @@ def generate(
         pc.save(prompt_cache_file)
     if verbose and stats is not None:
         mode = "dflash" if engine.draft is not None and not gen.baseline else "baseline (plain decoding)"
-        typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled), err=True)
+        extra = _draft_vocab_row(engine.draft, tokens) if not gen.baseline else []
+        typer.echo(_stats_table(stats, mode, gen.profile, compiled=engine.target.compiled, extra=extra), err=True)
     if interrupted:
         raise SystemExit(130)
 
@@ -759,6 +801,7 @@ def chat(
     ),
     extra_eos_token: Optional[List[str]] = EXTRA_EOS_OPTION,
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    draft_vocab: Optional[str] = DRAFT_VOCAB_OPTION,
     adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
@@ -795,7 +838,13 @@ def chat(
     if prompt_cache_file is not None:
         _check_output(prompt_cache_file, "--prompt-cache-file")
     engine = load(
-        model, draft, dtype=_dtype(dtype), draft_quantize=draft_quantize, compile=compile_, adapter_path=adapter_path
+        model,
+        draft,
+        dtype=_dtype(dtype),
+        draft_quantize=draft_quantize,
+        compile=compile_,
+        adapter_path=adapter_path,
+        draft_vocab=draft_vocab,
     )
     _say_draft_hint(engine, gen.baseline)
     gen.validate(engine.draft)
@@ -1322,6 +1371,7 @@ def serve(
         "argument, or 'mlx-dflash' for the embedded pair).",
     ),
     draft_quantize: Optional[int] = DRAFT_QUANTIZE_OPTION,
+    draft_vocab: Optional[str] = DRAFT_VOCAB_OPTION,
     adapter_path: Optional[Path] = ADAPTER_OPTION,
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
@@ -1455,6 +1505,7 @@ def serve(
         draft,
         dtype=dtype,
         draft_quantize=draft_quantize,
+        draft_vocab=draft_vocab,
         adapter_path=adapter_path,
         compile_=compile_,
         pipeline=pipeline,

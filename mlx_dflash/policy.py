@@ -93,6 +93,9 @@ def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
     if hasattr(draft, "parameters"):
         _param_digest(draft, h)
     h.update(f"{type(draft).__name__}:{draft.block_size}:{list(draft.target_layer_ids)}:kv{kv_bits}".encode())
+    vocab = getattr(draft, "vocab", None)  # a restricted head costs less
+    if vocab is not None:
+        h.update(b"vocab:" + memoryview(vocab).tobytes())
     # Compiled and plain-ops forwards cost differently.
     h.update(f"compiled:{getattr(target, 'compiled', False)}:{getattr(draft, 'compiled', False)}".encode())
     return h.hexdigest()[:24]
@@ -371,6 +374,7 @@ def load_costs(
             getattr(target, "compiled", False),
             getattr(draft, "compiled", False),
             kv_bits,
+            None if getattr(draft, "vocab", None) is None else draft.vocab.size,
             tuple(sorted(tree_sizes)),
             str(path),
             stamp,

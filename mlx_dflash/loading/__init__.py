@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
-from .hf import build_draft, draft_config, is_draft_config, read_config, read_draft, safetensors_sizes
+from .hf import build_draft, draft_config, draft_vocab_ids, is_draft_config, read_config, read_draft, safetensors_sizes
 from .hf import load_target as load_folder_target
 from .hf import load_tokenizer as load_folder_tokenizer
 
@@ -21,6 +21,7 @@ __all__ = [
     "check_adapter_files",
     "check_adapter_fit",
     "load_draft",
+    "draft_vocab_ids",
     "load_target",
     "load_tokenizer",
     "read_config",

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import DFlashError, is_count
+from ..errors import DFlashError, is_count, is_int
 from ..models.draft import V2_FIELDS, DFlashDraft, DraftConfig
 from ..models.qwen35 import SUPPORTED_MODEL_TYPES, Target
 
@@ -221,6 +221,54 @@ def load_tokenizer(path, eos_token_ids=None):
         return _load(p, eos_token_ids=eos_token_ids)
     except Exception as e:
         raise DFlashError(f"cannot load tokenizer from {p}: {type(e).__name__}: {e}") from None
+
+
+def draft_vocab_ids(spec, vocab_size: Optional[int], keep=()) -> Optional[list]:
+    """The token ids a draft restricted with ``draft_vocab`` proposes among
+    (None: every token). ``spec``: a count N (the N lowest ids: byte-level
+    BPE vocabularies such as Qwen's number tokens in merge order, which
+    follows their frequency in the tokenizer's corpus), a file of ids (a
+    JSON list, or ids separated by spaces, commas or lines; e.g. the most
+    frequent tokens of your own texts), or a sequence of ids. ``keep`` (the
+    tokenizer's added tokens: end of turn, think and tool markers) is added.
+    ``vocab_size`` None: the form alone is checked (before a model loads)."""
+    what = "draft_vocab (--draft-vocab)"
+    if spec is None:
+        return None
+    if isinstance(spec, str) and spec.strip().isdigit():
+        spec = int(spec)
+    if is_int(spec):
+        if spec < 1:
+            raise DFlashError(f"{what} must keep at least 1 token, got {spec}")
+        if vocab_size is not None and spec > vocab_size:
+            raise DFlashError(f"{what} keeps {spec} tokens, but the vocabulary has {vocab_size}")
+        ids = set(range(int(spec)))
+    elif isinstance(spec, (str, Path)):
+        f = Path(spec).expanduser()
+        try:
+            text = f.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise DFlashError(f"{what}: cannot read {f}: {e.strerror if isinstance(e, OSError) else e}") from None
+        try:
+            raw = (
+                json.loads(text) if text.lstrip().startswith("[") else [int(x) for x in text.replace(",", " ").split()]
+            )
+        except ValueError:
+            raw = None
+        if not isinstance(raw, list) or not raw or not all(is_int(x) for x in raw):
+            raise DFlashError(f"{what}: {f} is not a list of token ids (a JSON list of integers, or integers)")
+        ids = set(raw)
+    elif isinstance(spec, (list, tuple, set, range)) and spec and all(is_int(i) for i in spec):
+        ids = {int(i) for i in spec}
+    else:
+        raise DFlashError(f"{what} must be a token count, a file of token ids or a list of ids, got {spec!r}")
+    if vocab_size is None:
+        return sorted(ids)
+    bad = sorted(i for i in ids if not 0 <= i < vocab_size)
+    if bad:
+        raise DFlashError(f"{what}: token ids {bad[:5]} outside the vocabulary (0..{vocab_size - 1})")
+    ids |= {int(i) for i in keep if 0 <= int(i) < vocab_size}
+    return None if len(ids) == vocab_size else sorted(ids)
 
 
 def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:

@@ -599,16 +599,44 @@ class DFlashDraft(nn.Module):
         s = self.config.input_embedding_scale
         return h if s == 1.0 else h * s
 
+    def restrict_vocab(self, ids: Optional[Sequence[int]]) -> "DFlashDraft":
+        """Propose only among the token ids ``ids`` (None: every token).
+
+        The head is the target's, and on a large vocabulary it is most of a
+        draft forward (Qwen3.5's 248k rows are a third of a 0.8B target):
+        a block computes it for every slot. Restricted, the draft reads a
+        copy of those rows alone, and every other token gets logit -inf, so
+        it is never proposed (q = 0 there when sampling). Verification is
+        unchanged, so the output is too; a token outside ``ids`` only ends
+        an accepted run early (docs/performance.md#draft-vocabulary)."""
+        if ids is None:
+            object.__setattr__(self, "_vocab", None)
+            return self
+        keep = mx.array(sorted(set(int(i) for i in ids)), dtype=mx.int32)
+        object.__setattr__(self, "_vocab", (keep, self.target.head_rows(keep)))
+        return self
+
+    @property
+    def vocab(self) -> Optional[mx.array]:
+        """The sorted token ids the draft proposes among (None: all)."""
+        v = getattr(self, "_vocab", None)
+        return None if v is None else v[0]
+
     def logits(self, hidden: mx.array) -> mx.array:
         """The target's head on normed draft rows, with the draft's output
-        multiplier and soft cap (if its config has them)."""
+        multiplier and soft cap (if its config has them); with a restricted
+        vocabulary only its rows are computed, the rest -inf."""
         cfg = self.config
-        out = self.target.lm_head(hidden)
+        vocab = getattr(self, "_vocab", None)
+        out = self.target.lm_head(hidden) if vocab is None else vocab[1](hidden)
         if cfg.output_multiplier != 1.0:
             out = out * cfg.output_multiplier
         if cfg.final_logit_softcapping:
             cap = cfg.final_logit_softcapping
             out = mx.tanh(out / cap) * cap
+        if vocab is not None:
+            full = mx.full((*out.shape[:-1], self.target.vocab_size), -mx.inf, dtype=out.dtype)
+            out = mx.put_along_axis(full, mx.broadcast_to(vocab[0], out.shape), out, axis=-1)
         return out
 
     def block_hidden(

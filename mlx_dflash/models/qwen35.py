@@ -6,6 +6,7 @@ verify needs what mlx-lm's does not provide: hidden-state capture, a DeltaNet
 tape for exact rollback, and a truncatable KV cache.
 """
 
+import copy
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -190,6 +191,24 @@ class Target:
         if self.args.tie_word_embeddings:
             return self.embed_tokens.as_linear(h)
         return self.lm.lm_head(h)
+
+    def head_rows(self, ids: mx.array):
+        """The head restricted to the vocabulary rows ``ids``: a function of h
+        giving ``lm_head(h)[..., ids]`` while reading only those rows (a copy
+        of them, in the head's own format: float or quantized, each output
+        row has its own weights, scales and biases)."""
+        tied = self.args.tie_word_embeddings
+        module = self.embed_tokens if tied else getattr(self.lm, "lm_head", None)
+        if module is None:
+            raise ValueError("this model holds no output head (a pipeline stage without it)")
+        sub = copy.copy(module)
+        for name, value in module.items():
+            if isinstance(value, mx.array):
+                if value.shape[0] != self.vocab_size:
+                    raise ValueError(f"the head's {name} has {value.shape[0]} rows, not one per token")
+                sub[name] = mx.contiguous(value[ids])
+        mx.eval(sub.parameters())
+        return sub.as_linear if tied else sub
 
     # --- forward -------------------------------------------------------------
     def layers_forward(
