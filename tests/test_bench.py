@@ -359,3 +359,15 @@ def test_policy_replay_prices_by_a_real_shapes_curve(tmp_path):
     bad.write_text("| T_plain | 700.0 | 1.00 |\n")
     with pytest.raises(SystemExit, match="no 'T_verify"):
         pr.read_curve(bad)
+
+
+def test_draft_vocab_projects_tau_from_the_share_outside():
+    """bench/draft_vocab.py's projection: with nothing outside the kept ids
+    tau is unchanged; a share u outside lowers every depth's acceptance by
+    (1 - u), so tau falls, more at a larger u, and never below one token."""
+    dv = _bench_script("draft_vocab")
+    assert dv.tau_with_outside(5.71, 16, 0.0) == pytest.approx(5.71, abs=1e-6)
+    drops = [dv.tau_with_outside(5.71, 16, u) for u in (0.01, 0.02, 0.05, 1.0)]
+    assert 5.71 > drops[0] > drops[1] > drops[2] > drops[3] == pytest.approx(1.0)
+    # alpha = 0.5 at B = 2 gives tau 1.5; u = 0.5 leaves alpha 0.25
+    assert dv.tau_with_outside(1.5, 2, 0.5) == pytest.approx(1.25, abs=1e-6)
