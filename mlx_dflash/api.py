@@ -181,7 +181,7 @@ def load(
     if draft_vocab is not None:
         if draft is None:
             raise DFlashError("draft_vocab (--draft-vocab) restricts a draft: give one")
-        draft_vocab_ids(draft_vocab, None)  # a bad file fails before the weights load
+        draft_vocab_ids(draft_vocab, None)  # a bad count, file or id fails before the weights load
     if adapter_path is not None:
         adapter_path = check_adapter_fit(adapter_path, model)  # before a load the adapters would not fit anyway
     stage, tok_dir = None, None

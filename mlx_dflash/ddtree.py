@@ -55,7 +55,8 @@ def build(draft_logits: mx.array, anchor: int, budget: int, topk: int) -> Tree:
 
     def push(depth, rank, parent, parent_score):
         nonlocal counter
-        if depth <= L and rank < K:
+        # A token the draft cannot propose (logit -inf: outside --draft-vocab) is no candidate.
+        if depth <= L and rank < K and np.isfinite(vals[depth - 1, rank]):
             heapq.heappush(heap, (-(parent_score + vals[depth - 1, rank]), counter, depth, rank, parent, parent_score))
             counter += 1
 

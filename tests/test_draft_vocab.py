@@ -132,16 +132,39 @@ def test_vocabulary_forms(tmp_path):
         ("floats.json", "not a list of token ids"),
         ("words.txt", "not a list of token ids"),
         ("empty.txt", "not a list of token ids"),
+        ("\u00b2", "cannot read"),  # a digit to str.isdigit, not to int(): a file name here
+        ("-3", "must keep at least 1 token, got -3"),
     ],
 )
 def test_bad_vocabularies_are_one_error(spec, match, tmp_path):
     (tmp_path / "floats.json").write_text("[1, 2.5]")
     (tmp_path / "words.txt").write_text("1 2 three")
     (tmp_path / "empty.txt").write_text("\n")
-    if isinstance(spec, str):
+    if isinstance(spec, str) and spec.endswith((".json", ".txt")):
         spec = tmp_path / spec
     with pytest.raises(DFlashError, match=match):
         draft_vocab_ids(spec, 10)
+
+
+def test_the_form_is_checked_before_the_vocabulary_is_known():
+    """Before a model loads only the form is checked: a huge count is not
+    built into a set (it waits for the vocabulary), a negative id fails."""
+    assert draft_vocab_ids(10**12, None) is None
+    assert draft_vocab_ids([3, 1], None) == [1, 3]
+    with pytest.raises(DFlashError, match=r"token ids \[-1\] outside the vocabulary"):
+        draft_vocab_ids([-1, 3], None)
+
+
+def test_a_tree_holds_no_token_the_draft_cannot_propose():
+    """With fewer kept ids than --tree-topk, the -inf candidates are left out
+    of the tree instead of filling it."""
+    from mlx_dflash.ddtree import build
+
+    logits = mx.full((3, 12), -mx.inf)
+    logits[:, 2] = 1.0
+    logits[:, 5] = 0.5
+    tree = build(logits, anchor=7, budget=12, topk=4)
+    assert set(tree.tokens[1:]) <= {2, 5} and 1 < len(tree.tokens) <= 1 + 2 + 4 + 8
 
 
 def test_load_checks_before_the_weights(tmp_path, dense, tok_dir):
@@ -153,6 +176,8 @@ def test_load_checks_before_the_weights(tmp_path, dense, tok_dir):
         mlx_dflash.load(draft_vocab=tmp_path / "none.json")
     with pytest.raises(DFlashError, match="keeps 5000 tokens, but the vocabulary has 2048"):
         mlx_dflash.load(draft_vocab=5000)
+    with pytest.raises(DFlashError, match="keeps 1000000000000 tokens"):
+        mlx_dflash.load(draft_vocab=10**12)
 
 
 def test_added_tokens_are_always_kept(tmp_path, dense, tok_dir):
@@ -201,5 +226,8 @@ def test_target_is_the_module_the_restriction_reads(dense):
     d = tiny.build_draft(tiny.draft_config(cfg, block_size=4), seed=2).bind(target)
     d.restrict_vocab(range(8))
     assert d.vocab.tolist() == list(range(8))
+    for bad in ([5, 512], [-1], []):
+        with pytest.raises(ValueError, match="takes token ids in 0..511"):
+            d.restrict_vocab(bad)
     d.restrict_vocab(None)
     assert d.vocab is None and d.logits(mx.zeros((1, cfg["text_config"]["hidden_size"]))).shape[-1] == 512

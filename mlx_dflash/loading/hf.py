@@ -8,6 +8,7 @@ overrides). This module adds the checks that turn bad input into one clear
 
 import glob
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -235,12 +236,14 @@ def draft_vocab_ids(spec, vocab_size: Optional[int], keep=()) -> Optional[list]:
     what = "draft_vocab (--draft-vocab)"
     if spec is None:
         return None
-    if isinstance(spec, str) and spec.strip().isdigit():
+    if isinstance(spec, str) and re.fullmatch(r"[+-]?[0-9]+", spec.strip()):
         spec = int(spec)
     if is_int(spec):
         if spec < 1:
             raise DFlashError(f"{what} must keep at least 1 token, got {spec}")
-        if vocab_size is not None and spec > vocab_size:
+        if vocab_size is None:
+            return None  # the form is right; the count is checked against the model's vocabulary
+        if spec > vocab_size:
             raise DFlashError(f"{what} keeps {spec} tokens, but the vocabulary has {vocab_size}")
         ids = set(range(int(spec)))
     elif isinstance(spec, (str, Path)):
@@ -262,11 +265,13 @@ def draft_vocab_ids(spec, vocab_size: Optional[int], keep=()) -> Optional[list]:
         ids = {int(i) for i in spec}
     else:
         raise DFlashError(f"{what} must be a token count, a file of token ids or a list of ids, got {spec!r}")
+    bad = sorted(i for i in ids if i < 0 or (vocab_size is not None and i >= vocab_size))
+    if bad:
+        raise DFlashError(
+            f"{what}: token ids {bad[:5]} outside the vocabulary" + (f" (0..{vocab_size - 1})" if vocab_size else "")
+        )
     if vocab_size is None:
         return sorted(ids)
-    bad = sorted(i for i in ids if not 0 <= i < vocab_size)
-    if bad:
-        raise DFlashError(f"{what}: token ids {bad[:5]} outside the vocabulary (0..{vocab_size - 1})")
     ids |= {int(i) for i in keep if 0 <= int(i) < vocab_size}
     return None if len(ids) == vocab_size else sorted(ids)
 

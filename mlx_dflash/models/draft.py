@@ -612,7 +612,12 @@ class DFlashDraft(nn.Module):
         if ids is None:
             object.__setattr__(self, "_vocab", None)
             return self
-        keep = mx.array(sorted(set(int(i) for i in ids)), dtype=mx.int32)
+        kept = sorted(set(int(i) for i in ids))
+        V = self.target.vocab_size
+        if not kept or kept[0] < 0 or kept[-1] >= V:
+            got = f"{kept[0]}..{kept[-1]}" if kept else "none"
+            raise ValueError(f"a draft vocabulary takes token ids in 0..{V - 1}, got {got}")
+        keep = mx.array(kept, dtype=mx.int32)
         object.__setattr__(self, "_vocab", (keep, self.target.head_rows(keep)))
         return self
 
