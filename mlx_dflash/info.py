@@ -2,7 +2,7 @@
 
 from collections import Counter
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from .errors import DFlashError
 from .loading.hf import is_draft_config, read_config
@@ -87,11 +87,11 @@ def describe(path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
         f"size on disk: {_fmt_bytes(_size_on_disk(p))}",
     ]
     if draft is not None:
-        return _with_fit(lines, draft, target)
+        return _with_fit(lines, draft, target, p)
     return "\n".join(lines), None
 
 
-def _with_fit(lines, draft: Path, target) -> Tuple[str, bool]:
+def _with_fit(lines, draft: Path, target, model: Path) -> Tuple[str, bool]:
     """The report ``lines`` ending in whether ``draft`` fits ``target``; a draft
     that cannot be read at all (missing, a split GGUF's part gone, no config)
     is an error, not a misfit."""
@@ -104,7 +104,25 @@ def _with_fit(lines, draft: Path, target) -> Tuple[str, bool]:
     except DFlashError as e:
         return "\n".join(lines + [f"draft {draft}: does NOT fit: {e}"]), False
     fit = f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"
-    return "\n".join(lines + [fit]), True
+    return "\n".join(lines + [fit] + _head_share(model, p, target)), True
+
+
+def _head_share(model: Path, draft: Path, target) -> List[str]:
+    """What a draft forward reads, from the files' tensor sizes: the draft's
+    own weights and the target's head, which it borrows and computes for
+    every slot of a block (on a large vocabulary most of it: --draft-vocab)."""
+    from .distributed.plan import costs_from_sizes
+    from .loading import tensor_sizes
+
+    c = costs_from_sizes(tensor_sizes(model), target.num_layers)
+    head = c.embed if target.args.tie_word_embeddings else c.head
+    own = sum(n for k, n in tensor_sizes(draft).items() if "embed_tokens" not in k and "lm_head" not in k)
+    if not head or not own:
+        return []
+    return [
+        f"a draft forward reads: its own weights {_fmt_bytes(own)} and the target's head {_fmt_bytes(head)} "
+        f"({head / (head + own):.0%}; --draft-vocab N reads N of its {target.vocab_size} rows)"
+    ]
 
 
 def describe_gguf(p: Path, draft: Optional[Path] = None) -> Tuple[str, Optional[bool]]:
@@ -181,5 +199,5 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> Tuple[str, Optional[
         + tail
     )
     if draft is not None:
-        return _with_fit(lines, draft, lazy_target(cfg))
+        return _with_fit(lines, draft, lazy_target(cfg), p)
     return "\n".join(lines), None

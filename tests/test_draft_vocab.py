@@ -231,3 +231,36 @@ def test_target_is_the_module_the_restriction_reads(dense):
             d.restrict_vocab(bad)
     d.restrict_vocab(None)
     assert d.vocab is None and d.logits(mx.zeros((1, cfg["text_config"]["hidden_size"]))).shape[-1] == 512
+
+
+def test_info_says_how_much_of_a_draft_forward_is_the_head(capsys):
+    """`info --draft` sizes what a draft forward reads from the files: the
+    draft's own weights and the target's head (checked here against the
+    safetensors headers, read with the safetensors library)."""
+    from safetensors import safe_open
+
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    def nbytes(folder, keep):
+        total = 0
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(f, "np") as h:
+                total += sum(_size(h, k) for k in h.keys() if keep(k))
+        return total
+
+    def _size(h, k):
+        sl = h.get_slice(k)
+        return (
+            int(np.prod(sl.get_shape()))
+            * np.dtype({"F16": "float16", "F32": "float32", "BF16": "uint16"}[sl.get_dtype()]).itemsize
+        )
+
+    head = nbytes(DEFAULT_MODEL, lambda k: "lm_head" in k)
+    own = nbytes(DEFAULT_DRAFT, lambda k: True)
+    with pytest.raises(SystemExit) as e:
+        main(["info", str(DEFAULT_MODEL), "--draft", str(DEFAULT_DRAFT)])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("a draft forward reads"))
+    assert f"its own weights {own / 1e6:.1f} MB and the target's head {head / 1e6:.1f} MB" in line
+    assert f"({head / (head + own):.0%}; --draft-vocab N reads N of its 2048 rows)" in line
