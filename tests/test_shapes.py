@@ -125,3 +125,53 @@ def test_mlx_lm_continues_from_the_engines_state(small):
         target.model, [anchor], 19, prompt_cache=lc.mlx_cache_from(target.model, cache, 8)
     )
     assert len(toks) == 19
+
+
+def test_moe_config_is_transformers_35b_a3b_default():
+    """tools/shapes.moe_config is what mlx-lm parses into the values that
+    transformers' Qwen3_5MoeTextConfig defaults to (its docstring names
+    Qwen/Qwen3.5-35B-A3B), not Qwen3-Next's defaults."""
+    from mlx_lm.utils import _get_classes
+    from transformers import Qwen3_5MoeTextConfig
+
+    ref = Qwen3_5MoeTextConfig()
+    cfg = shapes.moe_config()
+    model_cls, args_cls = _get_classes(cfg)
+    t = args_cls.from_dict(copy.deepcopy(cfg)).text_config
+    if isinstance(t, dict):  # the MoE model reads its text config with the dense one's class
+        from mlx_lm.models.qwen3_5 import TextModelArgs
+
+        t = TextModelArgs.from_dict(t)
+    for f in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "vocab_size",
+    ):
+        assert getattr(t, f) == getattr(ref, f), f
+    assert cfg["text_config"]["layer_types"] == list(ref.layer_types) and t.full_attention_interval == 4
+    assert not t.tie_word_embeddings and t.tie_word_embeddings == ref.tie_word_embeddings
+
+
+def test_shared_experts_route_per_layer():
+    """build_shared_experts: one set of routed experts for every layer, but
+    each layer's own router (so rows pick other experts layer by layer)."""
+    cfg = shapes.moe_config(2)
+    t = cfg["text_config"]
+    t.update(hidden_size=64, num_experts=16, moe_intermediate_size=8, shared_expert_intermediate_size=8, vocab_size=64)
+    t.update(head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, num_attention_heads=2)
+    t.update(linear_num_key_heads=2, linear_num_value_heads=4)
+    model = shapes.build_shared_experts(cfg)
+    a, b = (layer.mlp for layer in model.language_model.model.layers)
+    assert a.switch_mlp is b.switch_mlp and a.gate is not b.gate
+    assert not mx.array_equal(a.gate.weight, b.gate.weight).item()

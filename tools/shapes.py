@@ -73,6 +73,61 @@ def target_config(size: str = "0.8b", scale: int = 1) -> dict:
     }
 
 
+def moe_config(layers: int = 40) -> dict:
+    """The published text config of Qwen/Qwen3.5-35B-A3B (transformers'
+    Qwen3_5MoeTextConfig defaults, which its docstring names as that
+    checkpoint's): hidden 2048, 40 layers at full_attention_interval 4,
+    16 query / 2 KV heads of 256, DeltaNet 16 key / 32 value heads of 128,
+    256 experts of 512 with 8 routed per token and a shared expert of 512,
+    vocabulary 248320, head not tied. ``layers`` keeps the first so many."""
+    text = target_config("2b")["text_config"]
+    text.update(
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    text.pop("intermediate_size", None)
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "eos_token_id": 248044,
+        "text_config": text,
+    }
+
+
+def build_shared_experts(cfg: dict, seed: int = 0):
+    """A random-weight mlx-lm model of ``cfg`` (a MoE config) whose layers
+    all use the first layer's routed experts (one array each: the full
+    35B-A3B's 40 x 805 M expert parameters do not fit this machine's memory
+    in float32). Every layer keeps its own router, so each picks its own
+    experts per token: a step still reads 8 experts' weights per layer and a
+    verify of B rows the distinct experts its rows pick, as the full model's
+    would. Built lazily, so the replaced experts are never allocated."""
+    from mlx_lm.utils import _get_classes
+
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))
+    layers = model.language_model.model.layers
+    for layer in layers[1:]:
+        layer.mlp.switch_mlp = layers[0].mlp.switch_mlp
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
 def draft_config(target_cfg: dict) -> dict:
     """The published 0.8B draft's shape (Moonlight556/Qwen3.5-0.8B-DFlash:
     5 layers, taps [3, 7, 11, 15, 19], block 16, mask 248077; its attention
