@@ -582,6 +582,7 @@ class Policy:
     plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
     warmup_cycles = 1
     full_look = 4.0  # the first warm-up cycle drafts the full block if it costs at most this many plain steps
+    full_look_ratio = 1.5  # ... and at most this many times the cycle of the width the prior pays best at
     calibration_steps = 4
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
     shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
@@ -771,17 +772,26 @@ class Policy:
         if self.warmup > 0:
             # Drafted whatever plain steps would do, to see the draft at work.
             # The first look is at the full block where that costs at most
-            # ``full_look`` plain steps: evidence at every depth at once, so a
-            # draft right for whole blocks is drafted at full width from the
-            # next cycle instead of widened a step at a time (on 128 tokens of
-            # an easy text that cost a fifth of the speed). Where verifies are
-            # dear (a slow BLAS, a big target, a long context), only as wide
-            # as pays best under the acceptance known so far (the prior at first).
+            # ``full_look`` plain steps and ``full_look_ratio`` times the
+            # cycle the prior pays best at: evidence at every depth at once,
+            # so a draft right for whole blocks is drafted at full width from
+            # the next cycle instead of widened a step at a time (on 128
+            # tokens of an easy text that cost a fifth of the speed). Where a
+            # wide verify is dear (a slow BLAS, a long context, a mixture of
+            # experts, whose block reads every expert its rows pick), only as
+            # wide as pays best under the acceptance known so far (the prior
+            # at first). The ratio compares drafted cycles alone, so a load
+            # that slows them alike does not move it.
             self.reason = "warm-up"
             top = min(self.max_width, room)
-            if self.warmup == self.warmup_cycles and self.cost(top) <= self.full_look * self.cost(1):
+            best = self.best_width(room, drafted=True)
+            if (
+                self.warmup == self.warmup_cycles
+                and self.cost(top) <= self.full_look * self.cost(1)
+                and self.cost(top) <= self.full_look_ratio * self.cost(best)
+            ):
                 return self._chain(top)
-            return self._chain(self.best_width(room, drafted=True))
+            return self._chain(best)
         B = self.best_width(room)
         if B == 1:
             # Two such verdicts in a row before a plain run: one unlucky cycle

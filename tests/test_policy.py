@@ -339,6 +339,29 @@ def test_first_look_is_the_full_block_unless_it_is_dear():
     assert 1 < [p.width for p in plans if p.width > 1][0] < 16
 
 
+def test_first_look_is_narrow_where_a_full_block_costs_several_narrow_ones():
+    """At the Qwen3.5-35B-A3B shape's measured ratios (bench/results/moe-shape.md:
+    a block reads every expert its rows pick, so verifying 8 rows costs 3.26
+    plain steps and 3 rows 1.77, with a draft of 0.53) a full first look is
+    3.8 plain steps, under ``full_look``'s 4, but 1.6 times the 3-wide cycle
+    the prior pays best at: the first look is that narrow one (the old rule
+    took the full block, 4.4% of 128 tokens where plain decoding is best).
+    The ratio compares drafted cycles alone: a correction that makes them all
+    dearer does not change it."""
+    moe = CostModel(
+        plain=1.0,
+        verify={2: 1.39, 3: 1.77, 4: 2.04, 6: 2.73, 8: 3.26},
+        draft={B: 0.53 for B in (2, 3, 4, 6, 8)},
+        rollback=0.0,
+    )
+    first = [p.width for p in drive(Policy(8, moe), lambda B: 0, 6) if p.width > 1][0]
+    assert first in (3, 4), first
+    full = CostModel(plain=1.0, verify={2: 1.2, 4: 1.3, 8: 1.5}, draft={2: 0.5, 4: 0.5, 8: 0.5}, rollback=0.0)
+    for fix in (1.0, 1.3):  # drafted cycles as measured, or all 1.3x dearer: 2.6 plain steps, under 4
+        full.fixes[:] = [fix] * 5
+        assert [p.width for p in drive(Policy(8, full), lambda B: 0, 6) if p.width > 1][0] == 8
+
+
 def test_cycle_times_reach_the_policy(pair, tmp_path):
     """The real loop times each cycle for the policy (the tests above freeze
     that clock): plain runs and drafted cycles both give load samples, and
