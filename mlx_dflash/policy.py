@@ -567,7 +567,11 @@ class Policy:
     again while the last one looked promising, as far as their budget of
     ``shadow_share`` of plain decoding's time allows); ``shadowed`` books
     each and ends the run as soon as drafting pays on that evidence, by a
-    margin that shrinks as the evidence grows (:meth:`margin`).
+    margin that shrinks as the evidence grows (:meth:`margin`). Where the
+    draft nearly pays, the next look is a drafted cycle instead (a probe):
+    its expected loss against plain decoding is then under ``probe_share``
+    of a shadow's cost, it commits what it gets right, and one verdict for
+    plain after it ends it.
 
     Costs under load: the measured curve already compares the widths under
     the same conditions (its parts take turns). Observed cycle times correct
@@ -588,6 +592,10 @@ class Policy:
     shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
     shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
     promising = 0.75  # a shadow whose evidence gets drafting this close to paying is checked again soon
+    # After a shadow, the next look is a drafted cycle (a probe) where, on the
+    # evidence so far, it is expected to lose at most this share of what a
+    # shadow costs against plain decoding (see :meth:`probe_loss`).
+    probe_share = 0.5
     shadow_bank = 2.0  # shadow drafts that may be spent ahead of their share (the first ones of a plain stretch)
     # A generation whose cycles ran this much faster than the curve says finds
     # the curve measured under load (a curve the machine matches reads about 1).
@@ -639,6 +647,8 @@ class Policy:
         self.shadow_credit = self.bank() if costs is not None else 0.0
         self.waited = 0  # plain tokens before the next (or in-flight) shadow draft starts
         self.last = 0  # the width of the last plan (0: none yet)
+        self.probing = False  # the next plan is a probe (one drafted cycle; one verdict for plain ends it)
+        self.probe_note = ""  # why it is (for the switch line)
         self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
         self.switches: List[str] = []  # one line per change of width: from, to and why
 
@@ -767,6 +777,13 @@ class Policy:
             if self.tree_budget > 0:
                 return Plan(self.tree_budget + 1, tree=True, block=min(self.fixed or self.max_width, room))
             return Plan(min(self.fixed or self.max_width, room))
+        if self.probing:
+            # One drafted cycle as the next look (``shadowed``): a first verdict
+            # for plain after it ends it, as one after the warm-up does.
+            self.probing = False
+            self.plain_votes = 1
+            self.reason = self.probe_note
+            return self._chain(self.best_width(room, drafted=True))
         if self.plain_left > 0:  # the calibration steps (no shadow: they time plain steps alone)
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
@@ -841,7 +858,8 @@ class Policy:
         frm = "start" if self.last == 0 else ("plain" if self.last == 1 else f"B{self.last}")
         to = "plain" if p.width == 1 else ("tree" if p.tree else f"B{p.width}")
         why = self.reason + (f", {room} tokens left" if 1 < room < self.max_width else "")
-        if self.last == 1 and p.width > 1 and self.warmup == 0:  # leaving plain: the margin it cleared
+        if self.last == 1 and p.width > 1 and self.warmup == 0 and not self.reason.startswith("probe"):
+            # leaving plain on evidence: the margin it cleared
             why += f", margin x{self.margin():.2f}"
         self.switches.append(
             f"token {self.tokens}: {frm} -> {to} ({why}); expected tok/s {rates}; "
@@ -898,8 +916,8 @@ class Policy:
         """Book a shadow draft (``drafted`` tokens compared with what plain
         decoding committed, ``accepted`` of them matching before the first
         miss; it read ``read`` committed rows first); returns the plain steps
-        before the next one, or 0 when, on this evidence, drafting pays (the
-        plain run ends).
+        before the next one, or 0 when, on this evidence, drafting pays or
+        the next look is a probe (:meth:`probe_loss`; the plain run ends).
 
         ``partial``: the shadow's block is not all committed yet and its
         first ``drafted`` tokens were all right. Booked (and 0 returned) only
@@ -922,6 +940,15 @@ class Policy:
         best, plain = self.shadow_verdict()
         if best > plain:
             return 0
+        loss = self.probe_loss()
+        if loss <= self.probe_share * self.costs.shadow(self.max_width) and loss <= self.shadow_credit:
+            self.shadow_credit -= loss  # a probe's expected loss is spent from the shadows' budget
+            self.probing = True
+            self.probe_note = (
+                f"probe: expected loss {loss / self.costs.plain:.2f} plain steps, "
+                f"a shadow {self.costs.shadow(self.max_width) / self.costs.plain:.2f}"
+            )
+            return 0
         if best > self.promising * plain:
             return self._next_shadow(1, counted=1, unread=drafted)
         # Soon after a switch to plain the text may turn at any time (an early
@@ -930,6 +957,19 @@ class Policy:
         # ``shadow_gap`` tokens after this one did.
         self.shadow_gap = min(2 * self.shadow_gap, self.shadow_every)
         return self._next_shadow(max(self.shadow_gap - drafted, 1), counted=1, unread=drafted)
+
+    def probe_loss(self) -> float:
+        """Seconds a drafted cycle at the best width is expected to lose against
+        plain decoding on the acceptance known now: its cost less the time
+        plain steps take for the tokens it is expected to commit. Where the
+        draft nearly pays, that is less than a shadow costs, and the cycle
+        commits tokens besides: the cheaper look. Load-free, as :meth:`cost` is."""
+        r = self.rates(self.max_width)
+        plain = r.pop(1)
+        if not r:
+            return math.inf
+        B = max(r, key=lambda b: (r[b], -b))
+        return self.cost(B, rows=self.acc.expected(B)) * max(1.0 - r[B] / plain, 0.0)
 
     def _next_shadow(self, steps: int, counted: int = 0, unread: int = 0) -> int:
         """The countdown to the next shadow draft: at least ``steps``, and

@@ -1051,3 +1051,38 @@ def test_the_switch_back_from_plain_says_the_margin_it_cleared_after_many_drafte
     back = [x for x in policy.switches if "plain -> B" in x and "shadow evidence" in x]
     assert back and all("margin x" in x for x in back), policy.switches
     assert policy.warmup == 0
+
+
+def test_a_draft_that_nearly_pays_on_shadow_evidence_is_probed_not_left_plain():
+    """Costs of a trained block-8 pair on this CPU (plain steps: a verify of 8
+    at 2.14, a draft forward at 1.08, so a shadow is dear and the budget
+    allows one per 64 plain tokens): the draft is wrong where the warm-up
+    and the first shadow look and then right for whole blocks (the recorded
+    start of ``doc_read_file``). The second shadow is right for its whole
+    block but, on 2.4 blocks of evidence, drafting does not clear the margin
+    over plain decoding; a drafted cycle is then expected to lose a fifth of
+    a plain step, far less than a shadow costs, so the next look is that
+    cycle (the old policy waited 80 plain tokens for the budget of another
+    shadow: 113 of 128 tokens plain, 0.68 of a pinned block's speed). Under
+    a stall that slows every width alike, the same plans."""
+    plain = 0.00732
+    costs = CostModel(
+        plain=plain,
+        verify={2: 1.55 * plain, 4: 1.79 * plain, 8: 2.14 * plain},
+        draft={2: 0.92 * plain, 4: 0.97 * plain, 8: 1.08 * plain},
+        rollback=0.107 * plain,
+        draft_row=0.01 * plain,
+    )
+    right = [0, 1, 0, 1, 0, 1, 0, 0, 0, 2, 1, 0, 1, 0, 4, 1, 4, 1] + [7] * 200
+    runs = []
+    for stall in ((0, 0), (3, 12)):
+        policy = Policy(8, costs)
+        kept = []
+        plans = drive(
+            policy, lambda B, at: right[at], 0, tokens=127, committed=kept, clock=stalled_clock(policy, *stall)
+        )
+        runs.append([(p.width, p.steps) for p in plans])
+        plain_tokens = sum(n for p, n in zip(plans, kept) if p.width == 1)
+        assert plain_tokens < 45, (plain_tokens, policy.switches)
+        assert any("probe" in line for line in policy.switches), policy.switches
+    assert runs[0] == runs[1]
