@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.signals import interrupt
 
 from mlx_dflash import blas
 from mlx_dflash.cli import main
@@ -368,17 +369,7 @@ def test_ctrl_c_while_the_command_starts_leaves_no_traceback(delay):
     )
     try:
         time.sleep(delay)
-        # Under a loaded machine (two busy cores) about one Ctrl-C in 75 sent
-        # during the start was lost: the server went on serving (cause not
-        # found). A second one, as a user would press, is sent if the first
-        # did not end it; what is checked is how it ends.
-        for _ in range(3):
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=15)
-                break
-            except subprocess.TimeoutExpired:
-                pass
+        interrupt(p)
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:  # never left serving behind a failed check
