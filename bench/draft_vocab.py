@@ -27,7 +27,6 @@ bench/results/draft-vocab.md (``--out``).
 """
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -187,35 +186,10 @@ def report(results, args) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="0.8b", choices=sorted(shapes.SIZES), help="published target shape")
-    ap.add_argument("--scale", type=int, default=1, help="shrink the shape N times (development runs)")
-    ap.add_argument("--precisions", default="fp32,4bit", help="comma list of: fp32, 4bit")
+    shapes.shape_arguments(ap, tokens=48, reps=5, out=RESULTS / "draft-vocab.md")
     ap.add_argument("--vocab", default="65536,32768,16384", help="kept token counts compared with the whole")
     ap.add_argument("--width", type=int, default=16, help="the oracle's block (the published draft's is 16)")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens generated per decode run")
-    ap.add_argument("--rounds", type=int, default=2, help="decode rounds (the modes take turns in each)")
-    ap.add_argument("--reps", type=int, default=5, help="repeats of each term (median)")
-    ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
-    ap.add_argument("--out", default=str(RESULTS / "draft-vocab.md"), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
-    args = ap.parse_args()
-    blas.ensure_openblas(args.blas)
-    precisions = args.precisions.split(",")
-    root = Path(args.models) / f"{args.size}-x{args.scale}"
-    t0 = time.perf_counter()
-    paths = shapes.write_models(root, args.size, args.scale, bits=[4] if "4bit" in precisions else [])
-    print(f"models in {root} ({time.perf_counter() - t0:.0f} s); BLAS: {blas.describe()}", flush=True)
-    results = []
-    for p in precisions:  # the result file is rewritten after each, so a cut-short run keeps what it measured
-        results.append(measure(p, paths[p], paths["draft"], args))
-        gc.collect()  # the models of this precision go before the next loads
-        mx.clear_cache()
-        text = report(results, args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
-    print(f"Run took {(time.perf_counter() - t0) / 60:.1f} min.")
+    shapes.run_precisions(ap.parse_args(), measure, report)
 
 
 if __name__ == "__main__":

@@ -92,41 +92,20 @@ def main():
 
     mcache = make_prompt_cache(model)
     mx.eval(model(mx.array(prompt)[None], cache=mcache))
-    newf = mx.zeros((4, feats.shape[-1]), dtype=feats.dtype)
-
-    def plain():
-        lg, _ = target.forward([5], cache)
-        mx.eval(mx.argmax(lg, -1), cache.state())
-
-    def mlx_plain():
-        lg = model(mx.array([[5]]), cache=mcache)
-        mx.eval(mx.argmax(lg[:, -1], -1), [c.state for c in mcache])
-
-    def verify(B):
-        def run():
-            lg, f = target.forward([(11 * j + 1) % V for j in range(B)], cache, capture=capture, record=True)
-            mx.eval(mx.argmax(lg, -1), f, cache.state())
-            cache.rollback(max(B // 2, 1))
-            mx.eval(cache.state())
-
-        return run
-
-    def drafting():
-        toks, _ = draft.propose(newf, 9, dcache.length + 4, 16, dcache)
-        mx.eval(toks, dcache.state())
-
-    fns = [("T_plain", plain), ("T_plain mlx-lm", mlx_plain), ("T_draft(16)", drafting)]
-    fns += [(f"T_verify({B})", verify(B)) for B in widths]
-    times = {k: [] for k, _ in fns}
-    for r in range(args.reps + 1):  # the first round warms up (compiles, first touch)
-        for k, fn in fns:
-            t = time.perf_counter()
-            fn()
-            if r:
-                times[k].append(time.perf_counter() - t)
-        if r:
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f}" for k, v in times.items()), flush=True)
-    T = {k: statistics.median(v) for k, v in times.items()}
+    # The terms take turns within each repeat, after a warm-up round (compiles, first touch).
+    T = shapes.cycle_terms(
+        target,
+        draft,
+        cache,
+        dcache,
+        verify_widths=widths,
+        draft_widths=[16],
+        reps=args.reps,
+        model=model,
+        mlx_cache=mcache,
+    )
+    for B in widths:  # a verify here counts its rollback, as the speedup below prices a cycle
+        T[f"T_verify({B})"] += T.pop(f"T_rollback({B})")
 
     # Distinct experts per block, every layer's router on rows of this context.
     x = mx.random.normal((max(widths), text["hidden_size"]), key=mx.random.key(3))

@@ -30,7 +30,6 @@ import platform
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tools/
@@ -263,33 +262,11 @@ def report(results, args) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="0.8b", choices=sorted(shapes.SIZES), help="published target shape")
-    ap.add_argument("--scale", type=int, default=1, help="shrink the shape N times (development runs)")
-    ap.add_argument("--precisions", default="fp32,4bit", help="comma list of: fp32, 4bit")
-    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the decode runs")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens generated per decode run")
-    ap.add_argument("--rounds", type=int, default=2, help="decode rounds (the modes take turns in each)")
-    ap.add_argument("--reps", type=int, default=5, help="repeats of each cost term (median)")
+    shapes.shape_arguments(ap, tokens=64, reps=5, out=RESULTS / "real-shapes.md")
     ap.add_argument("--widths", default="2,4,8,16", help="oracle widths B")
     ap.add_argument("--prefill", default="1024,8192", help="prefill lengths (comma list; empty: none)")
     ap.add_argument("--prefill-rounds", type=int, default=1, help="prefill runs per length and mode")
-    ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
-    ap.add_argument("--out", default=str(RESULTS / "real-shapes.md"), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
-    args = ap.parse_args()
-    blas.ensure_openblas(args.blas)
-    precisions = args.precisions.split(",")
-    root = Path(args.models) / f"{args.size}-x{args.scale}"
-    t0 = time.perf_counter()
-    paths = shapes.write_models(root, args.size, args.scale, bits=[4] if "4bit" in precisions else [])
-    print(f"models in {root} ({time.perf_counter() - t0:.0f} s); BLAS: {blas.describe()}", flush=True)
-    results = []
-    for p in precisions:  # the result file is rewritten after each, so a cut-short run keeps what it measured
-        results.append(measure(p, paths[p], paths["draft"], args))
-        text = report(results, args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
+    shapes.run_precisions(ap.parse_args(), measure, report)
 
 
 if __name__ == "__main__":

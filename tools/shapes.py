@@ -361,3 +361,46 @@ def cycle_terms(target, draft, cache, dcache, *, verify_widths, draft_widths, re
             for k, v in (got or {name: dt}).items():
                 times.setdefault(k, []).append(v)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def shape_arguments(ap, *, tokens: int, reps: int, out: Path) -> None:
+    """The options every published-shape bench shares: the shape, the
+    precisions, the decode runs' sizes, where models and results go, the BLAS."""
+    ap.add_argument("--size", default="0.8b", choices=sorted(SIZES), help="published target shape")
+    ap.add_argument("--scale", type=int, default=1, help="shrink the shape N times (development runs)")
+    ap.add_argument("--precisions", default="fp32,4bit", help="comma list of: fp32, 4bit")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens of the decode runs")
+    ap.add_argument("--tokens", type=int, default=tokens, help="tokens generated per decode run")
+    ap.add_argument("--rounds", type=int, default=2, help="decode rounds (the modes take turns in each)")
+    ap.add_argument("--reps", type=int, default=reps, help="repeats of each cost term (median)")
+    ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
+    ap.add_argument("--out", default=str(out), help="result file")
+    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+
+
+def run_precisions(args, measure, report) -> str:
+    """Write the shape's models (once; see :func:`write_models`), then
+    ``measure(precision, target folder, draft folder, args)`` for each of
+    ``args.precisions``, rewriting ``args.out`` with ``report(results, args)``
+    after each, so a run cut short keeps what it measured. Returns the report."""
+    import time
+
+    from mlx_dflash import blas
+
+    blas.ensure_openblas(args.blas)
+    precisions = args.precisions.split(",")
+    root = Path(args.models) / f"{args.size}-x{args.scale}"
+    t0 = time.perf_counter()
+    paths = write_models(root, args.size, args.scale, bits=[4] if "4bit" in precisions else [])
+    print(f"models in {root} ({time.perf_counter() - t0:.0f} s); BLAS: {blas.describe()}", flush=True)
+    results, text = [], ""
+    for p in precisions:
+        results.append(measure(p, paths[p], paths["draft"], args))
+        gc.collect()  # the models of this precision go before the next loads
+        mx.clear_cache()
+        text = report(results, args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    print(f"Run took {(time.perf_counter() - t0) / 60:.1f} min.")
+    return text
