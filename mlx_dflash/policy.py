@@ -34,13 +34,15 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .files import write_text
+from .models.draft import propose
 
 CACHE_FILE = "costs.json"
 READ_ROWS = 32  # context rows a draft forward reads when its cost per row is measured
-FORMAT = 7  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+FORMAT = 8  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
 #            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them;
 #            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context;
-#            7: the draft's cost per context row it reads)
+#            7: the draft's cost per context row it reads; 8: the draft's cost is its proposal as the
+#            loop runs it, a DFlash 2 selector's walk included, which the logits alone underprice by a third)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -277,14 +279,16 @@ class CostModel:
             return run
 
         def draft_at(B, rows=1):
+            # The block's tokens as a drafted cycle or a shadow proposes them
+            # (a DFlash 2 draft's selector walks its candidates after the logits).
             dcache = draft.make_cache()
-            draft(feats, 9, context, B, dcache)
+            mx.eval(propose(draft, feats, 9, context, B, dcache)[0])
             pos = [context]
 
             def run():
-                lg = draft(feats[-rows:], 9, pos[0] + rows, B, dcache)
+                toks, _ = propose(draft, feats[-rows:], 9, pos[0] + rows, B, dcache)
                 pos[0] += rows
-                mx.eval(mx.argmax(lg, axis=-1))
+                mx.eval(toks)
 
             return run
 

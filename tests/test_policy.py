@@ -190,6 +190,35 @@ def pair(dense):
     return model, target, tiny.build_draft(dcfg, seed=11).bind(target)
 
 
+def test_the_curve_prices_the_draft_as_the_loop_runs_it(pair):
+    """A drafted cycle and a shadow take the draft's proposal, not its logits:
+    a DFlash 2 draft's selector walks its candidates after them (a third of
+    its cost on the bench pair). A draft whose proposal costs 20 ms beyond
+    its logits is priced with them (the curve timed the logits alone before)."""
+    import time
+
+    model, target, draft = pair
+
+    class SlowProposal:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args):
+            return self.inner(*args)
+
+        def propose(self, *args):
+            time.sleep(0.02)
+            return self.inner.propose(*args)
+
+    fast = CostModel.measure(target, draft, reps=2)
+    slow = CostModel.measure(target, SlowProposal(draft), reps=2)
+    assert slow.full_draft() - fast.full_draft() > 0.015, (fast.draft, slow.draft)
+    assert fast.full_draft() < 0.015  # the tiny draft alone is far cheaper than the sleep
+
+
 def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     model, target, draft = pair
     costs, measured = load_costs(target, draft, cache_dir=tmp_path)
