@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -143,6 +143,10 @@ class CostModel:
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
+    # Widths (and "tree") whose first cycle has run in this process: that one
+    # traced the width's compiled forwards, so it is not timed; later
+    # generations on this curve time theirs (Policy.timed).
+    warm: Set = field(default_factory=set, compare=False, repr=False)
     # Where this curve is cached (file, model key, machine, when measured), when
     # it came from or went to the cache: a curve found measured under load is
     # marked stale there (forget_costs).
@@ -636,8 +640,9 @@ class Policy:
         self.fixes: List[float] = costs.fixes if costs is not None else []
         self.prev: Optional[Tuple[str, float]] = None  # the last timed cycle's kind and observed / modelled
         # The first cycle at a width is not timed: in a fresh process it
-        # includes tracing that width's compiled forwards (tens of ms).
-        self.warm_widths = set()  # widths whose first, untimed cycle has run
+        # includes tracing that width's compiled forwards (tens of ms). Kept
+        # per process with the curve, as the traces are.
+        self.warm_widths = costs.warm if costs is not None else set()
         self.context = 0  # tokens in the target cache now (set by plan)
         self.tokens = 0  # committed so far
         self.shadows = 0  # shadow drafts scored
@@ -653,6 +658,7 @@ class Policy:
         self.last = 0  # the width of the last plan (0: none yet)
         self.probing = False  # the next plan is a probe (one drafted cycle; one verdict for plain ends it)
         self.probe_note = ""  # why it is (for the switch line)
+        self.probe_now = False  # the plan just made is a probe
         self.reason = "calibration"  # why the next plan is what it is (for the switch lines)
         self.switches: List[str] = []  # one line per change of width: from, to and why
 
@@ -767,6 +773,7 @@ class Policy:
         ``unread`` committed rows the draft has not read yet."""
         self.context = context
         self.unread = unread
+        self.probe_now = False
         p = self._plan(room)
         if self.adaptive and p.width != self.last:
             self._switched(p, room)
@@ -785,6 +792,7 @@ class Policy:
             # One drafted cycle as the next look (``shadowed``): a first verdict
             # for plain after it ends it, as one after the warm-up does.
             self.probing = False
+            self.probe_now = True
             self.plain_votes = 1
             self.reason = self.probe_note
             return self._chain(self.best_width(room, drafted=True))
@@ -862,7 +870,7 @@ class Policy:
         frm = "start" if self.last == 0 else ("plain" if self.last == 1 else f"B{self.last}")
         to = "plain" if p.width == 1 else ("tree" if p.tree else f"B{p.width}")
         why = self.reason + (f", {room} tokens left" if 1 < room < self.max_width else "")
-        if self.last == 1 and p.width > 1 and self.warmup == 0 and not self.reason.startswith("probe"):
+        if self.last == 1 and p.width > 1 and self.warmup == 0 and not self.probe_now:
             # leaving plain on evidence: the margin it cleared
             why += f", margin x{self.margin():.2f}"
         self.switches.append(

@@ -731,6 +731,26 @@ def test_observed_costs_correct_the_model_apart_from_the_load():
     assert Policy(16, c).correction() == pytest.approx(1.5) and Policy(16, synthetic_costs()).correction() == 1.0
 
 
+def test_a_width_traced_in_this_process_is_timed_from_the_next_generation_on():
+    """The first cycle at a width traces its forwards, once per process: it
+    is not timed. A later generation on the same curve times its first
+    cycle at that width (before, every generation skipped it, so one that
+    drafted a single cycle gave no sample); a width not run yet is still
+    skipped, and so is a width on another curve."""
+    c = synthetic_costs()
+    first = Policy(16, c)
+    first.timed(Plan(16, block=16), 5, 0.200)  # the trace: not timed
+    assert first.loads == []
+    second = Policy(16, c)
+    second.timed(Plan(16, block=16), 5, 2 * c.cycle(16))
+    assert second.loads == [pytest.approx(2.0)]
+    second.timed(Plan(8, block=16), 5, 0.200)  # width 8 has not run in this process
+    assert len(second.loads) == 1
+    other = Policy(16, synthetic_costs())
+    other.timed(Plan(16, block=16), 5, 0.200)
+    assert other.loads == []
+
+
 def test_an_early_bad_stretch_costs_only_a_few_plain_tokens():
     """A draft wrong for the first 300 tokens, then right: the policy goes
     plain, and shadow drafts bring it back to drafting soon after the text
@@ -1095,16 +1115,17 @@ def test_a_draft_that_nearly_pays_on_shadow_evidence_is_probed_not_left_plain():
     shadow: 113 of 128 tokens plain, 0.68 of a pinned block's speed). Under
     a stall that slows every width alike, the same plans."""
     plain = 0.00732
-    costs = CostModel(
-        plain=plain,
-        verify={2: 1.55 * plain, 4: 1.79 * plain, 8: 2.14 * plain},
-        draft={2: 0.92 * plain, 4: 0.97 * plain, 8: 1.08 * plain},
-        rollback=0.107 * plain,
-        draft_row=0.01 * plain,
-    )
     right = [0, 1, 0, 1, 0, 1, 0, 0, 0, 2, 1, 0, 1, 0, 4, 1, 4, 1] + [7] * 200
     runs = []
     for stall in ((0, 0), (3, 12)):
+        # A curve each, as in two processes: one generation's timings do not carry to the other.
+        costs = CostModel(
+            plain=plain,
+            verify={2: 1.55 * plain, 4: 1.79 * plain, 8: 2.14 * plain},
+            draft={2: 0.92 * plain, 4: 0.97 * plain, 8: 1.08 * plain},
+            rollback=0.107 * plain,
+            draft_row=0.01 * plain,
+        )
         policy = Policy(8, costs)
         kept = []
         plans = drive(
