@@ -64,8 +64,9 @@ def measure(engine, draft, prompts, n, reps, widths):
         runs = {m: [] for m in modes}
         for m in modes:  # warm-up (traces, cost curve)
             run_mode(engine, draft, ids, n, m)
-        for _ in range(reps):
-            for m in modes:
+        for r in range(reps):
+            # The order turns by one each repeat: no mode always runs right after the same one.
+            for m in modes[r % len(modes) :] + modes[: r % len(modes)]:
                 runs[m].append(run_mode(engine, draft, ids, n, m))
         ref = runs["plain"][0][0]
         for m, rs in runs.items():
@@ -163,7 +164,7 @@ def main():
         "%.1f %.1f %.1f at the start (ratios are within one process, the modes taking turns)" % os.getloadavg(),
         f"- BLAS: {blas.describe()}",
         f"- {args.max_tokens} tokens per generation, greedy; modes take turns one generation at a time "
-        f"within each of {args.reps} repeats (after a warm-up each), in one process; every mode's tokens equal "
+        f"within each of {args.reps} repeats (after a warm-up each; the order turns by one each repeat), in one process; every mode's tokens equal "
         "plain decoding's",
         "- default = the adaptive policy (shadow drafts while plain, costs corrected only by what plain and "
         "drafted cycles show side by side; docs/policy.md); pinned B = `--block-size B`; plain = `--baseline`",
