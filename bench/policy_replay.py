@@ -25,6 +25,12 @@ pair's own curve: what the policy would choose, and lose, on the same recorded
 acceptance where a cycle costs what it does at a real Qwen3.5 shape rather than
 at the 8M target's, whose cycles are mostly dispatch. (The draft's cost per
 context row read stays the pair's own.)
+
+``--assume draft=0.15,row=0.03`` prices the replay at assumed ratios
+instead (a draft forward at 0.15 plain steps, a verify of B rows at
+1 + 0.03(B - 1)): a what-if for a device whose forwards read weights rather
+than compute, as a GPU does at real shapes, where this CPU computes. The
+result says the figures are assumed.
 """
 
 import argparse
@@ -52,9 +58,18 @@ def main():
         type=Path,
         help="a bench/real_shapes.py result (.md): price every pair by its cost ratios to a plain step",
     )
+    ap.add_argument(
+        "--assume",
+        metavar="draft=D,row=R[,rollback=X]",
+        help="price every pair by assumed ratios to a plain step, not measured ones: a draft forward at D, "
+        "a verify of B rows at 1 + R*(B-1), a rollback at X (default 0.02); what-if figures for a device "
+        "whose forwards read weights rather than compute (a GPU at real shapes)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
     args = ap.parse_args()
-    ratios = read_curve(args.curve) if args.curve else None
+    if args.curve and args.assume:
+        ap.error("--curve and --assume both say what to price by: give one")
+    ratios = read_curve(args.curve) if args.curve else assumed(args.assume, ap) if args.assume else None
     blas.ensure_openblas("auto")
     import mlx.core as mx
 
@@ -76,10 +91,15 @@ def main():
         "every anchor, every mode replayed against that record and priced by the pair's cost model (no timing)",
         "- regret ratio = seconds of the better of (best pinned width, plain) / seconds of the default policy",
     ]
-    if ratios:
+    if args.curve:
         lines.append(
             f"- costs: the ratios to a plain step that `{args.curve}` measured, in place of each pair's own "
             "curve (plain step in seconds and the draft's cost per context row: the pair's)"
+        )
+    elif ratios:
+        lines.append(
+            f"- costs: ASSUMED, not measured (`--assume {args.assume}`): ratios to a plain step in place of each "
+            "pair's own curve (plain step in seconds and the draft's cost per context row: the pair's)"
         )
     lines.append("")
     lengths = [int(x) for x in args.max_tokens.split(",")]
@@ -127,6 +147,22 @@ def read_curve(path: Path) -> dict:
     return out
 
 
+def assumed(spec: str, ap) -> dict:
+    """``--assume draft=D,row=R[,rollback=X]`` as :func:`read_curve`'s ratios
+    (verifies of 2..64 rows; :func:`priced` keeps those up to each block)."""
+    try:
+        given = {k.strip(): float(v) for k, v in (part.split("=") for part in spec.split(","))}
+    except ValueError:
+        ap.error(f"--assume {spec!r}: expected draft=D,row=R[,rollback=X] with numbers")
+    unknown = set(given) - {"draft", "row", "rollback"}
+    if unknown or not {"draft", "row"} <= set(given) or any(v < 0 for v in given.values()):
+        ap.error(f"--assume {spec!r}: expected draft=D,row=R[,rollback=X], each >= 0")
+    out = {f"T_verify({B})": 1.0 + given["row"] * (B - 1) for B in range(2, 65)}
+    out["T_draft(1)"] = given["draft"]
+    out["T_rollback(1)"] = given.get("rollback", 0.02)
+    return out
+
+
 def priced(costs, block: int, ratios: dict):
     """``costs`` with its parts replaced by ``ratios`` (to its own plain step):
     verifies at every width measured up to ``block``, and the draft and
@@ -144,7 +180,7 @@ def priced(costs, block: int, ratios: dict):
     draft = at("T_draft", block) * costs.plain
     rollback = at("T_rollback", block) * costs.plain if any(k.startswith("T_rollback(") for k in ratios) else 0.0
     return dataclasses.replace(
-        costs, verify=verify, draft={B: draft for B in verify}, rollback=rollback, tree={}, fixes=[]
+        costs, verify=verify, draft={B: draft for B in verify}, rollback=rollback, tree={}, fixes=[], warm=set()
     )
 
 
