@@ -514,7 +514,7 @@ class Acceptance:
     expected to do as the deepest one seen, so an oracle draft is widened
     step by step and a useless one is not."""
 
-    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.95, stale: float = 0.8):
+    def __init__(self, depths: int, prior: float = 0.6, weight: float = 1.0, decay: float = 0.98, stale: float = 0.85):
         self.hits = [0.0] * (depths + 1)
         self.trials = [0.0] * (depths + 1)
         self.prior, self.weight, self.decay, self.stale = prior, weight, decay, stale

@@ -350,7 +350,7 @@ def test_depths_a_narrow_width_never_reaches_go_stale():
     of staying at 4 for the rest of the text (seen on an easy prompt)."""
     a = Acceptance(16)
     a.observe(15, 3)
-    for _ in range(6):
+    for _ in range(8):
         a.observe(3, 3)
     assert a.p(4) >= 0.8 * a.p(3), (a.p(3), a.p(4))
     assert a.p(2) > 0.85  # tested depths keep their evidence
