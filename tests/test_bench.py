@@ -361,6 +361,30 @@ def test_policy_replay_prices_by_a_real_shapes_curve(tmp_path):
         pr.read_curve(bad)
 
 
+def test_policy_replay_prices_by_assumed_ratios():
+    """bench/policy_replay.py --assume draft=D,row=R: a verify of B rows at
+    1 + R(B - 1) plain steps and a draft forward at D, up to the pair's
+    block, rollback 0.02 unless given; the priced curve times its own first
+    cycles (a set of its own); a malformed spec is one argparse error."""
+    import argparse
+
+    from mlx_dflash.policy import CostModel
+
+    pr = _bench_script("policy_replay")
+    ap = argparse.ArgumentParser()
+    own = CostModel(plain=0.004, verify={2: 0.01, 8: 0.02}, draft={2: 0.003, 8: 0.003}, rollback=0.001, draft_row=1e-5)
+    own.warm.add(8)
+    c = pr.priced(own, 8, pr.assumed("draft=0.15,row=0.03", ap))
+    assert c.verify == pytest.approx({B: (1 + 0.03 * (B - 1)) * 0.004 for B in range(2, 9)})
+    assert c.full_draft() == pytest.approx(0.15 * 0.004) and c.rollback == pytest.approx(0.02 * 0.004)
+    assert c.plain == own.plain and c.draft_row == own.draft_row and c.warm == set() and own.warm == {8}
+    assert pr.priced(own, 8, pr.assumed("draft=0.2,row=0,rollback=0.1", ap)).rollback == pytest.approx(0.1 * 0.004)
+    for bad in ("draft=0.15", "draft=x,row=0.03", "draft=0.1,row=0.03,speed=2", "draft=-1,row=0.03", "0.15"):
+        with pytest.raises(SystemExit) as e:
+            pr.assumed(bad, ap)
+        assert e.value.code == 2, bad
+
+
 def test_draft_vocab_projects_tau_from_the_share_outside():
     """bench/draft_vocab.py's projection: with nothing outside the kept ids
     tau is unchanged; a share u outside lowers every depth's acceptance by
