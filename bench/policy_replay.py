@@ -96,7 +96,7 @@ def main():
             f"- costs: the ratios to a plain step that `{args.curve}` measured, in place of each pair's own "
             "curve (plain step in seconds and the draft's cost per context row: the pair's)"
         )
-    elif ratios:
+    elif args.assume:
         lines.append(
             f"- costs: ASSUMED, not measured (`--assume {args.assume}`): ratios to a plain step in place of each "
             "pair's own curve (plain step in seconds and the draft's cost per context row: the pair's)"
