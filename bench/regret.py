@@ -7,10 +7,13 @@ For each pair (the embedded pair, then each ``--draft`` with the embedded
 target) and each of the six bench prompts, the modes take turns one
 generation at a time (after a warm-up each): ``default`` (the adaptive
 policy), ``pinned B`` for each width up to the draft's block, and ``plain``
-(``--baseline``). Per prompt: each mode's median tok/s and the regret ratio,
-the median over repeats of default's tok/s over the better of (the best
-pinned width, plain) in the same repeat (goal: >= 0.97 on every prompt, and
-default's median over prompts above both). ``busy``: the same, while a
+(``--baseline``), and plain decoding once more as a control. Per prompt: each
+mode's median tok/s and the regret ratio, the median over repeats of
+default's tok/s over the better of (the best pinned width, plain) in the
+same repeat (goal: >= 0.97 on every prompt, and default's median over
+prompts above both). The control's ratio to plain, taken the same way,
+shows what identical work reads as in this run: a regret ratio no further
+from 1 than the control's is within the run's noise. ``busy``: the same, while a
 subprocess this script starts keeps one core busy (a pure-Python loop,
 pinned to core 0 where the OS allows), as a browser and an editor would.
 Greedy: every mode's tokens must equal plain decoding's.
@@ -38,6 +41,9 @@ BURN = (
 )
 
 
+CONTROL = "plain again"  # plain decoding once more: what identical work reads as in the same run
+
+
 def busy_core():
     """A subprocess that keeps one core busy until killed."""
     return subprocess.Popen([sys.executable, "-c", BURN, str(os.getpid())])
@@ -46,7 +52,7 @@ def busy_core():
 def run_mode(engine, draft, ids, n, mode):
     from mlx_dflash.benchmark import _run_engine
 
-    if mode == "plain":
+    if mode in ("plain", CONTROL):
         return _run_engine(engine, ids, n, None, None)
     if mode == "default":
         return _run_engine(engine, ids, n, draft, None)
@@ -57,7 +63,7 @@ def measure(engine, draft, prompts, n, reps, widths):
     """Per prompt: per mode the tok/s of each repeat, the stats of its median run, and the tokens."""
     from mlx_dflash.benchmark import first_difference
 
-    modes = ["default"] + [f"pinned {w}" for w in widths if w <= draft.block_size] + ["plain"]
+    modes = ["default"] + [f"pinned {w}" for w in widths if w <= draft.block_size] + ["plain", CONTROL]
     rows = {}
     for name, text in prompts.items():
         ids = engine.encode(text)
@@ -73,50 +79,79 @@ def measure(engine, draft, prompts, n, reps, widths):
             for toks, _ in rs:
                 if toks != ref:
                     raise SystemExit(f"{name}: {m} differs from plain decoding at token {first_difference(toks, ref)}")
-        row = {}
-        for m, rs in runs.items():
-            tps = [st["decode_tps"] for _, st in rs]
-            mid = sorted(rs, key=lambda r: r[1]["decode_tps"])[reps // 2][1]
-            row[m] = {"tps": tps, "median": statistics.median(tps), "widths": mid["widths"], "tau": mid["tau"]}
-        pinned = [m for m in modes if m.startswith("pinned")]
-        best = max(pinned, key=lambda m: row[m]["median"])
-        other = best if row[best]["median"] >= row["plain"]["median"] else "plain"
-        row["best"] = other
-        row["best_pinned"] = best
-        row["regret"] = statistics.median(a / b for a, b in zip(row["default"]["tps"], row[other]["tps"]))
-        # Interference only slows a run: each mode's fastest repeat is its least disturbed one.
-        row["regret_best"] = max(row["default"]["tps"]) / max(max(row[m]["tps"]) for m in modes if m != "default")
-        rows[name] = row
+        rows[name] = row = summarise(runs)
+        best = row["best_pinned"]
         print(
             f"  {name:18s} default {row['default']['median']:6.1f}  best pinned ({best}) "
-            f"{row[best]['median']:6.1f}  plain {row['plain']['median']:6.1f}  regret {row['regret']:.3f}",
+            f"{row[best]['median']:6.1f}  plain {row['plain']['median']:6.1f}  regret {row['regret']:.3f}  "
+            f"control {row['control']:.3f}",
             flush=True,
         )
     return modes, rows
 
 
+def summarise(runs) -> dict:
+    """One prompt's row from each mode's repeats (``(tokens, stats)``, the
+    repeats in the order they ran): per mode its tok/s, median and the
+    widths of its median run; the better of the best pinned width and plain;
+    the regret ratio; the fastest repeats' ratio; and the control's ratio to
+    plain, paired by repeat as the regret ratio is."""
+    row = {}
+    for m, rs in runs.items():
+        tps = [st["decode_tps"] for _, st in rs]
+        mid = sorted(rs, key=lambda r: r[1]["decode_tps"])[len(rs) // 2][1]
+        row[m] = {"tps": tps, "median": statistics.median(tps), "widths": mid["widths"], "tau": mid["tau"]}
+    pinned = [m for m in runs if m.startswith("pinned")]
+    best = max(pinned, key=lambda m: row[m]["median"])
+    other = best if row[best]["median"] >= row["plain"]["median"] else "plain"
+    row["best"] = other
+    row["best_pinned"] = best
+    row["regret"] = statistics.median(a / b for a, b in zip(row["default"]["tps"], row[other]["tps"]))
+    # Interference only slows a run: each mode's fastest repeat is its least disturbed one.
+    others = [m for m in runs if m not in ("default", CONTROL)]
+    row["regret_best"] = max(row["default"]["tps"]) / max(max(row[m]["tps"]) for m in others)
+    if CONTROL in runs:
+        row["control"] = statistics.median(a / b for a, b in zip(row[CONTROL]["tps"], row["plain"]["tps"]))
+    return row
+
+
 def table(modes, rows) -> list:
+    control = all("control" in r for r in rows.values())
+    modes = [m for m in modes if m != CONTROL]
     head = (
         "| prompt | "
         + " | ".join(f"{m} tok/s" for m in modes)
         + " | better of pinned/plain | default / better | fastest repeats' ratio |"
+        + (" control: plain again / plain |" if control else "")
     )
-    lines = [head, "|---|" + "---:|" * (len(modes) + 3)]
+    lines = [head, "|---|" + "---:|" * (len(modes) + 3 + control)]
     for name, row in rows.items():
         cells = [f"{row[m]['median']:.1f}" for m in modes]
         lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | {row['best']} | {row['regret']:.3f} | {row['regret_best']:.3f} |"
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {row['best']} | {row['regret']:.3f} | {row['regret_best']:.3f} |"
+            + (f" {row['control']:.3f} |" if control else "")
         )
     med = {m: statistics.median(r[m]["median"] for r in rows.values()) for m in modes}
-    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | |")
+    lines.append(
+        "| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | |" + (" |" if control else "")
+    )
     worst = min(r["regret"] for r in rows.values())
     worst_best = min(r["regret_best"] for r in rows.values())
     above = med["default"] > max(v for m, v in med.items() if m != "default")
+    noise = ""
+    if control:
+        lo, hi = min(r["control"] for r in rows.values()), max(r["control"] for r in rows.values())
+        noise = (
+            f" The control (plain decoding against itself, paired the same way) read {lo:.3f}-{hi:.3f}; "
+            "a regret ratio no further from 1 than that is within this run's noise."
+        )
     lines += [
         "",
         f"Worst regret ratio {worst:.3f} (goal >= 0.97: {'met' if worst >= 0.97 else 'not met'}); "
         f"default's median over prompts {'above' if above else 'NOT above'} every pinned width's and plain's. "
-        f"Worst ratio of fastest repeats {worst_best:.3f}.",
+        f"Worst ratio of fastest repeats {worst_best:.3f}." + noise,
         "",
         "Default's widths (width:cycles, 1 = plain steps) and tau, median run:",
         "",
@@ -170,7 +205,9 @@ def main():
         "drafted cycles show side by side; docs/policy.md); pinned B = `--block-size B`; plain = `--baseline`",
         "- regret ratio = median over repeats of default's tok/s / the better mode's (best pinned width or "
         "plain, by median) tok/s in the same repeat; fastest repeats' ratio = default's fastest repeat over the "
-        "fastest repeat of any other mode (interference only slows a run: the fastest is the least disturbed)",
+        "fastest repeat of any other mode (interference only slows a run: the fastest is the least disturbed); "
+        "control = plain decoding run once more as a mode of its own, its ratio to plain taken as the regret "
+        "ratio is (identical work: how far from 1 this run's noise alone moves a ratio)",
         "",
     ]
     data = {}

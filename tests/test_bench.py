@@ -1,6 +1,7 @@
 """mlx-dflash bench: side-by-side modes, identical-token check, result files."""
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -383,6 +384,34 @@ def test_policy_replay_prices_by_assumed_ratios():
         with pytest.raises(SystemExit) as e:
             pr.assumed(bad, ap)
         assert e.value.code == 2, bad
+
+
+def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
+    """bench/regret.py runs plain decoding twice: its table states the
+    control's ratio to plain, paired by repeat as the regret ratio is, so a
+    reader sees what identical work reads as in the same run; the control
+    is never the better mode nor a column of its own."""
+    rg = _bench_script("regret")
+
+    def runs(*tps):
+        return [([1, 2], {"decode_tps": t, "widths": {1: 2}, "tau": 1.0}) for t in tps]
+
+    r = {
+        "default": runs(90, 120, 100),
+        "pinned 4": runs(80, 80, 80),
+        "plain": runs(100, 100, 125),
+        rg.CONTROL: runs(110, 95, 100),
+    }
+    row = rg.summarise(r)
+    assert row["best"] == "plain" and row["best_pinned"] == "pinned 4"
+    assert row["regret"] == pytest.approx(statistics.median([0.9, 1.2, 0.8]))
+    assert row["control"] == pytest.approx(statistics.median([1.1, 0.95, 0.8]))
+    assert row["regret_best"] == pytest.approx(120 / 125)  # the control's 110 is not another mode
+    lines = rg.table(list(r), {"p": row, "q": dict(row, control=1.04)})
+    assert lines[0].count("tok/s") == 3 and lines[0].endswith("control: plain again / plain |")
+    assert lines[2].endswith(f"| {row['control']:.3f} |")
+    summary = next(x for x in lines if x.startswith("Worst regret ratio"))
+    assert f"read {row['control']:.3f}-1.040" in summary
 
 
 def test_draft_vocab_projects_tau_from_the_share_outside():
