@@ -350,6 +350,22 @@ def _median5(xs: List[float]) -> float:
     return sorted(xs)[2]
 
 
+FIX_SAMPLES = 9  # the correction's memory (samples of drafted against plain cycle times)
+
+
+def _median_fixes(xs: List[float]) -> float:
+    """The median of the last FIX_SAMPLES samples, at least 5 counted
+    (missing ones as 1: no correction). With few samples it is
+    :func:`_median5`; with more, a short run of noisy ones moves it less:
+    each sample is one drafted cycle against one plain run, 10-20% apart
+    from run to run on a busy machine, and a correction that wanders by
+    that much drafts where plain decoding pays, or the reverse."""
+    xs = list(xs[-FIX_SAMPLES:])
+    xs = sorted(xs + [1.0] * (5 - len(xs)))
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
 def _monotone(t: Dict[int, float]) -> Dict[int, float]:
     """A wider forward never costs less: running max over the sizes."""
     out, hi = {}, 0.0
@@ -586,8 +602,8 @@ class Policy:
     it only by what they compare alike: at each change between plain steps
     and drafted cycles, the two neighbouring observations (each over its
     modelled cost) give one sample of how far drafted cycles are off
-    relative to plain steps, and the median of the last 5 such samples
-    scales every drafted width. A stretch of inflated timings slows both
+    relative to plain steps, and the median of the last 9 such samples (at
+    least 5 counted) scales every drafted width. A stretch of inflated timings slows both
     sides of a pair alike, except the one pair that straddles its start or
     end, so it moves the machine's load (reported) and not the choice."""
 
@@ -689,7 +705,7 @@ class Policy:
 
     def correction(self) -> float:
         """How much dearer drafted cycles run than the measured curve says, relative to plain steps."""
-        return _median5(self.fixes)
+        return _median_fixes(self.fixes)
 
     def load(self) -> float:
         """How much slower the machine runs now than when the curve was measured (1: as measured)."""
@@ -901,7 +917,7 @@ class Policy:
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
             self.fixes.append(min(max(drafted / plain, 1 / 3), 3.0))
-            del self.fixes[:-5]
+            del self.fixes[:-FIX_SAMPLES]
         self.prev = (kind, ratio)
         self.loads = (self.loads + [ratio / (self.correction() if kind == "draft" else 1.0)])[-5:]
 

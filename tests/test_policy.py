@@ -731,6 +731,42 @@ def test_observed_costs_correct_the_model_apart_from_the_load():
     assert Policy(16, c).correction() == pytest.approx(1.5) and Policy(16, synthetic_costs()).correction() == 1.0
 
 
+def test_a_few_noisy_samples_after_many_that_agree_leave_the_correction():
+    """A correction sample is one drafted cycle against the plain run beside
+    it, and those read 10-20% apart from run to run on a busy machine. After
+    six samples that agree with the curve, three reading drafted cycles 20%
+    cheaper leave the correction at 1 (a median of the last 5 took them for
+    a price, and drafted where plain decoding paid); a change that lasts
+    moves it, and on a new curve three in a row move it as before."""
+    c = synthetic_costs()
+
+    def run(policy, drafted):
+        # Plain runs at the curve's cost, and between them one drafted cycle at
+        # ``drafted`` times it: each such cycle gives a sample on either side.
+        for r in drafted:
+            policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
+            policy.timed(Plan(16, block=16), 5, r * c.cycle(16))
+        policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
+
+    fresh = Policy(16, c)
+    fresh.warm_widths.add(16)
+    run(fresh, [0.8, 0.8])
+    assert c.fixes == pytest.approx([0.8] * 4) and fresh.correction() == pytest.approx(0.8)
+
+    c = synthetic_costs()
+    policy = Policy(16, c)
+    policy.warm_widths.add(16)
+    run(policy, [1.0, 1.0, 1.0])
+    assert c.fixes == pytest.approx([1.0] * 6)
+    policy.timed(Plan(16, block=16), 5, 0.8 * c.cycle(16))
+    policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
+    policy.timed(Plan(16, block=16), 5, 0.8 * c.cycle(16))
+    assert c.fixes[-3:] == pytest.approx([0.8] * 3)
+    assert policy.correction() == pytest.approx(1.0)
+    run(policy, [0.8])
+    assert c.fixes[-5:] == pytest.approx([0.8] * 5) and policy.correction() == pytest.approx(0.8)
+
+
 def test_a_width_traced_in_this_process_is_timed_from_the_next_generation_on():
     """The first cycle at a width traces its forwards, once per process: it
     is not timed. A later generation on the same curve times its first
