@@ -414,6 +414,36 @@ def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
     assert f"read {row['control']:.3f}-1.040" in summary
 
 
+def test_policy_noise_clock_times_cycles_as_the_true_costs_say_with_noise():
+    """bench/policy_noise.py: without noise the policy reads each cycle's
+    true cost (drafted parts ``bias`` times the curve, plain steps and the
+    shadows a run carried as they are); with noise a seed gives the same
+    times again, and a long plain run spreads less than a drafted cycle."""
+    import random
+
+    from mlx_dflash.policy import CostModel, Plan, Policy
+
+    pn = _bench_script("policy_noise")
+    c = CostModel(plain=0.01, verify={2: 0.02, 8: 0.03}, draft={2: 0.004, 8: 0.004}, rollback=0.001)
+    truth = pn.truth_of(c, 1.3)
+    assert truth.cycle(8) == pytest.approx(1.3 * c.cycle(8)) and truth.cycle(1) == c.cycle(1)
+    policy = Policy(8, c)
+    exact = pn.noisy_clock(policy, truth, random.Random(0), 0.0, False)
+    assert exact(Plan(8, block=8), 3) == pytest.approx(1.3 * c.cycle(8))
+    policy.run_shadows = 2
+    assert exact(Plan(1, steps=16), 16) == pytest.approx(16 * c.plain + 2 * 1.3 * c.full_draft())
+    policy.run_shadows = 0
+
+    def times(plan, n, seed):
+        clock = pn.noisy_clock(policy, truth, random.Random(seed), 0.15, False)
+        return [clock(plan, n) for _ in range(400)]
+
+    drafted = times(Plan(8, block=8), 3, 1)
+    assert drafted == times(Plan(8, block=8), 3, 1)
+    plain = [t / 64 for t in times(Plan(1, steps=64), 64, 1)]
+    assert statistics.pstdev(plain) / c.plain < 0.5 * statistics.pstdev(drafted) / truth.cycle(8)
+
+
 def test_draft_vocab_projects_tau_from_the_share_outside():
     """bench/draft_vocab.py's projection: with nothing outside the kept ids
     tau is unchanged; a share u outside lowers every depth's acceptance by
