@@ -100,7 +100,13 @@ def summarise(runs) -> dict:
     for m, rs in runs.items():
         tps = [st["decode_tps"] for _, st in rs]
         mid = sorted(rs, key=lambda r: r[1]["decode_tps"])[len(rs) // 2][1]
-        row[m] = {"tps": tps, "median": statistics.median(tps), "widths": mid["widths"], "tau": mid["tau"]}
+        row[m] = {
+            "tps": tps,
+            "median": statistics.median(tps),
+            "widths": mid["widths"],
+            "tau": mid["tau"],
+            "widths_each": [st["widths"] for _, st in rs],  # a repeat that drafted where its median did not shows
+        }
     pinned = [m for m in runs if m.startswith("pinned")]
     best = max(pinned, key=lambda m: row[m]["median"])
     other = best if row[best]["median"] >= row["plain"]["median"] else "plain"
@@ -153,12 +159,17 @@ def table(modes, rows) -> list:
         f"default's median over prompts {'above' if above else 'NOT above'} every pinned width's and plain's. "
         f"Worst ratio of fastest repeats {worst_best:.3f}." + noise,
         "",
-        "Default's widths (width:cycles, 1 = plain steps) and tau, median run:",
+        "Default's widths (width:cycles, 1 = plain steps) and tau, median run (each repeat's where they differ):",
         "",
     ]
+
+    def widths(w):
+        return " ".join(f"{k}:{v}" for k, v in w.items())
+
     for name, row in rows.items():
-        w = " ".join(f"{k}:{v}" for k, v in row["default"]["widths"].items())
-        lines.append(f"- {name}: {w} (tau {row['default']['tau']:.2f})")
+        each = [widths(w) for w in row["default"].get("widths_each", [])]
+        also = f"; repeats: {' | '.join(each)}" if len(set(each)) > 1 else ""
+        lines.append(f"- {name}: {widths(row['default']['widths'])} (tau {row['default']['tau']:.2f}){also}")
     return lines
 
 

@@ -394,7 +394,7 @@ def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
     rg = _bench_script("regret")
 
     def runs(*tps):
-        return [([1, 2], {"decode_tps": t, "widths": {1: 2}, "tau": 1.0}) for t in tps]
+        return [([1, 2], {"decode_tps": t, "widths": {1: 2} if t != 120 else {1: 1, 8: 1}, "tau": 1.0}) for t in tps]
 
     r = {
         "default": runs(90, 120, 100),
@@ -412,6 +412,8 @@ def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
     assert lines[2].endswith(f"| {row['control']:.3f} |")
     summary = next(x for x in lines if x.startswith("Worst regret ratio"))
     assert f"read {row['control']:.3f}-1.040" in summary
+    # The median repeat ran plainly; the one that drafted is listed too.
+    assert "- p: 1:2 (tau 1.00); repeats: 1:2 | 1:1 8:1 | 1:2" in lines
 
 
 def test_policy_noise_clock_times_cycles_as_the_true_costs_say_with_noise():
