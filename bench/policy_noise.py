@@ -124,14 +124,14 @@ def main():
 
     from mlx_dflash.api import DEFAULT_MODEL, load
     from mlx_dflash.benchmark import read_prompts
-    from mlx_dflash.policy import Policy, _median5, load_costs
+    from mlx_dflash.policy import Policy, load_costs, recent_median
     from tools.replay import record
 
     class Median5(Policy):
         """The previous correction: the median of the last 5 samples."""
 
         def correction(self):
-            return _median5(self.fixes)
+            return recent_median(self.fixes, 5)
 
     rules = {"default": Policy, "median of 5": Median5}
     t0 = time.time()

@@ -116,43 +116,37 @@ def summarise(runs) -> dict:
     # Interference only slows a run: each mode's fastest repeat is its least disturbed one.
     others = [m for m in runs if m not in ("default", CONTROL)]
     row["regret_best"] = max(row["default"]["tps"]) / max(max(row[m]["tps"]) for m in others)
-    if CONTROL in runs:
-        row["control"] = statistics.median(a / b for a, b in zip(row[CONTROL]["tps"], row["plain"]["tps"]))
+    row["control"] = statistics.median(a / b for a, b in zip(row[CONTROL]["tps"], row["plain"]["tps"]))
     return row
 
 
 def table(modes, rows) -> list:
-    control = all("control" in r for r in rows.values())
     modes = [m for m in modes if m != CONTROL]
     head = (
         "| prompt | "
         + " | ".join(f"{m} tok/s" for m in modes)
         + " | better of pinned/plain | default / better | fastest repeats' ratio |"
-        + (" control: plain again / plain |" if control else "")
+        + " control: plain again / plain |"
     )
-    lines = [head, "|---|" + "---:|" * (len(modes) + 3 + control)]
+    lines = [head, "|---|" + "---:|" * (len(modes) + 4)]
     for name, row in rows.items():
         cells = [f"{row[m]['median']:.1f}" for m in modes]
         lines.append(
             f"| {name} | "
             + " | ".join(cells)
             + f" | {row['best']} | {row['regret']:.3f} | {row['regret_best']:.3f} |"
-            + (f" {row['control']:.3f} |" if control else "")
+            + f" {row['control']:.3f} |"
         )
     med = {m: statistics.median(r[m]["median"] for r in rows.values()) for m in modes}
-    lines.append(
-        "| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | |" + (" |" if control else "")
-    )
+    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | | |")
     worst = min(r["regret"] for r in rows.values())
     worst_best = min(r["regret_best"] for r in rows.values())
     above = med["default"] > max(v for m, v in med.items() if m != "default")
-    noise = ""
-    if control:
-        lo, hi = min(r["control"] for r in rows.values()), max(r["control"] for r in rows.values())
-        noise = (
-            f" The control (plain decoding against itself, paired the same way) read {lo:.3f}-{hi:.3f}; "
-            "a regret ratio no further from 1 than that is within this run's noise."
-        )
+    lo, hi = min(r["control"] for r in rows.values()), max(r["control"] for r in rows.values())
+    noise = (
+        f" The control (plain decoding against itself, paired the same way) read {lo:.3f}-{hi:.3f}; "
+        "a regret ratio no further from 1 than that is within this run's noise."
+    )
     lines += [
         "",
         f"Worst regret ratio {worst:.3f} (goal >= 0.97: {'met' if worst >= 0.97 else 'not met'}); "
@@ -167,7 +161,7 @@ def table(modes, rows) -> list:
         return " ".join(f"{k}:{v}" for k, v in w.items())
 
     for name, row in rows.items():
-        each = [widths(w) for w in row["default"].get("widths_each", [])]
+        each = [widths(w) for w in row["default"]["widths_each"]]
         also = f"; repeats: {' | '.join(each)}" if len(set(each)) > 1 else ""
         lines.append(f"- {name}: {widths(row['default']['widths'])} (tau {row['default']['tau']:.2f}){also}")
     return lines

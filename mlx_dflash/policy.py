@@ -343,24 +343,18 @@ class CostModel:
         )
 
 
-def _median5(xs: List[float]) -> float:
-    """The middle of the last 5 samples, missing ones counted as 1 (no
-    correction): two odd samples never move it, three in a row do."""
-    xs = (list(xs[-5:]) + [1.0] * 5)[:5]
-    return sorted(xs)[2]
-
-
 FIX_SAMPLES = 9  # the correction's memory (samples of drafted against plain cycle times)
 
 
-def _median_fixes(xs: List[float]) -> float:
-    """The median of the last FIX_SAMPLES samples, at least 5 counted
-    (missing ones as 1: no correction). With few samples it is
-    :func:`_median5`; with more, a short run of noisy ones moves it less:
-    each sample is one drafted cycle against one plain run, 10-20% apart
-    from run to run on a busy machine, and a correction that wanders by
-    that much drafts where plain decoding pays, or the reverse."""
-    xs = list(xs[-FIX_SAMPLES:])
+def recent_median(xs: List[float], most: int = 5) -> float:
+    """The median of the last ``most`` samples, at least 5 counted (missing
+    ones as 1: no correction, no load). With up to 5 samples two odd ones
+    never move it and three in a row do; a longer memory (the correction's
+    FIX_SAMPLES) moves less on a short run of noisy ones: each correction
+    sample is one drafted cycle against one plain run, 10-20% apart from
+    run to run on a busy machine, and a correction that wanders by that much
+    drafts where plain decoding pays, or the reverse."""
+    xs = list(xs[-most:])
     xs = sorted(xs + [1.0] * (5 - len(xs)))
     n = len(xs)
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
@@ -705,11 +699,11 @@ class Policy:
 
     def correction(self) -> float:
         """How much dearer drafted cycles run than the measured curve says, relative to plain steps."""
-        return _median_fixes(self.fixes)
+        return recent_median(self.fixes, FIX_SAMPLES)
 
     def load(self) -> float:
         """How much slower the machine runs now than when the curve was measured (1: as measured)."""
-        return _median5(self.loads)
+        return recent_median(self.loads)
 
     def drifted(self) -> bool:
         """Whether this generation ran well faster than the curve says
