@@ -70,7 +70,7 @@ def noisy_clock(policy, truth, rng: random.Random, spread: float, stalls: bool):
 
     def clock(plan, committed, read=0):
         if plan.width == 1:
-            base = committed * truth.cycle(1, policy.context) + policy.run_shadows * truth.full_draft()
+            base = truth.plain_run(committed, policy.context) + policy.run_shadows * truth.full_draft()
             noise = math.exp(rng.gauss(0.0, spread / math.sqrt(max(committed, 1))))
         else:
             base = truth.cycle(plan.width, policy.context)

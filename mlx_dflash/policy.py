@@ -37,12 +37,16 @@ from .files import write_text
 from .models.draft import propose
 
 CACHE_FILE = "costs.json"
-READ_ROWS = 32  # context rows a draft forward reads when its cost per row is measured
-FORMAT = 8  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+READ_ROWS = (32, 128)  # context rows a draft forward reads when its cost of reading them is measured
+FORMAT = 9  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
 #            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them;
 #            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context;
 #            7: the draft's cost per context row it reads; 8: the draft's cost is its proposal as the
-#            loop runs it, a DFlash 2 selector's walk included, which the logits alone underprice by a third)
+#            loop runs it, a DFlash 2 selector's walk included, which the logits alone underprice by a third;
+#            9: a plain step is one of a run in flight, and a run's fill (its first step's host work) a term of
+#            its own: a whole run over its steps overpriced long runs by ~7% and a 4-step calibration run read
+#            dearer than drafted cycles; and the draft's reading of rows measured at 32 and 128 rows: priced
+#            at 32 rows' rate, 128 rows came out 1.5x dear, and a first cycle reading its prompt 8% dear)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -139,7 +143,14 @@ class CostModel:
     # Seconds per committed row the draft reads into its context (beyond the
     # one a block reads after each plain step): a drafted cycle reads the rows
     # the cycle before committed, a shadow draft every row since the last.
+    # ``reads``: rows -> seconds of reading that many, where measured (a
+    # forward's rows share its work, so per row it costs less the more rows
+    # it reads); ``draft_row`` is then the rate beyond the last of them.
     draft_row: float = 0.0
+    reads: Dict[int, float] = field(default_factory=dict)
+    # Seconds a run of plain steps pays once: its first step's host work, which
+    # no step before it overlaps (``plain`` is a step of a run in flight).
+    plain_fill: float = 0.0
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
@@ -159,7 +170,12 @@ class CostModel:
 
     def read(self, rows: float) -> float:
         """Seconds for the draft to read ``rows`` committed rows into its context."""
-        return self.draft_row * max(rows, 0)
+        if not self.reads:
+            return self.draft_row * max(rows, 0)
+        top = max(self.reads)
+        if rows > top:
+            return self.reads[top] + self.draft_row * (rows - top)
+        return interpolate({0: 0.0, **self.reads}, max(rows, 0))
 
     def shadow(self, rows: float) -> float:
         """Seconds of a shadow draft that first reads ``rows`` committed rows."""
@@ -167,6 +183,10 @@ class CostModel:
 
     def plain_at(self, context: int = 0) -> float:
         return self.plain + self.per_key_plain * max(context - self.context, 0)
+
+    def plain_run(self, steps: int, context: int = 0) -> float:
+        """Seconds for a run of ``steps`` plain steps after ``context`` tokens."""
+        return self.plain_fill + steps * self.plain_at(context)
 
     def cycle(self, width: int, context: int = 0) -> float:
         """Seconds for one cycle of ``width`` tokens (1: a plain step) at ``context`` tokens."""
@@ -194,6 +214,8 @@ class CostModel:
             "per_key_plain": self.per_key_plain,
             "per_key_base": self.per_key_base,
             "draft_row": self.draft_row,
+            "reads": self.reads,
+            "plain_fill": self.plain_fill,
         }
 
     @classmethod
@@ -210,6 +232,8 @@ class CostModel:
             per_key_plain=float(d.get("per_key_plain", 0.0)),
             per_key_base=float(d.get("per_key_base", 0.0)),
             draft_row=float(d.get("draft_row", 0.0)),
+            reads=ints(d.get("reads", {})),
+            plain_fill=float(d.get("plain_fill", 0.0)),
         )
 
     @classmethod
@@ -288,19 +312,21 @@ class CostModel:
             dcache = draft.make_cache()
             mx.eval(propose(draft, feats, 9, context, B, dcache)[0])
             pos = [context]
+            # More rows than the scratch context holds repeat its features: the cost is the same.
+            rows_in = mx.concatenate([feats] * -(-rows // feats.shape[0]))[-rows:]
 
             def run():
-                toks, _ = propose(draft, feats[-rows:], 9, pos[0] + rows, B, dcache)
+                toks, _ = propose(draft, rows_in, 9, pos[0] + rows, B, dcache)
                 pos[0] += rows
                 mx.eval(toks)
 
             return run
 
-        parts = {("plain", 0): plain_run}
+        # Runs of 2 and 8 steps: their difference is 6 steps in flight, the rest the fill.
+        parts = {("plain", 0): plain_run, ("plain", 2): lambda: plain_run(2)}
         parts.update({("verify", B): verify_at(B) for B in widths})
         parts.update({("draft", B): draft_at(B) for B in widths})
-        read = min(READ_ROWS, context)
-        parts[("draft-read", Bmax)] = draft_at(Bmax, read)
+        parts.update({("draft-read", n): draft_at(Bmax, n) for n in READ_ROWS})
         for n in tree_sizes:
             parts[("tree", n)] = verify_at(n, [-1] + [(i - 1) // 2 for i in range(1, n)])
         # A pipeline-split target holds one cache at a time (a second resets
@@ -329,8 +355,13 @@ class CostModel:
             per_key_verify = max(wide - narrow, 0.0) / max(Bmax - 2, 1)
             per_key_base = max(narrow - 2 * per_key_verify, 0.0)
             per_key_plain = max(best[("long-plain", 0)] - best[("plain", 0)], 0.0) / (8 * extra)
+        # Reading n rows, beyond the one every draft forward reads.
+        reads = _monotone({n: max(best[("draft-read", n)] - best[("draft", Bmax)], 0.0) for n in READ_ROWS})
+        step = (best[("plain", 0)] - best[("plain", 2)]) / 6
+        if step <= 0:  # timings too noisy to split: a run of 8 over its steps, no fill
+            step = best[("plain", 0)] / 8
         return cls(
-            best[("plain", 0)] / 8,
+            step,
             verify,
             table("draft"),
             min(rollback),
@@ -339,7 +370,9 @@ class CostModel:
             per_key_verify=per_key_verify,
             per_key_plain=per_key_plain,
             per_key_base=per_key_base,
-            draft_row=max(best[("draft-read", Bmax)] - best[("draft", Bmax)], 0.0) / max(read - 1, 1),
+            draft_row=max(reads[READ_ROWS[-1]] - reads[READ_ROWS[-2]], 0.0) / (READ_ROWS[-1] - READ_ROWS[-2]),
+            reads=reads,
+            plain_fill=max(best[("plain", 0)] - 8 * step, 0.0),
         )
 
 
@@ -605,7 +638,12 @@ class Policy:
     warmup_cycles = 1
     full_look = 4.0  # the first warm-up cycle drafts the full block if it costs at most this many plain steps
     full_look_ratio = 1.5  # ... and at most this many times the cycle of the width the prior pays best at
-    calibration_steps = 4
+    # Plain steps first: the first ``settle_steps`` untimed (see __init__), then
+    # the calibration run, timed; four in all, so the warm-up looks where it did
+    # when all four were timed (one token later, it missed on a bench prompt
+    # where it had hit, and the replay's ratio there fell from 1.18 to 1.01).
+    settle_steps = 1
+    calibration_steps = 3
     tree_every = 32  # drafted cycles between two looks at the tree while chains win
     shadow_share = 0.02  # at most this share of plain decoding's time goes to shadow drafts
     shadow_decay = 0.8  # evidence kept per shadow block scored (they come far apart: a few make a memory)
@@ -639,6 +677,12 @@ class Policy:
         # A few plain steps first: they time this machine's plain step now
         # (busy or idle) at the cost of nothing but a few undrafted tokens.
         self.plain_left = self.calibration_steps
+        # Before them a plain step that is not timed: the first after the
+        # prompt pays one-off work (what the prefill left lazy, first
+        # allocations), and timed with the calibration run it read ~8% dear
+        # against the drafted cycle after it, a bias in every generation's
+        # sample of the correction.
+        self.settle: Optional[Plan] = None if costs is None else Plan(1, steps=self.settle_steps)
         self.warmup = self.warmup_cycles  # first drafted cycles, taken even where one slow cycle would say plain
         self.plain_votes = 0
         self.loads: List[float] = []  # recent observed / modelled times, drafted ones over the correction
@@ -717,8 +761,8 @@ class Policy:
         the curve was measured in, its draft reading ``rows`` committed rows,
         drafted widths corrected by what observed times said about them
         relative to plain steps."""
-        if width == 1:
-            return self.costs.cycle(1, self.context)
+        if width == 1:  # a step of a run as long as plain runs go, its fill shared out
+            return self.costs.plain_run(self.plain_run, self.context) / self.plain_run
         return (self.costs.cycle(width, self.context) + self.costs.read(rows)) * self.correction()
 
     def ladder(self, room: int) -> List[int]:
@@ -806,6 +850,8 @@ class Policy:
             self.plain_votes = 1
             self.reason = self.probe_note
             return self._chain(self.best_width(room, drafted=True))
+        if self.settle is not None and self.tokens == 0:
+            return self.settle
         if self.plain_left > 0:  # the calibration steps (no shadow: they time plain steps alone)
             return Plan(1, steps=min(self.plain_left, room))
         if self.warmup > 0:
@@ -893,7 +939,7 @@ class Policy:
         ``committed`` tokens) up to the start of the next, in which the draft
         read ``read`` committed rows."""
         shadows, self.run_shadows = self.run_shadows, 0
-        if not self.adaptive or seconds <= 0:
+        if not self.adaptive or seconds <= 0 or plan is self.settle:
             return
         w = "tree" if plan.tree else plan.width
         if w != 1 and w not in self.warm_widths:
@@ -905,7 +951,7 @@ class Policy:
         else:
             model = self.costs.cycle(plan.width, self.context)
         if w == 1:  # a run of plain steps, and the shadow drafts it carried
-            model = committed * model + shadows * self.costs.full_draft()
+            model = self.costs.plain_run(committed, self.context) + shadows * self.costs.full_draft()
         model += self.costs.read(read)
         ratio = seconds / model
         if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
@@ -924,7 +970,8 @@ class Policy:
             self.tree_kept = committed if self.tree_kept is None else 0.8 * self.tree_kept + 0.2 * committed
             return
         if plan.width == 1:
-            self.plain_left = max(self.plain_left - committed, 0)
+            if plan is not self.settle:
+                self.plain_left = max(self.plain_left - committed, 0)
             return
         self.acc.observe(plan.width - 1, committed - 1)
         if self.warmup > 0:

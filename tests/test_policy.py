@@ -37,8 +37,8 @@ def test_useless_draft_goes_plain_and_looks_only_by_shadow_drafts():
     the policy's share of plain decoding's time."""
     policy = Policy(16, synthetic_costs())
     plans = drive(policy, lambda B: 0, 0, tokens=3000)
-    assert plans[0] == Plan(1, steps=Policy.calibration_steps)
-    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
+    assert plans[:2] == [Plan(1, steps=Policy.settle_steps), Plan(1, steps=Policy.calibration_steps)]
+    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 1)
     assert first_plain <= 6  # a few cycles to learn the draft is wrong
     assert all(p.width == 1 for p in plans[first_plain:]), [p.width for p in plans]
     plain_tokens = sum(p.steps for p in plans if p.width == 1)
@@ -53,8 +53,8 @@ def test_useless_draft_goes_plain_and_looks_only_by_shadow_drafts():
 def test_oracle_draft_gets_the_widest_block():
     policy = Policy(16, synthetic_costs())
     plans = drive(policy, lambda B: B - 1, 12)
-    assert plans[-1].width == 16 and all(p.width == 16 for p in plans[4:])
-    assert all(p.width > 1 for p in plans[1:])  # after the calibration steps
+    assert plans[-1].width == 16 and all(p.width == 16 for p in plans[5:])
+    assert all(p.width > 1 for p in plans[2:])  # after the settling and calibration steps
 
 
 def accept_each_with(p, seed=0):
@@ -160,7 +160,7 @@ def test_a_good_draft_drafts_narrower_deep_in_a_long_context():
 def test_a_useless_draft_costs_no_verify_deep_in_a_long_context():
     policy = Policy(16, long_context_costs())
     plans = drive(policy, lambda B: 0, 0, tokens=1500, context=4000)
-    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 0)
+    first_plain = next(i for i, p in enumerate(plans) if p.width == 1 and i > 1)
     assert all(p.width == 1 for p in plans[first_plain:])
     assert sum(p.steps for p in plans if p.width == 1) > 1450
 
@@ -219,10 +219,57 @@ def test_the_curve_prices_the_draft_as_the_loop_runs_it(pair):
     assert fast.full_draft() < 0.015  # the tiny draft alone is far cheaper than the sleep
 
 
+def test_the_curve_prices_reading_many_rows_at_their_own_rate(pair):
+    """A draft forward's rows share its work: reading more rows costs less
+    per row. A draft whose proposal pays 20 ms for reading any rows beyond
+    the one every forward reads, and 0.5 ms per row, is priced so at 64 and
+    at 256 rows (priced at 32 rows' rate, as before, 256 rows came out at
+    twice their cost)."""
+    import time
+
+    model, target, draft = pair
+
+    class RowCost:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, *args):
+            return self.inner(*args)
+
+        def propose(self, features, *args):
+            rows = 0 if features is None else features.shape[0]
+            if rows > 1:
+                time.sleep(0.020 + 0.0005 * rows)
+            return self.inner.propose(features, *args)
+
+    c = CostModel.measure(target, RowCost(draft), reps=2)
+    assert set(c.reads) == {32, 128}
+    for rows in (64, 256):
+        assert c.read(rows) == pytest.approx(0.020 + 0.0005 * rows, rel=0.2), (rows, c.reads, c.draft_row)
+    assert c.draft_row == pytest.approx(0.0005, rel=0.2)
+
+
+def test_a_curve_without_measured_reads_prices_rows_at_one_rate():
+    """Curves that hold no ``reads`` (built by hand, or replayed from a
+    recorded ratio) price every row at ``draft_row``; with them, reading is
+    piecewise linear through the measured points and at ``draft_row`` beyond."""
+    c = synthetic_costs()
+    c.draft_row = 0.001
+    assert c.read(10) == pytest.approx(0.010)
+    c.reads = {32: 0.016, 128: 0.032}
+    assert c.read(16) == pytest.approx(0.008) and c.read(80) == pytest.approx(0.024)
+    assert c.read(228) == pytest.approx(0.032 + 100 * 0.001)
+    assert CostModel.from_dict(c.to_dict()) == c
+
+
 def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     model, target, draft = pair
     costs, measured = load_costs(target, draft, cache_dir=tmp_path)
     assert measured and costs.plain > 0 and set(costs.verify) == {2, 4, 8, 16}
+    assert costs.plain_fill >= 0 and set(costs.reads) == {32, 128}
     assert costs.context == 64 and min(costs.per_key_verify, costs.per_key_plain, costs.per_key_base) >= 0
     assert all(costs.verify[a] <= costs.verify[b] for a, b in [(2, 4), (4, 8), (8, 16)])
     again, measured = load_costs(target, draft, cache_dir=tmp_path)
@@ -319,7 +366,7 @@ def test_a_useless_draft_costs_its_warm_up_and_early_scored_shadows(pair):
     out, stats = run(target, N, draft=wrong, policy=policy)
     assert out == ref
     widths = stats.tree_sizes
-    calib = Policy.calibration_steps
+    calib = Policy.settle_steps + Policy.calibration_steps
     assert sum(w > 1 for w in widths[: widths.index(1, calib)]) == Policy.warmup_cycles == 1, widths
     assert len(policy.booked) >= 3 and all(b == (2, 0) for b in policy.booked[:-1]), policy.booked
 
@@ -337,7 +384,7 @@ def test_oracle_draft_decodes_at_the_widest_block(pair):
     # (2.5 plain steps here), and an oracle keeps it there.
     done, wide_room = 1, []
     for i, w in enumerate(stats.tree_sizes):
-        if i >= Policy.calibration_steps and N - done >= 16:
+        if i >= Policy.settle_steps + Policy.calibration_steps and N - done >= 16:
             wide_room.append(w)
         done += w
     assert done == N and len(wide_room) >= 4 and set(wide_room) == {16}, stats.tree_sizes
@@ -437,9 +484,47 @@ def test_plain_runs_are_timed_whole_as_drafted_cycles_are(pair):
     # A useless draft's plain runs go their planned length (no shadow ends them).
     runs = [p.steps for p in policy.plans if p.width == 1]
     plain = [n for w, n, _ in policy.times if w == 1]
-    assert len(plain) >= 2 and plain == runs[: len(plain)], (plain, runs)
-    assert plain[0] == Policy.calibration_steps
+    assert len(plain) >= 3 and plain == runs[: len(plain)], (plain, runs)
+    assert plain[:2] == [Policy.settle_steps, Policy.calibration_steps]
     assert sum(sec for _, _, sec in policy.times) <= stats.decode_time
+
+
+class SlowDraft(ScriptedDraft):
+    """Right until position ``good_until``, then wrong; each forward takes ``pause`` seconds."""
+
+    def __init__(self, *a, good_until, pause, **kw):
+        super().__init__(*a, **kw)
+        self.good_until, self.pause = good_until, pause
+
+    def __call__(self, features, anchor, anchor_pos, B, cache):
+        import time
+
+        time.sleep(self.pause)
+        self.accept = None if anchor_pos < self.good_until else 0
+        return super().__call__(features, anchor, anchor_pos, B, cache)
+
+
+def test_each_drafted_cycle_is_timed_with_its_own_draft(pair):
+    """A drafted cycle launches the next one's draft before it hands out its
+    tokens; its timed span ends there, so every drafted cycle's span holds
+    its own draft forward, the last before a plain run too. (Timed up to the
+    next cycle's start, the cycle before a plain run held no draft and the
+    one after a plain run two: on the bench pairs 0.7-0.8x and 1.3x the
+    cycles around them, and the correction's samples, taken at those
+    changes, scattered with them.)"""
+    model, target, _ = pair
+    N = 150
+    ref = reference_greedy(model, PROMPT, N)
+    pause = 0.05  # far above the tiny target's verify
+    draft = SlowDraft(PROMPT, ref, target.vocab_size, good_until=len(PROMPT) + 40, pause=pause)
+    policy = Timings(16, synthetic_costs())
+    out, stats = run(target, N, draft=draft, policy=policy)
+    assert out == ref
+    widths = [w for w, _, _ in policy.times]
+    last_drafted = max(i for i, w in enumerate(widths) if w > 1 and 1 in widths[i + 1 :])
+    assert widths[last_drafted + 1] == 1 and sum(w > 1 for w in widths) >= 3, widths
+    drafted = [sec for w, _, sec in policy.times if w > 1]
+    assert min(drafted) >= pause, (widths, drafted)
 
 
 def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
@@ -464,6 +549,53 @@ def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
     assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
     assert len(policy.fixes) >= 2
     assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
+
+
+def test_a_plain_runs_fill_is_priced_once_a_run():
+    """A run of plain steps pays its first step's host work once (no step
+    before it overlaps it): on a clock that takes the fill once per run,
+    the 4-step calibration run and the 64-step runs read alike, and the
+    correction stays 1. (Priced as so many plain steps, a run of 4 read
+    ~15% dearer than a run of 64 here, and every generation's first
+    sample of the correction was that much off.) Plain decoding's rate is
+    a step of a run as long as plain runs go."""
+    c = synthetic_costs()
+    c.plain_fill = 0.6 * c.plain
+    policy = Policy(16, c)
+    seen = [0]
+
+    def clock(plan, n, read=0):
+        if plan.width > 1:
+            return c.cycle(plan.width)
+        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
+        return c.plain_fill + n * c.plain + shadows * c.full_draft()
+
+    rng = random.Random(1)
+    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    assert len({p.steps for p in plans if p.width == 1}) >= 3 and len(policy.fixes) >= 3
+    assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
+    assert policy.cost(1) == pytest.approx(c.plain + c.plain_fill / Policy.plain_run)
+
+
+def test_the_first_plain_step_after_the_prompt_is_not_timed():
+    """The first step after the prompt pays one-off work (what the prefill
+    left lazy, first allocations): it runs alone before the calibration
+    run and is not timed, so a first step twice a plain step's cost moves
+    neither the correction nor the load. (Timed with the calibration run,
+    each generation's first sample of the correction read ~8% low on the
+    bench pairs; here it would read 0.8.)"""
+    c = synthetic_costs()
+    policy = Policy(16, c)
+    first = [True]
+
+    def clock(plan, n, read=0):
+        extra = c.plain if first[0] else 0.0  # the one-off work, in the first plan whatever it is
+        first[0] = False
+        return extra + (c.cycle(plan.width) if plan.width > 1 else n * c.plain)
+
+    drive(policy, lambda B: B - 1, 0, tokens=60, clock=clock)
+    assert policy.fixes and policy.fixes[0] == pytest.approx(1.0), policy.fixes
+    assert policy.load() == pytest.approx(1.0)
 
 
 def reading_costs(row):
@@ -570,11 +702,12 @@ def test_the_loop_reports_the_rows_the_draft_reads(pair):
     out, stats = run(target, N, draft=real, policy=policy)
     assert out == ref and stats.shadow_drafts >= 2
     spans, shadows = policy.spans, policy.shadow_reads
-    assert spans[1][0] > 1 and spans[1][2] == len(PROMPT) + Policy.calibration_steps  # the warm-up reads the prompt
+    warm = spans[2]  # after the settling step and the calibration run
+    assert warm[0] > 1 and warm[2] == len(PROMPT) + Policy.settle_steps + Policy.calibration_steps  # it reads the prompt
     plain = sum(r for w, _, r in spans if w == 1)
     assert 0 < plain <= sum(shadows), (spans, shadows)  # the last run is not timed
     # Every committed row is read once at most, and the shadows leave at most a run's rows unread.
-    assert N - Policy.plain_run - 16 <= spans[1][2] + sum(shadows) - len(PROMPT) <= N, (spans, shadows)
+    assert N - Policy.plain_run - 16 <= warm[2] + sum(shadows) - len(PROMPT) <= N, (spans, shadows)
 
 
 class LateDraft(ScriptedDraft):
@@ -659,7 +792,7 @@ def test_verbose_says_why_each_switch_happened(pair):
     lines = [x.strip() for x in table.split("width switches:\n", 1)[1].splitlines()]
     assert lines == stats.switches and len(lines) >= 4
     assert lines[0].startswith("token 0: start -> plain (calibration); expected tok/s plain:100 2:")
-    assert lines[1].startswith("token 4: plain -> B")
+    assert lines[1].startswith(f"token {Policy.settle_steps + Policy.calibration_steps}: plain -> B")
     assert any(" -> plain (evidence)" in x for x in lines) and any("(shadow evidence, margin x" in x for x in lines)
     for line in lines:
         assert "expected tok/s plain:" in line and "p1..:" in line and "load x" in line, line

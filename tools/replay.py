@@ -103,8 +103,8 @@ def seconds(
     ``read`` committed rows read by the draft."""
     total, done = 0.0, 0
     for p, n in zip(plans, kept):
-        if p.width == 1:
-            total += n * costs.cycle(1, context + done)
+        if p.width == 1:  # a run: its fill once, then its steps
+            total += costs.plain_fill + n * costs.cycle(1, context + done)
         else:
             total += costs.cycle(p.width, context + done)
         done += n
@@ -127,7 +127,7 @@ def pinned_seconds(
             total += per_cycle + costs.cycle(w, context + done) - costs.cycle(w)  # the verify's growth with context
             total += costs.read(n)  # the next draft reads the rows it commits
         else:
-            total += costs.plain_at(context + done)
+            total += costs.plain_run(1, context + done)
         kept.append(n)
         done += n
     return total, kept
@@ -135,7 +135,7 @@ def pinned_seconds(
 
 def plain_seconds(tokens: int, costs: CostModel, context: int = 0) -> float:
     """Plain decoding of ``tokens`` tokens priced as :func:`seconds` prices plain steps."""
-    return sum(costs.plain_at(context + k) for k in range(tokens))
+    return costs.plain_fill + sum(costs.plain_at(context + k) for k in range(tokens))
 
 
 def record(
