@@ -702,8 +702,8 @@ def test_the_loop_reports_the_rows_the_draft_reads(pair):
     out, stats = run(target, N, draft=real, policy=policy)
     assert out == ref and stats.shadow_drafts >= 2
     spans, shadows = policy.spans, policy.shadow_reads
-    warm = spans[2]  # after the settling step and the calibration run
-    assert warm[0] > 1 and warm[2] == len(PROMPT) + Policy.settle_steps + Policy.calibration_steps  # it reads the prompt
+    warm = spans[2]  # after the settling step and the calibration run; it reads the prompt
+    assert warm[0] > 1 and warm[2] == len(PROMPT) + Policy.settle_steps + Policy.calibration_steps
     plain = sum(r for w, _, r in spans if w == 1)
     assert 0 < plain <= sum(shadows), (spans, shadows)  # the last run is not timed
     # Every committed row is read once at most, and the shadows leave at most a run's rows unread.
