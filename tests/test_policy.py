@@ -190,31 +190,33 @@ def pair(dense):
     return model, target, tiny.build_draft(dcfg, seed=11).bind(target)
 
 
+class DelayedProposal:
+    """A draft whose proposal takes ``delay(rows of features read)`` seconds more."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay = inner, delay
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args):
+        return self.inner(*args)
+
+    def propose(self, features, *args):
+        import time
+
+        time.sleep(self.delay(0 if features is None else features.shape[0]))
+        return self.inner.propose(features, *args)
+
+
 def test_the_curve_prices_the_draft_as_the_loop_runs_it(pair):
     """A drafted cycle and a shadow take the draft's proposal, not its logits:
     a DFlash 2 draft's selector walks its candidates after them (a third of
     its cost on the bench pair). A draft whose proposal costs 20 ms beyond
     its logits is priced with them (the curve timed the logits alone before)."""
-    import time
-
     model, target, draft = pair
-
-    class SlowProposal:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __call__(self, *args):
-            return self.inner(*args)
-
-        def propose(self, *args):
-            time.sleep(0.02)
-            return self.inner.propose(*args)
-
     fast = CostModel.measure(target, draft, reps=2)
-    slow = CostModel.measure(target, SlowProposal(draft), reps=2)
+    slow = CostModel.measure(target, DelayedProposal(draft, lambda rows: 0.02), reps=2)
     assert slow.full_draft() - fast.full_draft() > 0.015, (fast.draft, slow.draft)
     assert fast.full_draft() < 0.015  # the tiny draft alone is far cheaper than the sleep
 
@@ -225,27 +227,10 @@ def test_the_curve_prices_reading_many_rows_at_their_own_rate(pair):
     the one every forward reads, and 0.5 ms per row, is priced so at 64 and
     at 256 rows (priced at 32 rows' rate, as before, 256 rows came out at
     twice their cost)."""
-    import time
-
     model, target, draft = pair
-
-    class RowCost:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __call__(self, *args):
-            return self.inner(*args)
-
-        def propose(self, features, *args):
-            rows = 0 if features is None else features.shape[0]
-            if rows > 1:
-                time.sleep(0.020 + 0.0005 * rows)
-            return self.inner.propose(features, *args)
-
-    c = CostModel.measure(target, RowCost(draft), reps=2)
+    c = CostModel.measure(
+        target, DelayedProposal(draft, lambda rows: 0.020 + 0.0005 * rows if rows > 1 else 0.0), reps=2
+    )
     assert set(c.reads) == {32, 128}
     for rows in (64, 256):
         assert c.read(rows) == pytest.approx(0.020 + 0.0005 * rows, rel=0.2), (rows, c.reads, c.draft_row)
