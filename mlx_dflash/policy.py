@@ -1048,18 +1048,23 @@ class Policy:
         (the decoder counts the step a shadow is scored in as the first);
         ``unread``: rows the draft has not read now (a shadow reads them and
         one per plain token it waits)."""
-        c, earned = self.costs, self.earned()
-        wait = steps - counted
-        # Short of its cost after ``wait`` plain tokens: it falls by what a token earns less what its row costs.
-        short = c.shadow(unread + wait) - self.shadow_credit - wait * earned
-        if short > 1e-12:
-            if earned <= c.draft_row:
+        c, earned, bank = self.costs, self.earned(), self.bank()
+
+        def spare(w: int) -> float:  # the budget after ``w`` plain tokens, less the shadow's cost then
+            return min(self.shadow_credit + w * earned, bank) - c.shadow(unread + w)
+
+        wait = max(steps - counted, 0)
+        # Searched, not solved: reading rows costs more per row below the
+        # first measured count than beyond it (a forward's rows share its
+        # work), so a wait worked out at one rate fell short, came out as
+        # NEVER, and a plain stretch after a drafted one had no shadow left.
+        # Past where the budget reaches the bank the rows only cost more.
+        last = max(wait, math.ceil((bank - self.shadow_credit) / earned)) if earned > 0 else wait
+        while spare(wait) < -1e-12:
+            if wait >= last:
                 self.waited = 0
                 return NEVER
-            wait += math.ceil(short / (earned - c.draft_row) - 1e-9)
-        if min(self.shadow_credit + wait * earned, self.bank()) < c.shadow(unread + wait) - 1e-12:
-            self.waited = 0  # the saved budget caps below the rows' cost: no wait affords it
-            return NEVER
+            wait += 1
         self.waited = wait
         return wait + counted
 

@@ -631,6 +631,26 @@ def test_where_reading_a_row_costs_more_than_its_share_only_banked_shadows_look(
     assert plain > 1950
 
 
+def test_a_plain_stretch_after_drafting_keeps_its_shadows_where_few_rows_cost_more_per_row():
+    """Reading a few rows costs more per row than reading many (a forward's
+    rows share its work): the wait that affords the next shadow is searched
+    at the rates the curve has, not worked out at the many-rows rate. A
+    draft right from token 20 to 120 and again from 400: the plain stretch
+    after 120 still carries shadow drafts, and they bring the loop back to
+    drafting soon after 400. (Worked out at one rate, the wait fell short,
+    came out as never, and the loop stayed plain to the end.)"""
+    c = reading_costs(0.004)
+    c.reads = {32: 32 * 0.015 * c.plain, 128: (32 * 0.015 + 96 * 0.004) * c.plain}
+    policy = Policy(16, c)
+    kept = []
+    plans = drive(policy, lambda B, at: B - 1 if 20 <= at < 120 or at >= 400 else 0, 0, tokens=700, committed=kept)
+    starts = [sum(kept[:i]) for i in range(len(kept))]
+    assert any(p.width > 1 for p, at in zip(plans, starts) if 20 <= at < 120)  # it drafted in the good stretch
+    assert all(p.shadow > 0 for p, at in zip(plans, starts) if p.width == 1 and at >= 120), list(zip(starts, plans))
+    back = next(at for p, at in zip(plans, starts) if p.width > 1 and at >= 400)
+    assert back <= 400 + policy.shadow_every + 16, back
+
+
 def test_the_rows_a_draft_reads_are_priced_in_the_modelled_time():
     """Drafted cycles read the rows the cycle before committed, shadow drafts
     every row since the last read: on a clock that takes exactly the
