@@ -21,6 +21,7 @@ Greedy: every mode's tokens must equal plain decoding's.
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -42,6 +43,21 @@ BURN = (
 
 
 CONTROL = "plain again"  # plain decoding once more: what identical work reads as in the same run
+
+# Student's t, 97.5th percentile, by degrees of freedom (beyond: 1.96 + 2.4 / df, within 0.01).
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+
+
+def interval(ratios) -> tuple:
+    """A 95% interval for the ratio paired repeats estimate: Student's t on
+    their logarithms (a ratio's noise multiplies). (0, inf) from one repeat."""
+    if len(ratios) < 2:
+        return 0.0, float("inf")
+    logs = [math.log(r) for r in ratios]
+    df = len(logs) - 1
+    half = T975.get(df, 1.96 + 2.4 / df) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mid = statistics.mean(logs)
+    return math.exp(mid - half), math.exp(mid + half)
 
 
 def busy_core():
@@ -112,7 +128,9 @@ def summarise(runs) -> dict:
     other = best if row[best]["median"] >= row["plain"]["median"] else "plain"
     row["best"] = other
     row["best_pinned"] = best
-    row["regret"] = statistics.median(a / b for a, b in zip(row["default"]["tps"], row[other]["tps"]))
+    paired = [a / b for a, b in zip(row["default"]["tps"], row[other]["tps"])]
+    row["regret"] = statistics.median(paired)
+    row["interval"] = interval(paired)
     # Interference only slows a run: each mode's fastest repeat is its least disturbed one.
     others = [m for m in runs if m not in ("default", CONTROL)]
     row["regret_best"] = max(row["default"]["tps"]) / max(max(row[m]["tps"]) for m in others)
@@ -125,27 +143,32 @@ def table(modes, rows) -> list:
     head = (
         "| prompt | "
         + " | ".join(f"{m} tok/s" for m in modes)
-        + " | better of pinned/plain | default / better | fastest repeats' ratio |"
+        + " | better of pinned/plain | default / better | its 95% interval | fastest repeats' ratio |"
         + " control: plain again / plain |"
     )
-    lines = [head, "|---|" + "---:|" * (len(modes) + 4)]
+    lines = [head, "|---|" + "---:|" * (len(modes) + 5)]
     for name, row in rows.items():
         cells = [f"{row[m]['median']:.1f}" for m in modes]
         lines.append(
             f"| {name} | "
             + " | ".join(cells)
-            + f" | {row['best']} | {row['regret']:.3f} | {row['regret_best']:.3f} |"
+            + f" | {row['best']} | {row['regret']:.3f} | {row['interval'][0]:.2f}-{row['interval'][1]:.2f} |"
+            + f" {row['regret_best']:.3f} |"
             + f" {row['control']:.3f} |"
         )
     med = {m: statistics.median(r[m]["median"] for r in rows.values()) for m in modes}
-    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | | |")
+    lines.append("| **median** | " + " | ".join(f"{med[m]:.1f}" for m in modes) + " | | | | | |")
     worst = min(r["regret"] for r in rows.values())
     worst_best = min(r["regret_best"] for r in rows.values())
     above = med["default"] > max(v for m, v in med.items() if m != "default")
     lo, hi = min(r["control"] for r in rows.values()), max(r["control"] for r in rows.values())
+    below = sum(r["interval"][1] < 0.97 for r in rows.values())
+    unsure = sum(r["interval"][0] < 0.97 <= r["interval"][1] for r in rows.values())
     noise = (
         f" The control (plain decoding against itself, paired the same way) read {lo:.3f}-{hi:.3f}; "
-        "a regret ratio no further from 1 than that is within this run's noise."
+        "a regret ratio no further from 1 than that is within this run's noise. "
+        f"Prompts whose 95% interval lies wholly below 0.97 (a miss the noise cannot explain): {below}; "
+        f"straddling it (this run cannot tell): {unsure} of {len(rows)}."
     )
     lines += [
         "",
@@ -209,7 +232,8 @@ def main():
         "- default = the adaptive policy (shadow drafts while plain, costs corrected only by what plain and "
         "drafted cycles show side by side; docs/policy.md); pinned B = `--block-size B`; plain = `--baseline`",
         "- regret ratio = median over repeats of default's tok/s / the better mode's (best pinned width or "
-        "plain, by median) tok/s in the same repeat; fastest repeats' ratio = default's fastest repeat over the "
+        "plain, by median) tok/s in the same repeat; its 95% interval = Student's t on the logarithms of those "
+        "paired ratios (an interval for their geometric mean); fastest repeats' ratio = default's fastest repeat over the "
         "fastest repeat of any other mode (interference only slows a run: the fastest is the least disturbed); "
         "control = plain decoding run once more as a mode of its own, its ratio to plain taken as the regret "
         "ratio is (identical work: how far from 1 this run's noise alone moves a ratio)",

@@ -1,6 +1,7 @@
 """mlx-dflash bench: side-by-side modes, identical-token check, result files."""
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -407,11 +408,24 @@ def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
     assert row["regret"] == pytest.approx(statistics.median([0.9, 1.2, 0.8]))
     assert row["control"] == pytest.approx(statistics.median([1.1, 0.95, 0.8]))
     assert row["regret_best"] == pytest.approx(120 / 125)  # the control's 110 is not another mode
+    # The paired ratios' 95% interval: Student's t (2 degrees of freedom) on their logarithms.
+    logs = [math.log(x) for x in (0.9, 1.2, 0.8)]
+    half = 4.30 * statistics.stdev(logs) / math.sqrt(3)
+    lo, hi = row["interval"]
+    assert lo == pytest.approx(math.exp(statistics.mean(logs) - half)) and hi == pytest.approx(
+        math.exp(statistics.mean(logs) + half)
+    )
+    assert rg.interval([0.95]) == (0.0, math.inf) and rg.interval([0.96, 0.96])[1] == pytest.approx(0.96)
     lines = rg.table(list(r), {"p": row, "q": dict(row, control=1.04)})
     assert lines[0].count("tok/s") == 3 and lines[0].endswith("control: plain again / plain |")
     assert lines[2].endswith(f"| {row['control']:.3f} |")
     summary = next(x for x in lines if x.startswith("Worst regret ratio"))
     assert f"read {row['control']:.3f}-1.040" in summary
+    assert f"| {row['regret']:.3f} | {lo:.2f}-{hi:.2f} |" in lines[2]
+    assert (
+        "wholly below 0.97 (a miss the noise cannot explain): 0; straddling it (this run cannot tell): 2 of 2"
+        in summary
+    )
     # The median repeat ran plainly; the one that drafted is listed too.
     assert "- p: 1:2 (tau 1.00); repeats: 1:2 | 1:1 8:1 | 1:2" in lines
 
