@@ -387,6 +387,43 @@ def test_policy_replay_prices_by_assumed_ratios():
         assert e.value.code == 2, bad
 
 
+def test_policy_replay_replays_each_prompt_from_several_starts(monkeypatch):
+    """bench/policy_replay.py --offsets K: each prompt is replayed from its
+    own start and from k = 1..K-1 tokens into its record (those taken as
+    prompt); the row gives the own start's ratio, the median over the
+    starts and the lowest, and the summary the worst prompt's median."""
+    from types import SimpleNamespace
+
+    import mlx_dflash.policy as policy
+    from mlx_dflash.policy import CostModel, Policy
+    from tools.replay import regret_row
+
+    pr = _bench_script("policy_replay")
+    costs = CostModel(plain=0.01, verify={2: 0.012, 4: 0.013, 8: 0.015}, draft={8: 0.004}, rollback=0.001)
+    monkeypatch.setattr(policy, "load_costs", lambda target, draft: (costs, None))
+    n, K = 60, 3
+    # A draft right every other anchor, then for whole blocks: where a start lands decides the first looks.
+    right = {
+        8: [1 - k % 2 if k < 30 else 7 for k in range(n + K)],
+        4: [1 - k % 2 if k < 30 else 3 for k in range(n + K)],
+    }
+    records = {("pair", "p"): (list(range(n + K)), right)}
+    worst = {}
+    engine, draft = SimpleNamespace(target=None), SimpleNamespace(block_size=8)
+    lines = pr.section(engine, "pair", draft, {"p": "text"}, n, n + K, "4,8", records, worst, None, K)
+
+    def ratio(k):
+        row = regret_row(lambda: Policy(8, costs), {B: r[k : k + n] for B, r in right.items()}, n, costs, [4, 8])
+        return min(row[m] for m in ("pinned 4", "pinned 8", "plain")) / row["default"]
+
+    each = [ratio(k) for k in range(K)]
+    assert len(set(round(x, 6) for x in each)) > 1  # the starts differ
+    cells = next(x for x in lines if x.startswith("| p |")).strip("| ").split(" | ")
+    assert cells[6] == f"{each[0]:.3f}" and cells[-2:] == [f"{statistics.median(each):.3f}", f"{min(each):.3f}"]
+    assert worst["pair", n] == pytest.approx((each[0], statistics.median(each)))
+    assert f"Over {K} start offsets, the worst prompt's median ratio {statistics.median(each):.3f}." in lines[-2]
+
+
 def test_regret_bench_pairs_its_control_as_it_pairs_the_default():
     """bench/regret.py runs plain decoding twice: its table states the
     control's ratio to plain, paired by repeat as the regret ratio is, so a
