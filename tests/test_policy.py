@@ -512,25 +512,33 @@ def test_each_drafted_cycle_is_timed_with_its_own_draft(pair):
     assert min(drafted) >= pause, (widths, drafted)
 
 
+def drive_on_the_modelled_clock(policy, tokens=400):
+    """Replay stretches of 40 tokens where drafting pays and where it does
+    not (switches both ways, shadows in the plain runs) on a clock that
+    takes exactly the modelled times: a cycle and the rows its draft read,
+    a plain run's fill, its steps, the shadow drafts it carried and their
+    rows. Returns the plans."""
+    c = policy.costs
+    seen = [0]
+
+    def clock(plan, n, read=0):
+        if plan.width > 1:
+            return c.cycle(plan.width) + c.read(read)
+        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
+        return c.plain_run(n) + shadows * c.full_draft() + c.read(read)
+
+    rng = random.Random(1)
+    return drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=tokens, clock=clock)
+
+
 def test_a_plain_runs_shadow_drafts_are_priced_in_its_modelled_time():
     """A plain run's time includes the shadow drafts it carried, so its
     modelled time does too: on a clock that takes exactly the modelled
     times, every plain run and drafted cycle reads as the curve says (load
     1, correction 1). (Priced as plain steps alone, a run with shadows read
     up to 18% slow, and the correction took drafted cycles for cheaper.)"""
-    c = synthetic_costs()
-    policy = Policy(16, c)
-    seen = [0]
-
-    def clock(plan, n, read=0):
-        if plan.width > 1:
-            return c.cycle(plan.width)
-        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
-        return n * c.plain + shadows * c.draft[16]
-
-    rng = random.Random(1)
-    # Stretches where drafting pays and where it does not: switches both ways, shadows in the plain runs.
-    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    policy = Policy(16, synthetic_costs())
+    plans = drive_on_the_modelled_clock(policy)
     assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
     assert len(policy.fixes) >= 2
     assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
@@ -547,16 +555,7 @@ def test_a_plain_runs_fill_is_priced_once_a_run():
     c = synthetic_costs()
     c.plain_fill = 0.6 * c.plain
     policy = Policy(16, c)
-    seen = [0]
-
-    def clock(plan, n, read=0):
-        if plan.width > 1:
-            return c.cycle(plan.width)
-        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
-        return c.plain_fill + n * c.plain + shadows * c.full_draft()
-
-    rng = random.Random(1)
-    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    plans = drive_on_the_modelled_clock(policy)
     assert len({p.steps for p in plans if p.width == 1}) >= 3 and len(policy.fixes) >= 3
     assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
     assert policy.cost(1) == pytest.approx(c.plain + c.plain_fill / Policy.plain_run)
@@ -657,18 +656,8 @@ def test_the_rows_a_draft_reads_are_priced_in_the_modelled_time():
     modelled times, reading included, every plain run and drafted cycle
     reads as the curve says (load 1, correction 1). Priced without the
     rows, plain runs with shadows read slow and drafted cycles slower."""
-    c = reading_costs(0.01)
-    policy = Policy(16, c)
-    seen = [0]
-
-    def clock(plan, n, read):
-        if plan.width > 1:
-            return c.cycle(plan.width) + c.read(read)
-        shadows, seen[0] = policy.shadows - seen[0], policy.shadows
-        return n * c.plain + shadows * c.full_draft() + c.read(read)
-
-    rng = random.Random(1)
-    plans = drive(policy, lambda B, at: B - 1 if (at // 40) % 2 else rng.randrange(2), 0, tokens=400, clock=clock)
+    policy = Policy(16, reading_costs(0.01))
+    plans = drive_on_the_modelled_clock(policy)
     assert policy.shadows >= 3 and len({p.width == 1 for p in plans}) == 2
     assert len(policy.fixes) >= 2
     assert policy.fixes == pytest.approx([1.0] * len(policy.fixes)) and policy.load() == pytest.approx(1.0)
