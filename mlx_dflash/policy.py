@@ -708,6 +708,12 @@ class Policy:
         # reads), at most ``shadow_bank`` shadows' worth saved. However soon a
         # promising one asks to look again, they cost at most their share.
         self.shadow_credit = self.bank() if costs is not None else 0.0
+        # The bank is an advance on what later plain tokens earn; on a short
+        # generation it would outrun them (64 tokens spent 1.6 times the
+        # share), so shadows are also held to the share of the whole
+        # generation's tokens (probes are not: they commit tokens).
+        self.horizon = 0  # the generation's length as the last plan saw it: committed + room
+        self.spent = 0.0  # seconds of shadow drafts so far
         self.waited = 0  # plain tokens before the next (or in-flight) shadow draft starts
         self.last = 0  # the width of the last plan (0: none yet)
         self.probing = False  # the next plan is a probe (one drafted cycle; one verdict for plain ends it)
@@ -735,6 +741,12 @@ class Policy:
     def earned(self) -> float:
         """Seconds of shadow budget one plain token earns."""
         return self.shadow_share * self.costs.plain
+
+    def allowance(self) -> float:
+        """Seconds the rest of this generation may spend on shadow drafts:
+        ``shadow_share`` of all its tokens' plain time, less what they have
+        spent."""
+        return self.earned() * self.horizon - self.spent
 
     def bank(self) -> float:
         """Seconds of shadow budget that may be saved: ``shadow_bank`` shadow
@@ -827,6 +839,7 @@ class Policy:
         ``unread`` committed rows the draft has not read yet."""
         self.context = context
         self.unread = unread
+        self.horizon = self.tokens + room
         self.probe_now = False
         p = self._plan(room)
         if self.adaptive and p.width != self.last:
@@ -1005,6 +1018,7 @@ class Policy:
         # Its budget: the plain steps before it earned, it spent its cost, the steps it ran earned.
         bank, earned = self.bank(), self.earned()
         self.shadow_credit = min(self.shadow_credit + self.waited * earned, bank) - self.costs.shadow(read)
+        self.spent += self.costs.shadow(read)
         self.shadow_credit = min(self.shadow_credit + drafted * earned, bank)
         best, plain = self.shadow_verdict()
         if best > plain:
@@ -1051,7 +1065,7 @@ class Policy:
         c, earned, bank = self.costs, self.earned(), self.bank()
 
         def spare(w: int) -> float:  # the budget after ``w`` plain tokens, less the shadow's cost then
-            return min(self.shadow_credit + w * earned, bank) - c.shadow(unread + w)
+            return min(self.shadow_credit + w * earned, bank, self.allowance()) - c.shadow(unread + w)
 
         wait = max(steps - counted, 0)
         # Searched, not solved: reading rows costs more per row below the

@@ -1299,3 +1299,33 @@ def test_a_draft_that_nearly_pays_on_shadow_evidence_is_probed_not_left_plain():
         assert plain_tokens < 45, (plain_tokens, policy.switches)
         assert any("probe" in line for line in policy.switches), policy.switches
     assert runs[0] == runs[1]
+
+
+class Looking(Policy):
+    """Adds up what shadow drafts cost, at the curve's prices, as they are booked."""
+
+    looked = 0.0
+
+    def shadowed(self, drafted, accepted, read=0, partial=False):
+        gap = super().shadowed(drafted, accepted, read, partial)
+        if gap is not None:
+            self.looked += self.costs.shadow(read)
+        return gap
+
+
+@pytest.mark.parametrize("tokens", [64, 128, 200])
+def test_a_short_generation_spends_at_most_its_share_on_shadows(tokens):
+    """The shadows' bank is an advance on what later plain tokens earn: on a
+    short generation where the draft never helps, the shadows it carries
+    cost at most ``shadow_share`` of its plain time, and it still looks.
+    Costs like the trained block-8 pairs' (a shadow 0.7 plain steps, the
+    block's cycle 2.9): with the bank alone, 64 tokens spent 1.6 times the
+    share, 200 tokens 1.2 times."""
+    c = CostModel(plain=0.006, verify={2: 0.015, 4: 0.0157, 8: 0.0172}, draft={8: 0.0042}, rollback=0.0005)
+    policy = Looking(8, c)
+    drive(policy, lambda B: 0, 0, tokens=tokens)
+    assert policy.shadows >= 1
+    assert policy.looked <= Policy.shadow_share * tokens * c.plain_at() + 1e-12, (
+        policy.shadows,
+        policy.looked / c.plain,
+    )
