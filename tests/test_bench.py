@@ -507,3 +507,30 @@ def test_draft_vocab_projects_tau_from_the_share_outside():
     assert 5.71 > drops[0] > drops[1] > drops[2] > drops[3] == pytest.approx(1.0)
     # alpha = 0.5 at B = 2 gives tau 1.5; u = 0.5 leaves alpha 0.25
     assert dv.tau_with_outside(1.5, 2, 0.5) == pytest.approx(1.25, abs=1e-6)
+
+
+def test_switch_cost_bench_shares_out_what_a_mix_reads_above_the_pure_runs():
+    """bench/switch_cost.py: the runs without a change between plain steps
+    and drafted cycles give the machine's factor against the curve (their
+    mean ratio); a mix's time above that factor times its modelled time,
+    shared over its changes and given in plain steps, is what a change
+    costs unpriced. Changes are counted both ways, a drafted cycle to a plain
+    run and back."""
+    from mlx_dflash.policy import Plan
+
+    sc = _bench_script("switch_cost")
+    plans = [Plan(1, steps=4), Plan(16, block=16), Plan(1, steps=4), Plan(16, block=16), Plan(16, block=16)]
+    assert sc.changes(plans) == 3 and sc.changes([Plan(1, steps=4)] * 3) == 0
+    rows = {
+        "plain": {"observed": 0.70, "modelled": 1.00, "changes": 0},
+        "block 16": {"observed": 0.90, "modelled": 1.00, "changes": 0},
+        "plain 8 / cycle": {"observed": 1.00, "modelled": 1.00, "changes": 20},
+    }
+    table = {m: rest for m, *rest in sc.summarise(rows, steps=0.004)}
+    assert table["plain"][2] == pytest.approx(0.70) and table["plain"][4] == 0.0
+    # factor 0.8: 1.00 - 0.80 = 0.2 s over 20 changes = 10 ms = 2.5 plain steps of 4 ms
+    assert table["plain 8 / cycle"][4] == pytest.approx(2.5)
+    # a script alternates plain runs of k steps with one drafted cycle of the block
+    s = sc.Script(16, 8)
+    assert [s.plan(100).width for _ in range(4)] == [1, 16, 1, 16] and s.plan(1).width == 1
+    assert {sc.Script(16, 0).plan(100).width, sc.Script(16, None).plan(100).width} == {16, 1}
