@@ -8,15 +8,16 @@ plain runs (a fill, then their steps), drafted cycles, shadow drafts and the
 rows the draft reads. Here scripted width sequences run on one prompt, in one
 process, taking turns one generation at a time: plain decoding alone, the
 full block pinned, and plain runs of k steps alternating with one drafted
-cycle (k from ``--every``; no shadow drafts). Each run's wall time is divided
-by what the curve the policy uses (the on-disk cache's) says its plans cost.
-The pure runs give the machine's factor against the curve now (their mean);
-a mix reads above it by what its changes between plain steps and drafted
-cycles cost that the curve does not price:
+cycle (k from ``--every``; no shadow drafts). Each run's wall time is set against
+what the curve the policy uses (the on-disk cache's) says its plain runs
+and its drafted cycles cost. A least-squares fit over the modes,
 
-    unpriced per change = (observed - factor * modelled) / changes
+    observed = a * plain part + b * drafted part + c * changes
 
-given in plain steps as plain decoding ran them in the same run. Greedy:
+gives the machine's factor against the curve now for plain runs (a) and
+for drafted cycles (b), each on its own (the curve may be off between them
+as well), and what a change between plain steps and drafted cycles costs
+that the curve does not price (c), given in plain steps as plain decoding ran them in the same run. Greedy:
 every run's tokens must equal plain decoding's.
 """
 
@@ -84,33 +85,33 @@ def changes(plans) -> int:
     return sum(a != b for a, b in zip(kinds, kinds[1:]))
 
 
-def unpriced(observed: float, modelled: float, factor: float, n_changes: int, step: float) -> float:
-    """Plain steps (of ``step`` seconds) each change costs beyond the curve:
-    the run's time over ``factor`` times its modelled time, shared out."""
-    if n_changes == 0:
-        return 0.0
-    return (observed - factor * modelled) / n_changes / step
+def parts(plans, kept, costs, context: int, read: int):
+    """(plain part, drafted part) of a run's modelled seconds, priced as
+    ``tools.replay.seconds`` prices it: plain runs their fill and steps,
+    drafted cycles their cost and the rows their drafts read."""
+    plain = drafted = 0.0
+    done = 0
+    for p, n in zip(plans, kept):
+        if p.width == 1:
+            plain += costs.plain_fill + n * costs.cycle(1, context + done)
+        else:
+            drafted += costs.cycle(p.width, context + done)
+        done += n
+    return plain, drafted + costs.read(read)
 
 
-def summarise(rows: dict, steps: float) -> list:
-    """Per mode: (mode, observed s, modelled s, observed / modelled, changes,
-    unpriced plain steps per change); the pure modes' mean ratio is the factor."""
-    pure = [r["observed"] / r["modelled"] for m, r in rows.items() if r["changes"] == 0]
-    factor = statistics.mean(pure)
-    out = []
-    for m, r in rows.items():
-        ratio = r["observed"] / r["modelled"]
-        out.append(
-            (
-                m,
-                r["observed"],
-                r["modelled"],
-                ratio,
-                r["changes"],
-                unpriced(r["observed"], r["modelled"], factor, r["changes"], steps),
-            )
-        )
-    return out
+def fit(rows: dict, step: float) -> dict:
+    """Least squares over the modes of observed = a * plain + b * drafted +
+    c * changes: {"plain": a, "drafted": b, "change": c in plain steps of
+    ``step`` seconds, "residual": the largest |observed - fitted| / observed}."""
+    import numpy as np
+
+    names = list(rows)
+    A = np.array([[rows[m]["plain"], rows[m]["drafted"], rows[m]["changes"]] for m in names], dtype=float)
+    y = np.array([rows[m]["observed"] for m in names], dtype=float)
+    (a, b, c), *_ = np.linalg.lstsq(A, y, rcond=None)
+    worst = float(np.max(np.abs(A @ np.array([a, b, c]) - y) / y))
+    return {"plain": float(a), "drafted": float(b), "change": float(c) / step, "residual": worst}
 
 
 def main():
@@ -129,7 +130,6 @@ def main():
     from mlx_dflash.benchmark import first_difference, read_prompts
     from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
     from mlx_dflash.policy import load_costs
-    from tools.replay import seconds
 
     engine = load()
     draft = engine.draft if args.draft is None else load(DEFAULT_MODEL, args.draft, dtype=mx.float32).draft
@@ -154,8 +154,7 @@ def main():
         toks = [t for out in gen for t in out]
         log = [(p, n) for p, n in policy.log if n is not None]
         plans, kept = [p for p, _ in log], [n for _, n in log]
-        modelled = seconds(plans, kept, costs, 0, context=len(ids), read=policy.read)
-        return toks, st.decode_time, modelled, changes(plans)
+        return toks, st.decode_time, parts(plans, kept, costs, len(ids), policy.read), changes(plans)
 
     ref = run("plain")[0]
     for m in modes:  # a warm-up each (traces, allocations)
@@ -170,9 +169,17 @@ def main():
                 raise SystemExit(f"{m}: differs from plain decoding at token {first_difference(toks, ref)}")
             times[m].append(t)
             info[m] = (modelled, n)
-    rows = {m: {"observed": statistics.median(times[m]), "modelled": info[m][0], "changes": info[m][1]} for m in modes}
+    rows = {
+        m: {
+            "observed": statistics.median(times[m]),
+            "plain": info[m][0][0],
+            "drafted": info[m][0][1],
+            "changes": info[m][1],
+        }
+        for m in modes
+    }
     step = rows["plain"]["observed"] / max(len(ref) - 1, 1)
-    table = summarise(rows, step)
+    f = fit(rows, step)
     name = "embedded pair" if args.draft is None else f"embedded target + {args.draft}"
     lines = [
         "# What a change between plain steps and drafted cycles costs beyond the curve",
@@ -184,15 +191,19 @@ def main():
         f"- curve (the policy's, from the cost cache): plain step {costs.plain * 1e3:.2f} ms, fill {costs.plain_fill * 1e3:.2f} ms;"
         f" a plain step as plain decoding ran here {step * 1e3:.2f} ms",
         "",
-        "| mode | observed ms | modelled ms | observed / modelled | changes | unpriced plain steps per change |",
+        "| mode | observed ms | modelled plain part ms | modelled drafted part ms | changes | fitted ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for m, obs, mod, ratio, n, extra in table:
+    for m, r in rows.items():
+        fitted = f["plain"] * r["plain"] + f["drafted"] * r["drafted"] + f["change"] * step * r["changes"]
         lines.append(
-            f"| {m} | {obs * 1e3:.1f} | {mod * 1e3:.1f} | {ratio:.3f} | {n} | {extra:.2f} |"
-            if n
-            else f"| {m} | {obs * 1e3:.1f} | {mod * 1e3:.1f} | {ratio:.3f} | 0 | |"
+            f"| {m} | {r['observed'] * 1e3:.1f} | {r['plain'] * 1e3:.1f} | {r['drafted'] * 1e3:.1f} | {r['changes']} | {fitted * 1e3:.1f} |"
         )
+    lines += [
+        "",
+        f"Fit (observed = a * plain part + b * drafted part + c * changes): a = {f['plain']:.3f}, b = {f['drafted']:.3f};"
+        f" a change costs **{f['change']:.2f} plain steps** beyond the curve (largest misfit {100 * f['residual']:.1f}% of a run).",
+    ]
     lines += ["", f"Run took {(time.time() - t0) / 60:.1f} min."]
     text = "\n".join(lines) + "\n"
     print(text)

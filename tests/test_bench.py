@@ -509,27 +509,34 @@ def test_draft_vocab_projects_tau_from_the_share_outside():
     assert dv.tau_with_outside(1.5, 2, 0.5) == pytest.approx(1.25, abs=1e-6)
 
 
-def test_switch_cost_bench_shares_out_what_a_mix_reads_above_the_pure_runs():
-    """bench/switch_cost.py: the runs without a change between plain steps
-    and drafted cycles give the machine's factor against the curve (their
-    mean ratio); a mix's time above that factor times its modelled time,
-    shared over its changes and given in plain steps, is what a change
-    costs unpriced. Changes are counted both ways, a drafted cycle to a plain
-    run and back."""
-    from mlx_dflash.policy import Plan
+def test_switch_cost_bench_fits_plain_drafted_and_change_costs_apart():
+    """bench/switch_cost.py: runs whose plain runs and drafted cycles are each
+    off the curve by their own factor, and whose changes between the two
+    cost extra, give back those factors and that cost (in plain steps) from
+    the fit over the modes; changes are counted both ways."""
+    from mlx_dflash.policy import CostModel, Plan
 
     sc = _bench_script("switch_cost")
     plans = [Plan(1, steps=4), Plan(16, block=16), Plan(1, steps=4), Plan(16, block=16), Plan(16, block=16)]
     assert sc.changes(plans) == 3 and sc.changes([Plan(1, steps=4)] * 3) == 0
-    rows = {
-        "plain": {"observed": 0.70, "modelled": 1.00, "changes": 0},
-        "block 16": {"observed": 0.90, "modelled": 1.00, "changes": 0},
-        "plain 8 / cycle": {"observed": 1.00, "modelled": 1.00, "changes": 20},
+    costs = CostModel(plain=0.004, verify={2: 0.01, 16: 0.014}, draft={2: 0.003, 16: 0.004}, rollback=0.001)
+    plain, drafted = sc.parts(plans, [4, 3, 4, 1, 2], costs, 0, 0)
+    assert plain == pytest.approx(8 * 0.004) and drafted == pytest.approx(3 * costs.cycle(16))
+    a, b, step, per_change = 0.7, 0.8, 0.0028, 0.5  # a change: half a plain step as it ran
+    modes = {
+        "plain": (0.5, 0.0, 0),
+        "block": (0.0, 0.6, 0),
+        "k16": (0.4, 0.1, 10),
+        "k8": (0.35, 0.2, 20),
+        "k4": (0.3, 0.3, 26),
     }
-    table = {m: rest for m, *rest in sc.summarise(rows, steps=0.004)}
-    assert table["plain"][2] == pytest.approx(0.70) and table["plain"][4] == 0.0
-    # factor 0.8: 1.00 - 0.80 = 0.2 s over 20 changes = 10 ms = 2.5 plain steps of 4 ms
-    assert table["plain 8 / cycle"][4] == pytest.approx(2.5)
+    rows = {
+        m: {"plain": p, "drafted": d, "changes": n, "observed": a * p + b * d + per_change * step * n}
+        for m, (p, d, n) in modes.items()
+    }
+    f = sc.fit(rows, step)
+    assert f["plain"] == pytest.approx(a) and f["drafted"] == pytest.approx(b)
+    assert f["change"] == pytest.approx(per_change) and f["residual"] < 1e-9
     # a script alternates plain runs of k steps with one drafted cycle of the block
     s = sc.Script(16, 8)
     assert [s.plan(100).width for _ in range(4)] == [1, 16, 1, 16] and s.plan(1).width == 1
