@@ -8,17 +8,19 @@ plain runs (a fill, then their steps), drafted cycles, shadow drafts and the
 rows the draft reads. Here scripted width sequences run on one prompt, in one
 process, taking turns one generation at a time: plain decoding alone, the
 full block pinned, and plain runs of k steps alternating with one drafted
-cycle (k from ``--every``; no shadow drafts). Each run's wall time is set against
-what the curve the policy uses (the on-disk cache's) says its plain runs
-and its drafted cycles cost. A least-squares fit over the modes,
+cycle (k from ``--every``; no shadow drafts). Each run's wall time is set
+against what the curve the policy uses (the on-disk cache's) says its plain
+runs and its drafted cycles cost (``tools.replay.parts``). A least-squares
+fit over the modes,
 
     observed = a * plain part + b * drafted part + c * changes
 
 gives the machine's factor against the curve now for plain runs (a) and
 for drafted cycles (b), each on its own (the curve may be off between them
 as well), and what a change between plain steps and drafted cycles costs
-that the curve does not price (c), given in plain steps as plain decoding ran them in the same run. Greedy:
-every run's tokens must equal plain decoding's.
+that the curve does not price (c), given in plain steps as plain decoding
+ran them in the same run. Greedy: every run's tokens must equal plain
+decoding's.
 """
 
 import argparse
@@ -85,21 +87,6 @@ def changes(plans) -> int:
     return sum(a != b for a, b in zip(kinds, kinds[1:]))
 
 
-def parts(plans, kept, costs, context: int, read: int):
-    """(plain part, drafted part) of a run's modelled seconds, priced as
-    ``tools.replay.seconds`` prices it: plain runs their fill and steps,
-    drafted cycles their cost and the rows their drafts read."""
-    plain = drafted = 0.0
-    done = 0
-    for p, n in zip(plans, kept):
-        if p.width == 1:
-            plain += costs.plain_fill + n * costs.cycle(1, context + done)
-        else:
-            drafted += costs.cycle(p.width, context + done)
-        done += n
-    return plain, drafted + costs.read(read)
-
-
 def fit(rows: dict, step: float) -> dict:
     """Least squares over the modes of observed = a * plain + b * drafted +
     c * changes: {"plain": a, "drafted": b, "change": c in plain steps of
@@ -130,6 +117,7 @@ def main():
     from mlx_dflash.benchmark import first_difference, read_prompts
     from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
     from mlx_dflash.policy import load_costs
+    from tools.replay import parts
 
     engine = load()
     draft = engine.draft if args.draft is None else load(DEFAULT_MODEL, args.draft, dtype=mx.float32).draft

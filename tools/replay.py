@@ -95,20 +95,30 @@ def drive(
     return plans
 
 
+def parts(
+    plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, context: int = 0, read: int = 0
+) -> Tuple[float, float]:
+    """(plain part, drafted part) of what a run's plans cost under ``costs``:
+    plain runs their fill once and their steps; drafted cycles (each drafting
+    the full block) their cost, and ``read`` committed rows read by the draft."""
+    plain = drafted = 0.0
+    done = 0
+    for p, n in zip(plans, kept):
+        if p.width == 1:  # a run: its fill once, then its steps
+            plain += costs.plain_fill + n * costs.cycle(1, context + done)
+        else:
+            drafted += costs.cycle(p.width, context + done)
+        done += n
+    return plain, drafted + costs.read(read)
+
+
 def seconds(
     plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadows: int = 0, context: int = 0, read: int = 0
 ) -> float:
     """What a replayed run costs under ``costs``: its plain steps, drafted
     cycles (each drafting the full block), ``shadows`` shadow drafts and
-    ``read`` committed rows read by the draft."""
-    total, done = 0.0, 0
-    for p, n in zip(plans, kept):
-        if p.width == 1:  # a run: its fill once, then its steps
-            total += costs.plain_fill + n * costs.cycle(1, context + done)
-        else:
-            total += costs.cycle(p.width, context + done)
-        done += n
-    return total + shadows * costs.full_draft() + costs.read(read)
+    ``read`` committed rows read by the draft (:func:`parts`)."""
+    return sum(parts(plans, kept, costs, context, read)) + shadows * costs.full_draft()
 
 
 def pinned_seconds(
