@@ -81,12 +81,6 @@ class Script:
         return "scripted"
 
 
-def changes(plans) -> int:
-    """Changes between plain steps and drafted cycles in a run's plans."""
-    kinds = [p.width == 1 for p in plans]
-    return sum(a != b for a, b in zip(kinds, kinds[1:]))
-
-
 def fit(rows: dict, step: float) -> dict:
     """Least squares over the modes of observed = a * plain + b * drafted +
     c * changes: {"plain": a, "drafted": b, "change": c in plain steps of
@@ -117,7 +111,7 @@ def main():
     from mlx_dflash.benchmark import first_difference, read_prompts
     from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens
     from mlx_dflash.policy import load_costs
-    from tools.replay import parts
+    from tools.replay import changes, parts
 
     engine = load()
     draft = engine.draft if args.draft is None else load(DEFAULT_MODEL, args.draft, dtype=mx.float32).draft

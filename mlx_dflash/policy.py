@@ -121,6 +121,14 @@ def interpolate(table: Dict[int, float], x: int) -> float:
     return table[xs[-1]]
 
 
+# What a change between plain steps and drafted cycles costs beyond its
+# parts, in plain steps: bench/switch_cost.py fits 0.23-0.40 on three pairs
+# (a CPU). The curve times each part alone, so it cannot see this; a plain
+# step is the unit, as what a change costs (the first of a new kind of
+# forward) scales with what a forward costs.
+CHANGE_STEPS = 0.3
+
+
 @dataclass
 class CostModel:
     """Seconds per plain step, and per cycle part at each measured width,
@@ -151,6 +159,10 @@ class CostModel:
     # Seconds a run of plain steps pays once: its first step's host work, which
     # no step before it overlaps (``plain`` is a step of a run in flight).
     plain_fill: float = 0.0
+    # Plain steps a change between plain steps and drafted cycles costs beyond
+    # its parts (not measured with them, which time each part alone; see
+    # CHANGE_STEPS).
+    change_steps: float = field(default=CHANGE_STEPS, compare=False)
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
@@ -162,6 +174,11 @@ class CostModel:
     # it came from or went to the cache: a curve found measured under load is
     # marked stale there (forget_costs).
     origin: Optional[Tuple[str, str, str, str]] = field(default=None, compare=False, repr=False)
+
+    @property
+    def change(self) -> float:
+        """Seconds a change between plain steps and drafted cycles costs beyond its parts."""
+        return self.change_steps * self.plain
 
     def full_draft(self) -> float:
         """Seconds of a draft forward at its full block: every drafted cycle
@@ -624,6 +641,11 @@ class Policy:
     of a shadow's cost, it commits what it gets right, and one verdict for
     plain after it ends it.
 
+    Changes: a change between plain steps and drafted cycles costs
+    ``costs.change`` beyond its parts; :meth:`rates` spreads it over the
+    stretch it would start (:meth:`stretch`), so near the end of a
+    generation the policy keeps the kind it runs unless changing saves more.
+
     Costs under load: the measured curve already compares the widths under
     the same conditions (its parts take turns). Observed cycle times correct
     it only by what they compare alike: at each change between plain steps
@@ -795,20 +817,29 @@ class Policy:
 
     def rates(self, room: int, acc: Optional[Acceptance] = None) -> Dict[int, float]:
         """Expected committed tokens per second (load-free) of B = 1 and each
-        ladder width, on ``acc`` (default: the acceptance estimate now)."""
-        out = {1: 1.0 / self.cost(1)}
+        ladder width, on ``acc`` (default: the acceptance estimate now). The
+        kind not running now (plain steps or drafted cycles) also pays a
+        change to it, spread over the tokens a stretch of it may run
+        (:meth:`stretch`)."""
+        per = self.costs.change / self.stretch(room) if self.last else 0.0
+        out = {1: 1.0 / (self.cost(1) + (per if self.last > 1 else 0.0))}
         top = min(self.max_width, room)
         if top < 2:
             return out
         ladder = set(self.ladder(room))
+        into = per if self.last == 1 else 0.0
         e, reach = 1.0, 1.0
         for B, p in enumerate((acc or self.acc).probs(top - 1), start=2):
             reach *= p
             e += reach
             if B in ladder:
                 # The next draft reads the rows this cycle commits.
-                out[B] = e / self.cost(B, rows=e)
+                out[B] = e / (self.cost(B, rows=e) + e * into)
         return out
+
+    def stretch(self, room: int) -> int:
+        """Tokens a change made now is spread over: a plain run's, at most the room left."""
+        return max(min(room, self.plain_run), 1)
 
     def best_width(self, room: int, drafted: bool = False) -> int:
         """argmax over the ladder's B (and B = 1 unless ``drafted``) of E(B) / cost(B),

@@ -518,13 +518,14 @@ def test_switch_cost_bench_fits_plain_drafted_and_change_costs_apart():
 
     sc = _bench_script("switch_cost")
     plans = [Plan(1, steps=4), Plan(16, block=16), Plan(1, steps=4), Plan(16, block=16), Plan(16, block=16)]
-    assert sc.changes(plans) == 3 and sc.changes([Plan(1, steps=4)] * 3) == 0
-    costs = CostModel(plain=0.004, verify={2: 0.01, 16: 0.014}, draft={2: 0.003, 16: 0.004}, rollback=0.001)
-    from tools.replay import parts, seconds
+    from tools.replay import changes, parts, seconds
 
+    assert changes(plans) == 3 and changes([Plan(1, steps=4)] * 3) == 0
+    costs = CostModel(plain=0.004, verify={2: 0.01, 16: 0.014}, draft={2: 0.003, 16: 0.004}, rollback=0.001)
     plain, drafted = parts(plans, [4, 3, 4, 1, 2], costs)
     assert plain == pytest.approx(8 * 0.004) and drafted == pytest.approx(3 * costs.cycle(16))
-    assert seconds(plans, [4, 3, 4, 1, 2], costs) == pytest.approx(plain + drafted)
+    # The replay prices each change as the curve's change_steps plain steps.
+    assert seconds(plans, [4, 3, 4, 1, 2], costs) == pytest.approx(plain + drafted + 3 * costs.change_steps * 0.004)
     a, b, step, per_change = 0.7, 0.8, 0.0028, 0.5  # a change: half a plain step as it ran
     modes = {
         "plain": (0.5, 0.0, 0),

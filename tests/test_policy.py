@@ -1329,3 +1329,56 @@ def test_a_short_generation_spends_at_most_its_share_on_shadows(tokens):
         policy.shadows,
         policy.looked / c.plain,
     )
+
+
+def steady(p, blocks=400.0, depths=8):
+    """Acceptance evidence of ``blocks`` blocks, right at every depth with probability ``p``."""
+    acc = Acceptance(depths)
+    acc.trials = [blocks] * (depths + 1)
+    acc.hits = [p * blocks] * (depths + 1)
+    return acc
+
+
+@pytest.mark.parametrize("now", [1, 8])
+def test_a_change_that_saves_less_than_it_costs_is_not_made(now):
+    """A change between plain steps and drafted cycles costs a fraction of a
+    plain step beyond its parts (``bench/switch_cost.py``: 0.2-0.4 on this
+    CPU). With the other kind 3% faster on ample evidence, a change pays
+    over 60 tokens left and not over a block (8): the policy keeps the kind
+    it runs (plain steps, or drafted cycles of 8) near the end and changes
+    earlier, and under a stall that slows every kind alike the same. The
+    policy before changes were priced changed at both."""
+    c = CostModel(plain=0.006, verify={2: 0.015, 4: 0.0157, 8: 0.0172}, draft={8: 0.0042}, rollback=0.0005)
+    assert 0.2 <= c.change_steps <= 0.4
+
+    def ratio(policy, room):  # the best drafted width's rate over plain's, no change priced (as at the start)
+        last, policy.last = policy.last, 0
+        r = policy.rates(room)
+        policy.last = last
+        return max(v for B, v in r.items() if B > 1) / r[1]
+
+    def made(room, p, stall=1.0):
+        policy = Policy(8, c)
+        policy.settle, policy.plain_left, policy.warmup = None, 0, 0
+        for _ in range(4):  # earlier cycles, every kind ``stall`` times slower than the curve says
+            policy.timed(Plan(1, steps=4), 4, stall * c.plain_run(4))
+            policy.timed(Plan(8, block=8), 3, stall * c.cycle(8))
+        policy.tokens, policy.last, policy.plain_votes = 50, now, 1
+        policy.acc = steady(p)
+        return policy, policy.plan(room).width
+
+    target = 1.03 if now == 1 else 1 / 1.03  # the other kind 3% faster
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the acceptance that puts the other kind 3% ahead
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ratio(made(8, mid)[0], 8) < target else (lo, mid)
+    policy, width = made(8, lo)
+    assert ratio(policy, 8) == pytest.approx(target, rel=1e-6)
+    assert policy.margin() < 1.02  # ample evidence: the margin for leaving plain is not what holds it
+    assert (width == 1) == (now == 1), policy.switches
+    assert made(8, lo, stall=3.0)[1] == width  # a stall that slows every kind alike: the same choice
+    # 60 tokens left: the same widths, the same rates, and the change is made.
+    policy, width = made(60, lo)
+    assert ratio(policy, 60) == pytest.approx(target, rel=1e-6)
+    assert (width == 1) != (now == 1), policy.switches
+    assert made(60, lo, stall=3.0)[1] == width

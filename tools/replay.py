@@ -112,13 +112,20 @@ def parts(
     return plain, drafted + costs.read(read)
 
 
+def changes(plans: Sequence[Plan]) -> int:
+    """Changes between plain steps and drafted cycles in a run's plans."""
+    kinds = [p.width == 1 for p in plans]
+    return sum(a != b for a, b in zip(kinds, kinds[1:]))
+
+
 def seconds(
     plans: Sequence[Plan], kept: Sequence[int], costs: CostModel, shadows: int = 0, context: int = 0, read: int = 0
 ) -> float:
     """What a replayed run costs under ``costs``: its plain steps, drafted
-    cycles (each drafting the full block), ``shadows`` shadow drafts and
-    ``read`` committed rows read by the draft (:func:`parts`)."""
-    return sum(parts(plans, kept, costs, context, read)) + shadows * costs.full_draft()
+    cycles (each drafting the full block), ``shadows`` shadow drafts,
+    ``read`` committed rows read by the draft (:func:`parts`), and each
+    change between plain steps and drafted cycles (``costs.change``)."""
+    return sum(parts(plans, kept, costs, context, read)) + shadows * costs.full_draft() + changes(plans) * costs.change
 
 
 def pinned_seconds(
