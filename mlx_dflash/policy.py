@@ -651,10 +651,12 @@ class Policy:
     it only by what they compare alike: at each change between plain steps
     and drafted cycles, the two neighbouring observations (each over its
     modelled cost) give one sample of how far drafted cycles are off
-    relative to plain steps, and the median of the last 9 such samples (at
-    least 5 counted) scales every drafted width. A stretch of inflated timings slows both
-    sides of a pair alike, except the one pair that straddles its start or
-    end, so it moves the machine's load (reported) and not the choice."""
+    relative to plain steps (an observation serves one sample at most, so
+    a stalled cycle between two changes gives one), and the median of the
+    last 9 such samples (at least 5 counted) scales every drafted width. A
+    stretch of inflated timings slows both sides of a pair alike, except
+    the one pair that straddles its start or end, so it moves the
+    machine's load (reported) and not the choice."""
 
     plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
     warmup_cycles = 1
@@ -714,7 +716,8 @@ class Policy:
         # give one, so a curve that is off on this machine now is corrected even
         # where a generation never switches between plain and drafting.
         self.fixes: List[float] = costs.fixes if costs is not None else []
-        self.prev: Optional[Tuple[str, float]] = None  # the last timed cycle's kind and observed / modelled
+        # The last timed cycle's kind, observed / modelled, and whether a sample of the correction used it.
+        self.prev: Optional[Tuple[str, float, bool]] = None
         # The first cycle at a width is not timed: in a fresh process it
         # includes tracing that width's compiled forwards (tens of ms). Kept
         # per process with the curve, as the traces are.
@@ -998,11 +1001,15 @@ class Policy:
             model = self.costs.plain_run(committed, self.context) + shadows * self.costs.full_draft()
         model += self.costs.read(read)
         ratio = seconds / model
-        if self.prev is not None and self.prev[0] != kind:  # neighbours of a change: alike conditions
+        # Neighbours of a change: alike conditions. Each observation serves one
+        # sample at most: a drafted cycle between two plain runs (a warm-up, a
+        # probe) would give two, and one stall there two samples as far off.
+        paired = self.prev is not None and self.prev[0] != kind and not self.prev[2]
+        if paired:
             drafted, plain = (ratio, self.prev[1]) if kind == "draft" else (self.prev[1], ratio)
             self.fixes.append(min(max(drafted / plain, 1 / 3), 3.0))
             del self.fixes[:-FIX_SAMPLES]
-        self.prev = (kind, ratio)
+        self.prev = (kind, ratio, paired)
         self.loads = (self.loads + [ratio / (self.correction() if kind == "draft" else 1.0)])[-5:]
 
     def observe(self, plan: Plan, committed: int) -> None:

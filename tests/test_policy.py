@@ -858,6 +858,16 @@ def test_observed_costs_correct_the_model_apart_from_the_load():
     assert Policy(16, c).correction() == pytest.approx(1.5) and Policy(16, synthetic_costs()).correction() == 1.0
 
 
+def run_between_plain(policy, drafted):
+    """Plain runs at the curve's cost, and between them one drafted cycle at
+    ``drafted`` times its cost: each gives one sample, with the run before it."""
+    c = policy.costs
+    for r in drafted:
+        policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
+        policy.timed(Plan(16, block=16), 5, r * c.cycle(16))
+    policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
+
+
 def test_a_few_noisy_samples_after_many_that_agree_leave_the_correction():
     """A correction sample is one drafted cycle against the plain run beside
     it, and those read 10-20% apart from run to run on a busy machine. After
@@ -866,32 +876,42 @@ def test_a_few_noisy_samples_after_many_that_agree_leave_the_correction():
     a price, and drafted where plain decoding paid); a change that lasts
     moves it, and on a new curve three in a row move it as before."""
     c = synthetic_costs()
-
-    def run(policy, drafted):
-        # Plain runs at the curve's cost, and between them one drafted cycle at
-        # ``drafted`` times it: each such cycle gives a sample on either side.
-        for r in drafted:
-            policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
-            policy.timed(Plan(16, block=16), 5, r * c.cycle(16))
-        policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
-
     fresh = Policy(16, c)
     fresh.warm_widths.add(16)
-    run(fresh, [0.8, 0.8])
-    assert c.fixes == pytest.approx([0.8] * 4) and fresh.correction() == pytest.approx(0.8)
+    run_between_plain(fresh, [0.8] * 3)
+    assert c.fixes == pytest.approx([0.8] * 3) and fresh.correction() == pytest.approx(0.8)
 
     c = synthetic_costs()
     policy = Policy(16, c)
     policy.warm_widths.add(16)
-    run(policy, [1.0, 1.0, 1.0])
+    run_between_plain(policy, [1.0] * 6)
     assert c.fixes == pytest.approx([1.0] * 6)
+    for _ in range(2):  # drafted cycles 20% cheaper, and a plain run between them
+        policy.timed(Plan(16, block=16), 5, 0.8 * c.cycle(16))
+        policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
     policy.timed(Plan(16, block=16), 5, 0.8 * c.cycle(16))
-    policy.timed(Plan(1, steps=16), 16, 16 * c.plain)
-    policy.timed(Plan(16, block=16), 5, 0.8 * c.cycle(16))
-    assert c.fixes[-3:] == pytest.approx([0.8] * 3)
+    assert c.fixes[-3:] == pytest.approx([0.8] * 3) and len(c.fixes) == 9
     assert policy.correction() == pytest.approx(1.0)
-    run(policy, [0.8])
+    run_between_plain(policy, [0.8, 0.8])
     assert c.fixes[-5:] == pytest.approx([0.8] * 5) and policy.correction() == pytest.approx(0.8)
+
+
+def test_a_stalled_cycle_between_two_plain_runs_gives_one_sample():
+    """A warm-up cycle or a probe is a drafted cycle between two plain runs.
+    Each change beside it gave a sample of the correction, so one stall
+    there (that cycle alone 2.5 times slower) gave two samples as far off,
+    and two such stalls on a fresh curve (four samples of the five counted)
+    put the correction at 2.5: the draft stayed off for the rest of the
+    process (in the noisy-clock replay, a prompt at 0.49 of its best mode).
+    Each observation now serves one sample at most: two stalls leave the
+    correction at 1, and drafted cycles that stay that dear move it."""
+    c = synthetic_costs()
+    policy = Policy(16, c)
+    policy.warm_widths.add(16)
+    run_between_plain(policy, [2.5, 2.5])
+    assert c.fixes == pytest.approx([2.5, 2.5]) and policy.correction() == 1.0
+    run_between_plain(policy, [2.5] * 3)
+    assert policy.correction() == pytest.approx(2.5)
 
 
 def test_a_width_traced_in_this_process_is_timed_from_the_next_generation_on():
