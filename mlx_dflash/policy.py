@@ -394,6 +394,13 @@ class CostModel:
 
 
 FIX_SAMPLES = 9  # the correction's memory (samples of drafted against plain cycle times)
+# How far the correction may scale drafted cycles against plain steps, either
+# way. The curve's parts were timed taking turns on this machine, so drafted
+# cycles run off it relative to plain steps by tens of percent at most
+# (0.94-1.05 here); a median beyond 1.5 is likelier a run of stalled samples
+# than a price, and it keeps the draft off, and with it the samples that
+# would bring it back (a noisy-clock replay sat plain at 0.49 of the best).
+CORRECTION_BOUND = 1.5
 
 
 def recent_median(xs: List[float], most: int = 5) -> float:
@@ -653,7 +660,8 @@ class Policy:
     modelled cost) give one sample of how far drafted cycles are off
     relative to plain steps (an observation serves one sample at most, so
     a stalled cycle between two changes gives one), and the median of the
-    last 9 such samples (at least 5 counted) scales every drafted width. A
+    last 9 such samples (at least 5 counted), kept within 1.5x either way
+    (``CORRECTION_BOUND``), scales every drafted width. A
     stretch of inflated timings slows both sides of a pair alike, except
     the one pair that straddles its start or end, so it moves the
     machine's load (reported) and not the choice."""
@@ -780,7 +788,7 @@ class Policy:
 
     def correction(self) -> float:
         """How much dearer drafted cycles run than the measured curve says, relative to plain steps."""
-        return recent_median(self.fixes, FIX_SAMPLES)
+        return min(max(recent_median(self.fixes, FIX_SAMPLES), 1 / CORRECTION_BOUND), CORRECTION_BOUND)
 
     def load(self) -> float:
         """How much slower the machine runs now than when the curve was measured (1: as measured)."""

@@ -12,7 +12,7 @@ from test_decode import ScriptedDraft
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
-from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs
+from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs, recent_median
 from tools import tiny
 from tools.replay import drive
 
@@ -904,14 +904,19 @@ def test_a_stalled_cycle_between_two_plain_runs_gives_one_sample():
     put the correction at 2.5: the draft stayed off for the rest of the
     process (in the noisy-clock replay, a prompt at 0.49 of its best mode).
     Each observation now serves one sample at most: two stalls leave the
-    correction at 1, and drafted cycles that stay that dear move it."""
+    correction at 1, and drafted cycles that stay that dear move it, as far
+    as ``CORRECTION_BOUND`` (1.5): beyond that a run of stalls is likelier
+    than a price, and a correction that keeps the draft off gets no samples
+    to come back by."""
     c = synthetic_costs()
     policy = Policy(16, c)
     policy.warm_widths.add(16)
     run_between_plain(policy, [2.5, 2.5])
     assert c.fixes == pytest.approx([2.5, 2.5]) and policy.correction() == 1.0
     run_between_plain(policy, [2.5] * 3)
-    assert policy.correction() == pytest.approx(2.5)
+    assert recent_median(c.fixes, 9) == pytest.approx(2.5) and policy.correction() == pytest.approx(1.5)
+    run_between_plain(policy, [0.2] * 9)  # as far the other way
+    assert policy.correction() == pytest.approx(1 / 1.5)
 
 
 def test_a_width_traced_in_this_process_is_timed_from_the_next_generation_on():
