@@ -143,8 +143,8 @@ def pinned_seconds(
         if w > 1:
             total += per_cycle + costs.cycle(w, context + done) - costs.cycle(w)  # the verify's growth with context
             total += costs.read(n)  # the next draft reads the rows it commits
-        else:
-            total += costs.plain_run(1, context + done)
+        else:  # the last token alone: a plain step, after drafted cycles a change (as the default's is priced)
+            total += costs.plain_run(1, context + done) + (costs.change if kept else 0.0)
         kept.append(n)
         done += n
     return total, kept
