@@ -159,10 +159,6 @@ class CostModel:
     # Seconds a run of plain steps pays once: its first step's host work, which
     # no step before it overlaps (``plain`` is a step of a run in flight).
     plain_fill: float = 0.0
-    # Plain steps a change between plain steps and drafted cycles costs beyond
-    # its parts (not measured with them, which time each part alone; see
-    # CHANGE_STEPS).
-    change_steps: float = field(default=CHANGE_STEPS, compare=False)
     # What generations in this process observed of drafted cycles against plain
     # steps (Policy.fixes; not stored in the file: another run, another load).
     fixes: List[float] = field(default_factory=list, compare=False, repr=False)
@@ -177,8 +173,9 @@ class CostModel:
 
     @property
     def change(self) -> float:
-        """Seconds a change between plain steps and drafted cycles costs beyond its parts."""
-        return self.change_steps * self.plain
+        """Seconds a change between plain steps and drafted cycles costs beyond
+        its parts (``CHANGE_STEPS`` plain steps; not measured with the curve)."""
+        return CHANGE_STEPS * self.plain
 
     def full_draft(self) -> float:
         """Seconds of a draft forward at its full block: every drafted cycle
@@ -662,12 +659,11 @@ class Policy:
     modelled cost) give one sample of how far drafted cycles are off
     relative to plain steps (an observation serves one sample at most, so
     a stalled cycle, drafted or a plain run, between two changes gives
-    one), and the median of the
-    last 9 such samples (at least 5 counted), kept within 1.5x either way
-    (``CORRECTION_BOUND``), scales every drafted width. A
-    stretch of inflated timings slows both sides of a pair alike, except
-    the one pair that straddles its start or end, so it moves the
-    machine's load (reported) and not the choice."""
+    one), and the median of the last 9 such samples (at least 5 counted),
+    kept within 1.5x either way (``CORRECTION_BOUND``), scales every
+    drafted width. A stretch of inflated timings slows both sides of a
+    pair alike, except the one pair that straddles its start or end, so it
+    moves the machine's load (reported) and not the choice."""
 
     plain_run = 64  # plain steps before the policy looks again (a shadow may end a run sooner)
     warmup_cycles = 1

@@ -514,7 +514,7 @@ def test_switch_cost_bench_fits_plain_drafted_and_change_costs_apart():
     off the curve by their own factor, and whose changes between the two
     cost extra, give back those factors and that cost (in plain steps) from
     the fit over the modes; changes are counted both ways."""
-    from mlx_dflash.policy import CostModel, Plan
+    from mlx_dflash.policy import CHANGE_STEPS, CostModel, Plan
 
     sc = _bench_script("switch_cost")
     plans = [Plan(1, steps=4), Plan(16, block=16), Plan(1, steps=4), Plan(16, block=16), Plan(16, block=16)]
@@ -524,8 +524,8 @@ def test_switch_cost_bench_fits_plain_drafted_and_change_costs_apart():
     costs = CostModel(plain=0.004, verify={2: 0.01, 16: 0.014}, draft={2: 0.003, 16: 0.004}, rollback=0.001)
     plain, drafted = parts(plans, [4, 3, 4, 1, 2], costs)
     assert plain == pytest.approx(8 * 0.004) and drafted == pytest.approx(3 * costs.cycle(16))
-    # The replay prices each change as the curve's change_steps plain steps.
-    assert seconds(plans, [4, 3, 4, 1, 2], costs) == pytest.approx(plain + drafted + 3 * costs.change_steps * 0.004)
+    # The replay prices each change as CHANGE_STEPS plain steps.
+    assert seconds(plans, [4, 3, 4, 1, 2], costs) == pytest.approx(plain + drafted + 3 * CHANGE_STEPS * 0.004)
     a, b, step, per_change = 0.7, 0.8, 0.0028, 0.5  # a change: half a plain step as it ran
     modes = {
         "plain": (0.5, 0.0, 0),

@@ -12,7 +12,7 @@ from test_decode import ScriptedDraft
 from mlx_dflash.decode import GenerationStats, Hooks, _generate_tokens, generate_tokens
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.models.qwen35 import Target
-from mlx_dflash.policy import Acceptance, CostModel, Plan, Policy, load_costs, recent_median
+from mlx_dflash.policy import CHANGE_STEPS, Acceptance, CostModel, Plan, Policy, load_costs, recent_median
 from tools import tiny
 from tools.replay import drive
 
@@ -1383,7 +1383,7 @@ def test_a_change_that_saves_less_than_it_costs_is_not_made(now, faster, room, c
     stall that slows every kind alike, the same. The policy before changes
     were priced changed wherever the other kind was faster."""
     c = CostModel(plain=0.006, verify={2: 0.015, 4: 0.0157, 8: 0.0172}, draft={8: 0.0042}, rollback=0.0005)
-    assert 0.2 <= c.change_steps <= 0.4
+    assert 0.2 <= CHANGE_STEPS <= 0.4
 
     def ratio(policy, room):  # the best drafted width's rate over plain's, no change priced (as at the start)
         last, policy.last = policy.last, 0
