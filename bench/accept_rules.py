@@ -27,11 +27,20 @@ def main():
         default=ROOT / "bench" / "drafts" / "dflash2",
         help="a second draft folder for the embedded target",
     )
-    ap.add_argument("--temps", type=float, nargs="+", default=[0.7, 1.0])
-    ap.add_argument("--seeds", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "accept-rules.md")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    ap.add_argument(
+        "--temps", type=float, nargs="+", default=[0.7, 1.0], help="sampling temperatures to compare the two rules at"
+    )
+    ap.add_argument("--seeds", type=int, default=2, help="sampling seeds (0 to N-1) per prompt and temperature")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "accept-rules.md", help="the markdown result file"
+    )
+    ap.add_argument(
+        "--blas",
+        default="auto",
+        choices=["auto", "openblas", "bundled"],
+        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
+    )
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
 

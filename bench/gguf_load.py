@@ -77,9 +77,13 @@ def child(path: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--type", default="Q4_0")
+    ap.add_argument("--hidden", type=int, default=2048, help="hidden size of the random target")
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers of the random target")
+    ap.add_argument(
+        "--type",
+        default="Q4_0",
+        help="GGML type of the weight matrices (a gguf.GGMLQuantizationType name); token embeddings and output: Q8_0",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -119,10 +119,12 @@ def disk(p: Path) -> int:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=1024, help="hidden size of the random model")
+    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the random model")
+    ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size of the random model")
+    ap.add_argument(
+        "--tokens", type=int, default=64, help="plain greedy tokens generated per model while measuring peak memory"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--child-dtype", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -40,8 +40,18 @@ def timeit(fn, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed runs per variant and T after one warm-up; the table shows the median ms",
+    )
+    ap.add_argument(
+        "--blas",
+        default="auto",
+        choices=["auto", "openblas", "bundled"],
+        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
+    )
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     metal = mx.metal.is_available()

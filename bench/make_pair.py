@@ -121,19 +121,43 @@ def train_target(cfg, ids, steps, seq_len=128, batch=16, lr=1e-3, log=print):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "mlx_dflash" / "default_model")
-    ap.add_argument("--target-steps", type=int, default=300)
-    ap.add_argument("--target-lr", type=float, default=1e-3)
-    ap.add_argument("--draft-steps", type=int, default=3000)
-    ap.add_argument("--prompts", type=int, default=4000)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "mlx_dflash" / "default_model",
+        help="output folder for the pair (target/ and draft/); built in OUT.building, then moved there",
+    )
+    ap.add_argument(
+        "--target-steps", type=int, default=300, help="target training steps (batches of 16 sequences of 128 tokens)"
+    )
+    ap.add_argument(
+        "--target-lr",
+        type=float,
+        default=1e-3,
+        help="the target's peak learning rate (AdamW; 50 warm-up steps, then cosine decay to a tenth)",
+    )
+    ap.add_argument("--draft-steps", type=int, default=3000, help="draft training steps")
+    ap.add_argument(
+        "--prompts", type=int, default=4000, help="at most this many prompts whose target continuations train the draft"
+    )
     ap.add_argument(
         "--seq-len",
         type=int,
         default=160,
         help="draft training sequence (prompt + continuation); also the draft's context window",
     )
-    ap.add_argument("--corpus-mb", type=float, default=4.0)
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    ap.add_argument(
+        "--corpus-mb",
+        type=float,
+        default=4.0,
+        help="stdlib .py source to read, in millions of characters (a tenth of the files held out)",
+    )
+    ap.add_argument(
+        "--blas",
+        default="auto",
+        choices=["auto", "openblas", "bundled"],
+        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
+    )
     ap.add_argument(
         "--draft-only", action="store_true", help="keep OUT/target (already trained) and rebuild only the draft"
     )

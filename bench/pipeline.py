@@ -134,13 +134,18 @@ def child(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts")
+    ap.add_argument("--prompts", type=Path, default=ROOT / "bench" / "prompts", help="Folder of prompt .txt files.")
     ap.add_argument(
         "--names", default="code_class,doc_read_file,prose_comment", help="Comma list of prompt names (file stems)."
     )
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--max-tokens", type=int, default=128, help="Tokens generated per prompt and mode.")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Runs of the single process and of the pipeline each, alternating; results are medians over them.",
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS, help="Folder for pipeline-embedded.json and .md.")
     ap.add_argument("--block", type=int, default=16, help="The draft's block size (the verify block timed).")
     ap.add_argument("--child", choices=["single", "pipeline"], help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)

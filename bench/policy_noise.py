@@ -114,7 +114,9 @@ def main():
     ap.add_argument("-n", "--max-tokens", default="128,256,512", help="tokens per generation (comma list)")
     ap.add_argument("--seeds", type=int, default=6, help="noise seeds per cell")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-noise.md")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "policy-noise.md", help="the markdown result file"
+    )
     args = ap.parse_args()
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")

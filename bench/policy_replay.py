@@ -75,7 +75,9 @@ def main():
         "a verify of B rows at 1 + R*(B-1), a rollback at X (default 0.02); what-if figures for a device "
         "whose forwards read weights rather than compute (a GPU at real shapes)",
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md")
+    ap.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "policy-replay.md", help="the markdown result file"
+    )
     args = ap.parse_args()
     if args.curve and args.assume:
         ap.error("--curve and --assume both say what to price by: give one")

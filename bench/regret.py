@@ -192,14 +192,21 @@ def table(modes, rows) -> list:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-n", "--max-tokens", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per generation (greedy)")
+    ap.add_argument(
+        "--reps", type=int, default=3, help="repeats: the modes take turns once per repeat; medians are over repeats"
+    )
     ap.add_argument("--widths", default="2,4,8,16", help="pinned widths (those up to the draft's block run)")
     ap.add_argument("--load", default="quiet,busy", help="quiet, busy, or both (comma list)")
     ap.add_argument("--draft", action="append", default=[], help="another draft for the embedded target")
     ap.add_argument("--no-embedded", action="store_true", help="only the --draft pairs, not the embedded pair")
     ap.add_argument("--prompts", type=int, default=0, help="only the first N bench prompts (0: all)")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "regret.md")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "bench" / "results" / "regret.md",
+        help="the markdown result file; a .json of the same name is written beside it",
+    )
     args = ap.parse_args()
     blas.ensure_openblas("auto")
     import mlx.core as mx

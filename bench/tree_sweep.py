@@ -18,9 +18,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"])
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens generated per run")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed runs per prompt and configuration after one warm-up; tok/s and tau are medians",
+    )
+    ap.add_argument(
+        "--blas",
+        default="auto",
+        choices=["auto", "openblas", "bundled"],
+        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
+    )
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx_dflash
