@@ -61,13 +61,17 @@ def tau_at(B: int, tau16: float = TAU16) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=40, help="decoder layers kept (the published model has 40)")
+    ap.add_argument("--layers", type=int, default=40, help="decoder layers kept, at least 4 (the published model has 40; every 4th is full attention)")
     ap.add_argument("--widths", default="2,3,4,6,8,12,16", help="verify widths B")
     ap.add_argument("--prompt", type=int, default=128, help="context tokens before the terms are timed")
     ap.add_argument("--reps", type=int, default=3, help="repeats of each term (median)")
     ap.add_argument("--out", default=str(RESULTS / "moe-shape.md"), help="result file")
     ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
     args = ap.parse_args()
+    if args.layers < 4:
+        # Every fourth layer is full attention; mlx-lm's Qwen3.5 builds its
+        # attention mask from the first one's cache, so a model needs one.
+        ap.error(f"--layers must be at least 4 (the first full-attention layer is the 4th), got {args.layers}")
     blas.ensure_openblas(args.blas)
     t0 = time.perf_counter()
     widths = [int(w) for w in args.widths.split(",")]

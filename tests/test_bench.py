@@ -5,6 +5,7 @@ import math
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -545,3 +546,14 @@ def test_switch_cost_bench_fits_plain_drafted_and_change_costs_apart():
     s = sc.Script(16, 8)
     assert [s.plan(100).width for _ in range(4)] == [1, 16, 1, 16] and s.plan(1).width == 1
     assert {sc.Script(16, 0).plan(100).width, sc.Script(16, None).plan(100).width} == {16, 1}
+
+
+def test_moe_shape_bench_rejects_a_model_without_a_full_attention_layer():
+    # Fewer than 4 layers have none, and mlx-lm's Qwen3.5 failed deep inside with an IndexError.
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "moe_shape.py"), "--layers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--layers must be at least 4" in r.stderr and "Traceback" not in r.stderr
