@@ -61,7 +61,12 @@ def tau_at(B: int, tau16: float = TAU16) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=40, help="decoder layers kept, at least 4 (the published model has 40; every 4th is full attention)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=40,
+        help="decoder layers kept, at least 4 (the published model has 40; every 4th is full attention)",
+    )
     ap.add_argument("--widths", default="2,3,4,6,8,12,16", help="verify widths B")
     ap.add_argument("--prompt", type=int, default=128, help="context tokens before the terms are timed")
     ap.add_argument("--reps", type=int, default=3, help="repeats of each term (median)")
