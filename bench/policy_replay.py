@@ -20,7 +20,11 @@ generations grow). ``--offsets K``: each prompt is also replayed from K
 start offsets (its record's first k tokens taken as more prompt, k < K).
 Where the first looks fall decides much of a short generation (a warm-up
 cycle that lands on a miss sends it plain), so one start is partly luck;
-the median over starts is the policy's, the lowest its bad luck.
+the median over starts is the policy's, the lowest its bad luck. But the
+prompt's own start is the one every real generation has, and it is not
+like the others: the first few tokens after a prompt are where these
+drafts miss most (docs/policy.md, "What was tried", stop 57), so a later
+start reads the plain steps the policy takes there as pure cost.
 
 ``--curve bench/results/real-shapes.md`` prices the replay at the cost
 ratios a ``bench/real_shapes.py`` run measured (its "/ T_plain" column:
