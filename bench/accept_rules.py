@@ -35,12 +35,7 @@ def main():
     ap.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "accept-rules.md", help="the markdown result file"
     )
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
 

@@ -81,12 +81,7 @@ def main():
         default=20,
         help="timed turns of the cycle and of the restack alone per (S, W), after a warm-up; min and median reported",
     )
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx.core as mx

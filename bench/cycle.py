@@ -205,12 +205,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="embedded,medium", help="comma list of: embedded, medium")
     ap.add_argument("--reps", type=int, default=10, help="timed repeats per term (median)")
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux: preload OpenBLAS (auto = when installed)",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     print(f"BLAS: {blas.describe()}", flush=True)

@@ -46,12 +46,7 @@ def main():
         default=5,
         help="timed runs per variant and T after one warm-up; the table shows the median ms",
     )
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     metal = mx.metal.is_available()

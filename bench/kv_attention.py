@@ -114,7 +114,7 @@ def main():
     ap.add_argument("--rows", default="1,16", help="query rows T (1: a plain step; 16: a block-16 verify)")
     ap.add_argument("--reps", type=int, default=5, help="repeats (median)")
     ap.add_argument("--out", default=str(RESULTS / "kv-attention.md"), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     cfg = shapes.target_config("0.8b")["text_config"]

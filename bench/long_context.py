@@ -325,7 +325,7 @@ def main():
     )
     ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
     ap.add_argument("--out", default=str(RESULTS / "long-context.md"), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+    blas.add_flag(ap)
     args = ap.parse_args()
     args.kv_bits = sorted(set(args.kv_bits), reverse=True)
     blas.ensure_openblas(args.blas)

@@ -152,12 +152,7 @@ def main():
         default=4.0,
         help="stdlib .py source to read, in millions of characters (a tenth of the files held out)",
     )
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     ap.add_argument(
         "--draft-only", action="store_true", help="keep OUT/target (already trained) and rebuild only the draft"
     )

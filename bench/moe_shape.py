@@ -71,7 +71,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128, help="context tokens before the terms are timed")
     ap.add_argument("--reps", type=int, default=3, help="repeats of each term (median)")
     ap.add_argument("--out", default=str(RESULTS / "moe-shape.md"), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+    blas.add_flag(ap)
     args = ap.parse_args()
     if args.layers < 4:
         # Every fourth layer is full attention; mlx-lm's Qwen3.5 builds its

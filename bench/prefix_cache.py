@@ -201,11 +201,7 @@ def main():
     ap.add_argument("--reply", type=int, default=200, help="max tokens per chat reply")
     ap.add_argument("--reps", type=int, default=3, help="TTFT samples per case (median)")
     ap.add_argument("--rungs", default="256,512,1024,2048", help="rung intervals to sweep")
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx_dflash

@@ -88,7 +88,7 @@ def main():
     ap.add_argument("--block", type=int, default=16, help="verify rows B")
     ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
     ap.add_argument("--out", default=None, help="result file (default bench/results/row-exact-<device>.md)")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     from mlx_dflash.loading import load_target

@@ -25,12 +25,7 @@ def main():
         default=2,
         help="timed runs per prompt and configuration after one warm-up; tok/s and tau are medians",
     )
-    ap.add_argument(
-        "--blas",
-        default="auto",
-        choices=["auto", "openblas", "bundled"],
-        help="Linux BLAS: auto preloads OpenBLAS if installed, openblas requires it, bundled keeps mlx's netlib BLAS",
-    )
+    blas.add_flag(ap)
     args = ap.parse_args()
     blas.ensure_openblas(args.blas)
     import mlx_dflash

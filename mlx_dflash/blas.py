@@ -27,6 +27,16 @@ _CANDIDATES = [
 ] + glob.glob("/usr/lib/*/openblas*/libblas.so.3")
 
 
+MODES = ("auto", "openblas", "bundled")
+HELP = "Linux: 'auto' preloads OpenBLAS when installed, 'openblas' requires it, 'bundled' keeps mlx's reference BLAS."
+
+
+def add_flag(parser) -> None:
+    """The ``--blas`` flag of the bench and tool scripts (an argparse parser),
+    as ``mlx-dflash bench`` spells it; its value goes to :func:`ensure_openblas`."""
+    parser.add_argument("--blas", default="auto", choices=MODES, help=HELP)
+
+
 def openblas_path():
     for p in _CANDIDATES:
         if os.path.exists(p):

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 import typer
 
+from . import blas
 from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
 from .errors import DFlashError, check_positive, writable_folder
@@ -427,8 +428,6 @@ def _draft_vocab_row(draft, tokens: List[int]) -> List[tuple]:
 
 
 def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True, extra=()) -> str:
-    from . import blas
-
     rows = [
         ("mode", mode),
         ("BLAS", blas.describe()),
@@ -1104,8 +1103,7 @@ def bench(
     blas_mode: str = typer.Option(
         "auto",
         "--blas",
-        help="Linux: 'auto' preloads OpenBLAS when installed, "
-        "'openblas' requires it, 'bundled' keeps mlx's reference BLAS.",
+        help=blas.HELP,
     ),
     dtype: Optional[str] = DTYPE_OPTION,
     compile_: bool = COMPILE_OPTION,
@@ -1143,7 +1141,6 @@ def bench(
     """Benchmark mlx-lm vs plain decoding vs DFlash on a prompt set; fail if DFlash's tokens differ from plain decoding's.
 
     Agreement with mlx-lm is reported, not required."""
-    from . import blas
     from .benchmark import can_plot, read_prompts, run_bench, write_results
 
     if blas_mode not in ("auto", "openblas", "bundled"):

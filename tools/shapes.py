@@ -375,7 +375,9 @@ def shape_arguments(ap, *, tokens: int, reps: int, out: Path) -> None:
     ap.add_argument("--reps", type=int, default=reps, help="repeats of each cost term (median)")
     ap.add_argument("--models", default="/tmp/mlx-dflash-shapes", help="where the model folders are written")
     ap.add_argument("--out", default=str(out), help="result file")
-    ap.add_argument("--blas", default="auto", choices=["auto", "openblas", "bundled"], help="Linux BLAS")
+    from mlx_dflash import blas
+
+    blas.add_flag(ap)
 
 
 def run_precisions(args, measure, report) -> str:
