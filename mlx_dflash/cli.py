@@ -1143,7 +1143,7 @@ def bench(
     Agreement with mlx-lm is reported, not required."""
     from .benchmark import can_plot, read_prompts, run_bench, write_results
 
-    if blas_mode not in ("auto", "openblas", "bundled"):
+    if blas_mode not in blas.MODES:
         raise DFlashError(f"--blas must be auto, openblas or bundled, got {blas_mode!r}")
     if any(n < 1 for n in max_tokens):
         raise DFlashError("--max-tokens values must be positive")
