@@ -113,6 +113,8 @@ class Sampler:
             )
         if not 0.0 <= top_p <= 1.0:
             raise DFlashError(f"top_p (--top-p) must be in [0, 1] (0 or 1: off), got {top_p}")
+        if 0 < top_p < MIN_TEMPERATURE:  # a float32 0 there would keep no token at all
+            raise DFlashError(f"top_p (--top-p) must be 0 or 1 (off) or at least {MIN_TEMPERATURE:g}, got {top_p}")
         if top_k < 0:
             raise DFlashError(f"top_k (--top-k) must be >= 0, got {top_k}")
         if not 0.0 <= min_p <= 1.0:

@@ -635,6 +635,50 @@ BAD = [
         400,
         "output_config.format",
     ),
+    # The template's own arguments are the server's: a client's chat_template would replace the
+    # model's prompt format (and a template can run for minutes); tokenize broke rendering.
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "chat_template_kwargs": {"chat_template": "{{ 'x' * 9 }}"}},
+        400,
+        "chat_template_kwargs.chat_template",
+    ),
+    (
+        "/v1/responses",
+        {"model": "mlx-dflash", "input": "hi", "chat_template_kwargs": {"tokenize": True}},
+        400,
+        "set by the server",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "reasoning_effort": "ultra"},
+        400,
+        "reasoning_effort",
+    ),
+    (
+        "/v1/responses",
+        {"model": "mlx-dflash", "input": "hi", "reasoning": {"effort": "ultra"}},
+        400,
+        "reasoning.effort",
+    ),
+    # Another dialect's name for a field that changes the reply: named, not ignored.
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "max_tokens": 3}, 400, "max_output_tokens"),
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "stop": ["x"]}, 400, "no stop sequences"),
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "max_output_tokens": 3},
+        400,
+        "max_completion_tokens",
+    ),
+    ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "stop_sequences": ["x"]}, 400, "'stop'"),
+    ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 4, "messages": MSG, "stop": ["x"]}, 400, "stop_sequences"),
+    # A top_p that is 0 in float32 would keep no token: refused, as a tiny temperature is.
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "temperature": 1, "top_p": 1e-300},
+        400,
+        "top_p",
+    ),
 ]
 
 
@@ -653,6 +697,49 @@ def test_bad_input_gets_4xx_in_the_dialects_shape(server, path, body, status, wo
             assert err["error"]["param"] == words, err
     # the server keeps serving
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
+    """A client that closes its connection before its whole body arrived is
+    counted as gone (499), not as a server fault (500 and a traceback)."""
+
+    def fives():
+        m = server.metrics()
+        return sum(v for k, v in m.items() if k.startswith("mlx_dflash_requests_total") and 'status="500"' in k)
+
+    before = fives()
+    for path in ("/v1/messages", "/v1/chat/completions"):
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\nContent-Type: application/json\r\n"
+                f'Content-Length: 1000\r\n\r\n{{"model":'.encode()
+            )
+            time.sleep(0.3)
+    time.sleep(0.5)
+    assert fives() == before
+    assert "Traceback" not in server.log.read_text()
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_a_reply_cut_by_the_context_end_says_so(server):
+    """Anthropic's stop reason for a reply the context's end cut before
+    max_tokens is model_context_window_exceeded: a client that reads
+    max_tokens asks for more and meets the same wall."""
+    c = server.anthropic()
+
+    def room(text):  # the embedded pair's context is 4096 tokens
+        return (
+            4096
+            - c.messages.count_tokens(model="mlx-dflash", messages=[{"role": "user", "content": text}]).input_tokens
+        )
+
+    text = "a " * 3900
+    text += "a " * (room(text) - 20)  # one token each
+    assert 10 < room(text) < 30
+    r = c.messages.create(model="mlx-dflash", max_tokens=100, messages=[{"role": "user", "content": text}])
+    assert r.stop_reason == "model_context_window_exceeded" and r.usage.output_tokens < 30
+    r = c.messages.create(model="mlx-dflash", max_tokens=2, messages=[{"role": "user", "content": text}])
+    assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 2
 
 
 def test_neutral_values_of_unsupported_fields_and_nulls_pass(server, engine):

@@ -1,7 +1,7 @@
 """Anthropic dialect: POST /v1/messages (and /v1/messages/count_tokens)."""
 
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -62,6 +62,11 @@ class CountRequest(_Model):
 
 
 class MessagesRequest(CountRequest, EngineSampling):
+    FOREIGN: ClassVar[Dict[str, str]] = {
+        "max_completion_tokens": "use 'max_tokens'",
+        "max_output_tokens": "use 'max_tokens'",
+        "stop": "use 'stop_sequences'",
+    }
     max_tokens: int
     stop_sequences: Optional[List[str]] = None
     stream: Optional[bool] = False
@@ -166,11 +171,14 @@ def _usage(d: Dict[str, Any]) -> dict:
     }
 
 
-def _stop_reason(finish: str, d: Dict[str, Any], tool_calls: bool):
+def _stop_reason(finish: str, d: Dict[str, Any], tool_calls: bool, max_tokens: int):
     if d.get("stop_sequence"):
         return "stop_sequence", d["stop_sequence"]
     if finish == "length":
-        return "max_tokens", None
+        # Cut by the context's end before max_tokens: a client that reads
+        # "max_tokens" asks for more and meets the same wall.
+        full = d["generated_tokens"] < max_tokens
+        return ("model_context_window_exceeded" if full else "max_tokens"), None
     return ("tool_use" if tool_calls else "end_turn"), None
 
 
@@ -214,7 +222,7 @@ async def messages(request: Request):
                 else:
                     blocks.append({"type": key, key: v, **({"signature": ""} if key == "thinking" else {})})
             if ev[0] == "done":
-                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
+                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call, max_tokens)
                 return JSONResponse(
                     {
                         "id": mid,
@@ -310,7 +318,7 @@ async def messages(request: Request):
                     yield s
             if ev[0] == "done":
                 yield close()
-                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call)
+                reason, seq = _stop_reason(ev[1], ev[2], parser.made_tool_call, max_tokens)
                 yield sse(
                     {
                         "type": "message_delta",

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from ..config import SAMPLING, GenerationConfig
 from ..errors import DFlashError, check_text
@@ -383,11 +384,14 @@ async def read_json(request: Request, limit: int) -> Any:
     if n is not None and n.isdigit() and int(n) > limit:
         raise APIError(413, f"request body is {n} bytes; the limit is {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer, not a server fault
+        raise APIError(499, "client closed the request") from None
     return await off_loop(_decode_json, b"".join(chunks))
 
 
@@ -412,6 +416,52 @@ def _decode_json(data: bytes) -> Any:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
 
 
+# Arguments of apply_chat_template itself (and the template's source), which
+# the server sets: from a request they would replace the model's prompt format
+# or break rendering (a client's template can also run for minutes).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+# The effort values OpenAI's API takes; any but "none" turns a template's thinking on.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def check_template_kwargs(kwargs: Optional[Dict[str, Any]], param: str = "chat_template_kwargs") -> Dict[str, Any]:
+    """A request's extra chat-template variables, or a 400 naming one the server sets itself."""
+    kwargs = dict(kwargs or {})
+    for k in kwargs:
+        if k in RESERVED_TEMPLATE_KWARGS or k.startswith("_"):
+            raise APIError(
+                400,
+                f"'{param}.{k}' is set by the server, not by a request (template variables only, such as enable_thinking)",
+                param=f"{param}.{k}",
+            )
+    return kwargs
+
+
+def check_effort(effort: Optional[str], param: str) -> Optional[str]:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(400, f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=param)
+    return effort
+
+
 def parse_body(model: type, body: Any) -> BaseModel:
     """Validate a JSON body into ``model``; one clear 400 naming the first bad field."""
     if not isinstance(body, dict):
@@ -420,6 +470,11 @@ def parse_body(model: type, body: Any) -> BaseModel:
         _check_strings(body, [])
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+    # Another API's name for a field that changes the reply (max_tokens sent to
+    # /v1/responses) would otherwise be ignored as unknown, and the reply differ.
+    for k, use in getattr(model, "FOREIGN", {}).items():
+        if k in body:
+            raise APIError(400, f"'{k}' is not a field of this API; {use}", param=k)
     try:
         return model.model_validate(body, strict=True)  # no coercion: "8" or true is not a number
     except ValidationError as e:

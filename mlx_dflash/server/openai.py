@@ -3,13 +3,25 @@
 import json
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EngineSampling, OpenAITemperature, Server, cut_short, error_body, off_loop, read_request, sse
+from .app import (
+    APIError,
+    EngineSampling,
+    OpenAITemperature,
+    Server,
+    check_effort,
+    check_template_kwargs,
+    cut_short,
+    error_body,
+    off_loop,
+    read_request,
+    sse,
+)
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -74,6 +86,10 @@ class _Sampling(_Model, EngineSampling):
 
 
 class ChatRequest(_Sampling):
+    FOREIGN: ClassVar[Dict[str, str]] = {
+        "max_output_tokens": "use 'max_completion_tokens' (or 'max_tokens')",
+        "stop_sequences": "use 'stop'",
+    }
     messages: List[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     tools: Optional[List[Tool]] = None
@@ -89,6 +105,11 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    FOREIGN: ClassVar[Dict[str, str]] = {
+        "max_completion_tokens": "use 'max_tokens'",
+        "max_output_tokens": "use 'max_tokens'",
+        "stop_sequences": "use 'stop'",
+    }
     prompt: Union[str, List[int], List[str], List[List[int]]]
     logprobs: Union[bool, int, None] = None  # false as some wrappers send it: neutral
     echo: Optional[bool] = None
@@ -234,8 +255,8 @@ async def chat_completions(request: Request):
         max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     # tool_choice "none" hides the tools; other choices are hints (no constrained decoding).
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:
+    kwargs = check_template_kwargs(req.chat_template_kwargs)
+    if check_effort(req.reasoning_effort, "reasoning_effort") is not None:
         kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
     ids, thinking = await off_loop(server.render_chat, template_messages(req.messages), tools, kwargs)
     job = _start(server, ids, req, max_tokens, kwargs)

@@ -11,13 +11,24 @@ items onto the next assistant turn's reasoning.
 import json
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, ClassVar, Dict, List, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from .app import APIError, EngineSampling, OpenAITemperature, Server, cut_short, off_loop, read_request, sse
+from .app import (
+    APIError,
+    EngineSampling,
+    OpenAITemperature,
+    Server,
+    check_effort,
+    check_template_kwargs,
+    cut_short,
+    off_loop,
+    read_request,
+    sse,
+)
 from .tools import OutputParser, ToolCall
 
 router = APIRouter()
@@ -33,6 +44,13 @@ class Reasoning(_Model):
 
 
 class ResponsesRequest(_Model, EngineSampling):
+    FOREIGN: ClassVar[Dict[str, str]] = {
+        "max_tokens": "use 'max_output_tokens'",
+        "max_completion_tokens": "use 'max_output_tokens'",
+        "stop": "the Responses API has no stop sequences (/v1/chat/completions takes 'stop')",
+        "stop_sequences": "the Responses API has no stop sequences (/v1/messages takes 'stop_sequences')",
+        "messages": "use 'input'",
+    }
     model: Optional[str] = None
     input: Union[str, List[Dict[str, Any]]]
     instructions: Optional[str] = None
@@ -185,9 +203,9 @@ def _tools(req: ResponsesRequest) -> List[dict]:
 
 def _template_kwargs(req: ResponsesRequest) -> Dict[str, Any]:
     kwargs: Dict[str, Any] = {}
-    if req.reasoning is not None and req.reasoning.effort is not None:
+    if req.reasoning is not None and check_effort(req.reasoning.effort, "reasoning.effort") is not None:
         kwargs["enable_thinking"] = req.reasoning.effort != "none"
-    kwargs.update(req.chat_template_kwargs or {})
+    kwargs.update(check_template_kwargs(req.chat_template_kwargs))
     return kwargs
 
 
