@@ -672,6 +672,21 @@ BAD = [
     ),
     ("/v1/completions", {"model": "mlx-dflash", "prompt": "x", "stop_sequences": ["x"]}, 400, "'stop'"),
     ("/v1/messages", {"model": "mlx-dflash", "max_tokens": 4, "messages": MSG, "stop": ["x"]}, 400, "stop_sequences"),
+    (  # as /v1/responses refuses them: a template iterates arguments as name -> value
+        "/v1/chat/completions",
+        {
+            "model": "mlx-dflash",
+            "messages": MSG
+            + [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}],
+                }
+            ],
+        },
+        400,
+        "JSON object",
+    ),
     # A top_p that is 0 in float32 would keep no token: refused, as a tiny temperature is.
     (
         "/v1/chat/completions",

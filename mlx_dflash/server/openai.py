@@ -181,6 +181,8 @@ def template_messages(messages: List[Message]) -> List[dict]:
                         args = json.loads(args) if args.strip() else {}
                     except ValueError:
                         raise APIError(400, f"messages[{i}]: tool call arguments are not valid JSON") from None
+                if not isinstance(args, dict):  # templates iterate them as name -> value
+                    raise APIError(400, f"messages[{i}]: tool call arguments must be a JSON object")
                 calls.append(
                     {"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": args}}
                 )
