@@ -687,6 +687,12 @@ BAD = [
         400,
         "JSON object",
     ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tool_choice": {"type": "tool", "name": "nope"}},
+        400,
+        "'nope'",
+    ),
     # A top_p that is 0 in float32 would keep no token: refused, as a tiny temperature is.
     (
         "/v1/chat/completions",

@@ -151,6 +151,9 @@ def _prompt(server: Server, req: CountRequest, check: bool = True):
     if fmt:
         raise APIError(400, "output_config.format is not supported by this server; only plain text")
     tools = _tools(req)
+    choice = req.tool_choice
+    if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools or []}:
+        raise APIError(400, f"tool_choice names the tool {choice.name!r}, which 'tools' does not define")
     messages = template_messages(req)
     prefill = ""
     last = messages[-1] if messages else {}
