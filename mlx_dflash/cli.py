@@ -162,7 +162,8 @@ GENERATION_FLAGS = {
         None,
         ("--block-size", "-b"),
         "Pin the tokens verified per cycle, 2..the draft's block size (default: chosen each cycle by the "
-        "adaptive policy, up to the draft's block; see --no-adaptive).",
+        "adaptive policy, up to the draft's block; see --no-adaptive). With --tree-budget: the tree's depth "
+        "plus one (the draft block its candidates come from).",
     ),
     "num_draft_tokens": (
         Optional[int],
@@ -287,7 +288,8 @@ def generation_options(*names: str, **defaults):
 
         @functools.wraps(fn)
         def command(**kw):
-            return fn(gen=generation_config({n: kw.pop(n) for n in names}), **kw)
+            flags = {n: kw.pop(n) for n in names}
+            return fn(gen=generation_config(flags, per_request=fn.__name__ == "serve"), **kw)
 
         command.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
         return command
@@ -295,8 +297,9 @@ def generation_options(*names: str, **defaults):
     return wrap
 
 
-def generation_config(flags: dict):
-    """The GenerationConfig of a command's generation flags (aliases resolved)."""
+def generation_config(flags: dict, per_request: bool = False):
+    """The GenerationConfig of a command's generation flags (aliases resolved;
+    ``per_request``: defaults each request may override, as ``serve``'s)."""
     from .config import GenerationConfig
 
     flags = dict(flags)
@@ -314,25 +317,9 @@ def generation_config(flags: dict):
         raise DFlashError("--draft-sink is the start --draft-window keeps: give --draft-window too, or drop it")
     if window:
         flags["draft_window"] = (sink, window)
-    topk_given = "tree_topk" in flags and flags["tree_topk"] != GENERATION_FLAGS["tree_topk"][1]
-    if topk_given and "tree_budget" in flags and not flags["tree_budget"] and not flags.get("auto_tree"):
-        raise DFlashError("--tree-topk shapes a tree: give --tree-budget or --auto-tree too, or drop it")
     gen = GenerationConfig(**flags)
     gen.validate()  # before loading anything; the draft's block limit once it is loaded
-    if gen.baseline:  # flags that only shape drafting would be silently ignored
-        given = [
-            name
-            for name, on in (
-                ("--block-size", gen.block_size is not None),
-                ("--tree-budget", bool(gen.tree_budget)),
-                ("--auto-tree", bool(gen.auto_tree)),
-                ("--draft-window", gen.draft_window is not None),
-                ("--no-adaptive", not gen.adaptive),
-            )
-            if on
-        ]
-        if given:
-            raise DFlashError(f"--baseline decodes without a draft: {' and '.join(given)} would do nothing; drop one")
+    gen.refuse_unused(per_request)  # a flag that would do nothing is refused, not silently ignored
     return gen
 
 

@@ -17,6 +17,7 @@ NOT_LOADED = object()  # validate() before the engine is loaded
 # verify grows with every node (and its masks with the square): far past any budget
 # that pays, and short of one that exhausts memory.
 MAX_TREE_NODES = 1024
+TREE_TOPK = 4  # candidates per depth a tree takes by default
 # The fields a server request may set (by the same name in its body).
 SAMPLING = tuple(n for n in SAMPLER_OPTIONS if n != "xtc_special_tokens") + ("seed", "accept_rule")
 # mlx-lm's generate() keywords with no field of that name, and what to give instead.
@@ -65,7 +66,7 @@ class GenerationConfig:
     baseline: bool = False  # plain decoding even when a draft is loaded
     adaptive: bool = True
     tree_budget: int = 0
-    tree_topk: int = 4
+    tree_topk: int = TREE_TOPK
     auto_tree: int = 0
     draft_window: Optional[Tuple[int, int]] = None  # (sink, window) of the draft cache
     kv_bits: Optional[int] = None  # the target's attention KV for this generation
@@ -148,6 +149,48 @@ class GenerationConfig:
     def sampler_options(self) -> dict:
         """The sampler's filter options (seed apart), by the names :class:`Sampler` takes."""
         return {name: getattr(self, name) for name in SAMPLER_OPTIONS}
+
+    def refuse_unused(self, per_request: bool = False) -> None:
+        """Fields that shape drafting set where nothing they shape runs, a
+        :class:`DFlashError` naming them. The CLI's check: a flag typed that
+        would do nothing is a mistake, where a config in Python may carry
+        them on purpose (``baseline=True`` on a base config to compare).
+        ``per_request``: defaults that each request may override (a server):
+        ``auto_tree`` then serves the requests that leave the width to the policy."""
+        if self.baseline:
+            given = [
+                name
+                for name, on in (
+                    ("block_size (--block-size)", self.block_size is not None),
+                    ("tree_budget (--tree-budget)", bool(self.tree_budget)),
+                    ("auto_tree (--auto-tree)", bool(self.auto_tree)),
+                    ("draft_window (--draft-window)", self.draft_window is not None),
+                    ("adaptive=False (--no-adaptive)", not self.adaptive),
+                )
+                if on
+            ]
+            if given:
+                raise DFlashError(
+                    f"baseline (--baseline) decodes without a draft: {' and '.join(given)} would do nothing; drop one"
+                )
+        if self.tree_topk != TREE_TOPK and not (self.tree_budget or self.auto_tree):
+            raise DFlashError(
+                "tree_topk (--tree-topk) shapes a tree: give tree_budget (--tree-budget) or auto_tree "
+                "(--auto-tree) too, or drop it"
+            )
+        if self.auto_tree and not per_request:
+            # The policy considers a tree only while it chooses widths itself.
+            why = (
+                "block_size (--block-size) pins the width"
+                if self.block_size is not None
+                else "adaptive=False (--no-adaptive) pins the width"
+                if not self.adaptive
+                else "sampling under the speculative rule keeps the full block (use accept_rule='equality')"
+                if self.accept_rule == "speculative" and self.temperature > 0
+                else None
+            )
+            if why:
+                raise DFlashError(f"auto_tree (--auto-tree) is the adaptive policy's choice, and {why}: drop one")
 
     def validate(self, draft=NOT_LOADED) -> None:
         """Every check of these options, raising :class:`DFlashError` naming the cause.

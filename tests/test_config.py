@@ -56,6 +56,7 @@ PROMPT = [3, 17, 42, 5, 99, 7]
             "repetition_penalty (--repetition-penalty) must be a finite positive number, got nan",
         ),
         (dict(repetition_context_size=0), 16, "repetition_context_size (--repetition-context-size) must be positive"),
+        (dict(top_p=1e-300), 16, "top_p (--top-p) must be 0 or 1 (off) or at least 1e-38"),
     ],
 )
 def test_validate_names_the_cause(options, draft_block, words):
@@ -91,6 +92,32 @@ def test_validate_checks_each_options_kind(options, words):
 def test_build_takes_a_config_not_a_dict():
     with pytest.raises(DFlashError, match="config must be a GenerationConfig.*got dict"):
         GenerationConfig.build({"max_tokens": 4}, max_tokens=3)
+
+
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        (dict(baseline=True, tree_budget=8), "tree_budget (--tree-budget) would do nothing"),
+        (dict(baseline=True, block_size=4), "block_size (--block-size) would do nothing"),
+        (dict(tree_topk=2), "tree_topk (--tree-topk) shapes a tree"),
+        (dict(auto_tree=8, block_size=3), "block_size (--block-size) pins the width"),
+        (dict(auto_tree=8, adaptive=False), "(--no-adaptive) pins the width"),
+        (dict(auto_tree=8, temperature=0.7), "the speculative rule keeps the full block"),
+    ],
+)
+def test_refuse_unused_names_what_would_do_nothing(options, words):
+    """The CLI's check of flags that would do nothing (the API's configs may carry them)."""
+    GenerationConfig(**options).validate(16)
+    with pytest.raises(DFlashError) as e:
+        GenerationConfig(**options).refuse_unused()
+    assert words in str(e.value)
+
+
+def test_refuse_unused_passes_what_runs():
+    GenerationConfig(auto_tree=8, temperature=0.7, accept_rule="equality").refuse_unused()
+    GenerationConfig(tree_budget=8, tree_topk=2, block_size=8).refuse_unused()
+    GenerationConfig(baseline=True).refuse_unused()
+    GenerationConfig(auto_tree=8, temperature=0.7).refuse_unused(per_request=True)  # a server's defaults
 
 
 def test_validate_accepts_what_runs():
