@@ -11,6 +11,11 @@ class DFlashError(Exception):
     """
 
 
+class UnreadableFile(DFlashError):
+    """A file that cannot be read at all (truncated, corrupt): bad input,
+    never an answer such as "this draft does not fit that target"."""
+
+
 def check_positive(value, what: str, unit: str = "number") -> None:
     """A DFlashError naming ``what`` unless ``value`` is a finite number above
     0 (written so: NaN compares false to every bound, and passed ``<= 0``)."""

@@ -4,7 +4,7 @@ from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .errors import DFlashError
+from .errors import DFlashError, UnreadableFile
 from .loading.hf import is_draft_config, read_config
 
 
@@ -101,6 +101,8 @@ def _with_fit(lines, draft: Path, target, model: Path) -> Tuple[str, bool]:
     read_draft_config(p)  # a draft that cannot be read, or a config of the wrong kind: bad input (exit 2)
     try:
         d = load_draft(p, target)
+    except UnreadableFile:
+        raise  # a corrupt file is bad input (exit 2), not a draft that does not fit (exit 1)
     except DFlashError as e:
         return "\n".join(lines + [f"draft {draft}: does NOT fit: {e}"]), False
     fit = f"draft {draft}: fits ({d.config.kind}, block size {d.block_size}, target layers {d.target_layer_ids})"

@@ -293,6 +293,19 @@ def test_info(capsys, small_ctx_model):
     assert "DFlash v1 draft" in out and "block size: 16" in out
 
 
+def test_info_with_a_corrupt_draft_is_bad_input_not_a_misfit(capsys, tmp_path):
+    import shutil
+
+    from mlx_dflash.api import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEFAULT_DRAFT, draft)
+    weights = next(draft.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:4096])  # truncated
+    code, out, err = cli(capsys, "info", str(DEFAULT_MODEL), "--draft", str(draft))
+    assert code == 2 and "cannot read draft weights" in err and "does NOT fit" not in out
+
+
 def test_short_help_and_version(capsys):
     import mlx_dflash
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..errors import DFlashError, is_count, is_int
+from ..errors import DFlashError, UnreadableFile, is_count, is_int
 from ..models.draft import V2_FIELDS, DFlashDraft, DraftConfig
 from ..models.qwen35 import SUPPORTED_MODEL_TYPES, Target
 
@@ -340,7 +340,7 @@ def read_draft(path):
         try:
             weights.update(mx.load(f))
         except Exception as e:
-            raise DFlashError(f"cannot read draft weights {f}: {e}") from None
+            raise UnreadableFile(f"cannot read draft weights {f}: {e}") from None
     return raw, weights, str(p / "config.json")
 
 
