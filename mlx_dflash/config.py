@@ -45,7 +45,7 @@ _NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "xtc_probabil
 _BOOLS = ("baseline", "adaptive", "profile")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # fields by name: GenerationConfig(0.7) set a temperature
 class GenerationConfig:
     # --- sampling (mlx-lm's names; temperature 0 = greedy) ---
     temperature: float = 0.0

@@ -237,3 +237,9 @@ def test_sampler_options_are_named_once():
     for name, value in options.items():
         assert getattr(sampler, name) == value, name
     assert sampler.seed == 3
+
+
+def test_fields_are_given_by_name():
+    """GenerationConfig(0.7) used to set a temperature without saying so."""
+    with pytest.raises(TypeError):
+        GenerationConfig(0.7)
