@@ -393,6 +393,13 @@ def _engine_loader(
     return lambda: engine
 
 
+def _refuse_draft_options(gen, draft_quantize, draft_vocab) -> None:
+    """--baseline loads no draft into use: options that only shape the draft would do nothing."""
+    given = [f for f, v in (("--draft-quantize", draft_quantize), ("--draft-vocab", draft_vocab)) if v is not None]
+    if gen.baseline and given:
+        raise DFlashError(f"--baseline decodes without a draft: {' and '.join(given)} would do nothing; drop one")
+
+
 def _say_draft_hint(engine, baseline: bool = False) -> None:
     """One stderr line naming the published draft when a target was loaded without one."""
     from .loading.hub import draft_hint
@@ -557,6 +564,7 @@ def generate(
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import stream_generate
 
+    _refuse_draft_options(gen, draft_quantize, draft_vocab)
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
@@ -821,6 +829,7 @@ def chat(
     from .session import ChatSession
 
     _not_a_count(model)
+    _refuse_draft_options(gen, draft_quantize, draft_vocab)
     if prompt_cache_file is not None:
         _check_output(prompt_cache_file, "--prompt-cache-file")
     engine = load(

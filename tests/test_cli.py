@@ -229,6 +229,8 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1"),
         (["generate", "hi", "--baseline", "--draft-window", "8"], "(--draft-window) would do nothing"),
         (["generate", "hi", "--baseline", "--no-adaptive"], "(--no-adaptive) would do nothing"),
+        (["generate", "hi", "--baseline", "--draft-vocab", "100"], "--draft-vocab would do nothing"),
+        (["chat", "--baseline", "--draft-quantize", "8"], "--draft-quantize would do nothing"),
         (["serve", "--no-prompt-cache", "--prompt-cache-bytes", "1000"], "--no-prompt-cache turns off"),
         (["info", str(tmp_path), "--stages", "-1"], "--stages must be 2 or more"),
         (["info", str(EMBEDDED / "draft"), "--stages", "2"], "--stages splits a target over ranks"),
