@@ -15,7 +15,7 @@ import typer
 from . import blas
 from .batch import DEFAULT_MAX_BATCH
 from .config import SAMPLING
-from .errors import DFlashError, check_positive, writable_folder
+from .errors import DFlashError, check_positive, writable_file, writable_folder
 from .files import left_only_if_used
 from .sampling import DEFAULT_ACCEPT_RULE
 
@@ -570,7 +570,7 @@ def generate(
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if prompt_cache_file is not None:
-        _check_output(prompt_cache_file, "--prompt-cache-file")
+        writable_file(prompt_cache_file, "--prompt-cache-file")
     load_engine = _engine_loader(
         model,
         draft,
@@ -740,18 +740,6 @@ def _add_eos_tokens(engine, tokens: Optional[List[str]]) -> None:
             raise DFlashError(f"--extra-eos-token {tok!r} is not a token of this tokenizer") from None
 
 
-def _check_output(path: Path, flag: str) -> None:
-    """One error now, rather than after the work, for a file that could not be written."""
-    path = Path(path)
-    if path.is_dir():
-        raise DFlashError(f"{flag} {path} is a folder; give a file path")
-    folder = path.parent
-    if not folder.is_dir():
-        raise DFlashError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise DFlashError(f"{flag} {path}: the folder {folder} is not writable")
-
-
 def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int], kv_bits: Optional[int] = None):
     """A prefix cache, loaded from ``path`` when that file exists, whose
     budget holds a snapshot (else every prompt, every chat turn, would fail)."""
@@ -831,7 +819,7 @@ def chat(
     _not_a_count(model)
     _refuse_draft_options(gen, draft_quantize, draft_vocab)
     if prompt_cache_file is not None:
-        _check_output(prompt_cache_file, "--prompt-cache-file")
+        writable_file(prompt_cache_file, "--prompt-cache-file")
     engine = load(
         model,
         draft,
@@ -884,7 +872,7 @@ def chat(
             elif cmd == "/save" and arg.strip():
                 try:
                     to = Path(arg.strip()).expanduser()
-                    _check_output(to, "/save")
+                    writable_file(to, "/save")
                     pc.save(to, engine)
                     typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {to})", err=True)
                 except (OSError, DFlashError) as e:

@@ -45,6 +45,22 @@ def check_text(text: str, what: str) -> None:
         raise DFlashError(f"{what} is not valid UTF-8 text ({shown} at character {e.start})") from None
 
 
+def writable_file(path, label: str) -> None:
+    """One error naming ``label`` now, rather than after the work (or with a
+    temporary file's name), for a file path that could not be written."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir():
+        raise DFlashError(f"{label} {path} is a folder; give a file path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise DFlashError(f"{label} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise DFlashError(f"{label} {path}: the folder {folder} is not writable")
+
+
 def writable_folder(path, label: str):
     """Make the folder ``path`` (parents too) and check it is writable, with
     one error naming ``label`` otherwise: done before long work, so its

@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .cache import State, describe, first_rows, piece_rows
-from .errors import DFlashError, is_int
+from .errors import DFlashError, is_int, writable_file
 from .files import written_whole
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of device (unified) memory
@@ -497,6 +497,7 @@ class PrefixCache:
         if not isinstance(path, (str, os.PathLike)):
             raise DFlashError(f"save: path must be a file path, got {type(path).__name__}")
         path = Path(path)
+        writable_file(path, "prefix cache file")
         if engine is not None and (not hasattr(engine, "target") or not hasattr(engine, "tokenizer")):
             raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
         engine = engine if engine is not None else self._engine

@@ -329,6 +329,18 @@ def test_closing_the_stream_early_leaves_the_cache_consistent(engines):
         assert warm.tokens == mlx_dflash.generate(eng, nxt, max_tokens=N, **kw).tokens
 
 
+def test_save_to_a_path_that_cannot_be_written_names_it(engines, tmp_path):
+    """The error names the path given, not the temporary file beside it, and nothing is left."""
+    eng = engines["moe"]
+    pc = PrefixCache()
+    mlx_dflash.generate(eng, ids(16, 100), max_tokens=2, prefix_cache=pc, adaptive=False)
+    with pytest.raises(DFlashError, match="the folder .*nodir does not exist"):
+        pc.save(tmp_path / "nodir" / "x.safetensors")
+    with pytest.raises(DFlashError, match="is a folder; give a file path"):
+        pc.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_load_round_trip(engines, tmp_path):
     eng = engines["moe"]
     pc = PrefixCache(rung_interval=32)
