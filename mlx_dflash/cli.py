@@ -393,6 +393,10 @@ def _engine_loader(
     return lambda: engine
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _refuse_draft_options(gen, draft_quantize, draft_vocab) -> None:
     """--baseline loads no draft into use: options that only shape the draft would do nothing."""
     given = [f for f, v in (("--draft-quantize", draft_quantize), ("--draft-vocab", draft_vocab)) if v is not None]
@@ -834,7 +838,9 @@ def chat(
     _add_eos_tokens(engine, extra_eos_token)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits)
     if len(pc):
-        typer.echo(f"(restored {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, from {prompt_cache_file})", err=True)
+        typer.echo(
+            f"(restored {_count(len(pc), 'snapshot')}, {pc.nbytes / 1e6:.1f} MB, from {prompt_cache_file})", err=True
+        )
     session = ChatSession(
         engine, system=system, prefix_cache=pc, chat_template_config=_template_config(chat_template_config)
     )
@@ -874,7 +880,7 @@ def chat(
                     to = Path(arg.strip()).expanduser()
                     writable_file(to, "/save")
                     pc.save(to, engine)
-                    typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {to})", err=True)
+                    typer.echo(f"(saved {_count(len(pc), 'snapshot')}, {pc.nbytes / 1e6:.1f} MB, to {to})", err=True)
                 except (OSError, DFlashError) as e:
                     typer.echo(f"error: {e}", err=True)
             else:
@@ -913,7 +919,7 @@ def chat(
             )
     if prompt_cache_file is not None:
         pc.save(prompt_cache_file, engine)
-        typer.echo(f"(saved {len(pc)} snapshots, {pc.nbytes / 1e6:.1f} MB, to {prompt_cache_file})", err=True)
+        typer.echo(f"(saved {_count(len(pc), 'snapshot')}, {pc.nbytes / 1e6:.1f} MB, to {prompt_cache_file})", err=True)
     if closed is not None:  # main() ends a closed pipe quietly, a full disk with its error
         raise closed
     if interrupted:  # as generate's Ctrl-C: a script can tell it from the end of its input
