@@ -848,6 +848,13 @@ def test_api_key(server):
     assert server.anthropic().models.retrieve("mlx-dflash").id == "mlx-dflash"
     with pytest.raises(openai.NotFoundError):
         server.openai().models.retrieve("gpt-9")
+    # The Anthropic SDK, on the path both APIs share, gets its own error shape.
+    with pytest.raises(anthropic.NotFoundError) as e:
+        server.anthropic().models.retrieve("claude-x")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        server.anthropic(key="wrong").models.list()
+    assert e.value.body["type"] == "error"
 
 
 def test_either_key_header_may_carry_the_key(server):

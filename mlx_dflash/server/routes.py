@@ -70,22 +70,31 @@ def create_app(server: Server) -> FastAPI:
         if not any([hmac.compare_digest(g.encode(), key.encode()) for g in given if g is not None]):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
 
+    def shape(request: Request) -> str:
+        """The path whose API's error shape answers: the request's, except that
+        /v1/models (both APIs list models there) answers the Anthropic SDK,
+        which sends anthropic-version, in Anthropic's shape."""
+        path = request.url.path
+        if path.startswith("/v1/models") and "anthropic-version" in request.headers:
+            return "/v1/messages"
+        return path
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(request.url.path, e.status, e.message, param=e.param, code=e.code)
+        return error_response(shape(request), e.status, e.message, param=e.param, code=e.code)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e):
-        return error_response(request.url.path, 404, f"no route {request.method} {request.url.path}")
+        return error_response(shape(request), 404, f"no route {request.method} {request.url.path}")
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e):
-        return error_response(request.url.path, 405, f"method {request.method} not allowed on {request.url.path}")
+        return error_response(shape(request), 405, f"method {request.method} not allowed on {request.url.path}")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
         log.exception("unhandled error")
-        return error_response(request.url.path, 500, f"internal error: {type(e).__name__}")
+        return error_response(shape(request), 500, f"internal error: {type(e).__name__}")
 
     if server.settings.allowed_origins:  # browser clients: preflights answered, responses marked
         app.add_middleware(
