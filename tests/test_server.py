@@ -742,6 +742,13 @@ def test_a_client_gone_while_sending_its_body_is_no_server_error(server):
     assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
 
 
+def test_a_wrong_method_is_a_405_that_says_which_methods_the_path_takes(server):
+    r = httpx.get(server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "not allowed" in r.json()["error"]["message"]
+    r = httpx.delete(server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["type"] == "error"
+
+
 def test_a_reply_cut_by_the_context_end_says_so(server):
     """Anthropic's stop reason for a reply the context's end cut before
     max_tokens is model_context_window_exceeded: a client that reads

@@ -89,7 +89,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e):
-        return error_response(shape(request), 405, f"method {request.method} not allowed on {request.url.path}")
+        r = error_response(shape(request), 405, f"method {request.method} not allowed on {request.url.path}")
+        r.headers.update(getattr(e, "headers", None) or {})  # Allow: the methods the path takes (RFC 9110)
+        return r
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
