@@ -289,7 +289,9 @@ def generation_options(*names: str, **defaults):
         @functools.wraps(fn)
         def command(**kw):
             flags = {n: kw.pop(n) for n in names}
-            return fn(gen=generation_config(flags, per_request=fn.__name__ == "serve"), **kw)
+            # Load options that shape only the draft, given: nothing for them to shape under --baseline.
+            drafting = [flag for flag, n in DRAFT_ONLY_OPTIONS if kw.get(n) is not None]
+            return fn(gen=generation_config(flags, per_request=fn.__name__ == "serve", drafting=drafting), **kw)
 
         command.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
         return command
@@ -297,9 +299,13 @@ def generation_options(*names: str, **defaults):
     return wrap
 
 
-def generation_config(flags: dict, per_request: bool = False):
+DRAFT_ONLY_OPTIONS = (("--draft-quantize", "draft_quantize"), ("--draft-vocab", "draft_vocab"))
+
+
+def generation_config(flags: dict, per_request: bool = False, drafting=()):
     """The GenerationConfig of a command's generation flags (aliases resolved;
-    ``per_request``: defaults each request may override, as ``serve``'s)."""
+    ``per_request``: defaults each request may override, as ``serve``'s;
+    ``drafting``: the command's other flags given that shape only the draft)."""
     from .config import GenerationConfig
 
     flags = dict(flags)
@@ -319,7 +325,7 @@ def generation_config(flags: dict, per_request: bool = False):
         flags["draft_window"] = (sink, window)
     gen = GenerationConfig(**flags)
     gen.validate()  # before loading anything; the draft's block limit once it is loaded
-    gen.refuse_unused(per_request)  # a flag that would do nothing is refused, not silently ignored
+    gen.refuse_unused(per_request, drafting)  # a flag that would do nothing is refused, not silently ignored
     return gen
 
 
@@ -395,13 +401,6 @@ def _engine_loader(
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-def _refuse_draft_options(gen, draft_quantize, draft_vocab) -> None:
-    """--baseline loads no draft into use: options that only shape the draft would do nothing."""
-    given = [f for f, v in (("--draft-quantize", draft_quantize), ("--draft-vocab", draft_vocab)) if v is not None]
-    if gen.baseline and given:
-        raise DFlashError(f"--baseline decodes without a draft: {' and '.join(given)} would do nothing; drop one")
 
 
 def _say_draft_hint(engine, baseline: bool = False) -> None:
@@ -568,7 +567,6 @@ def generate(
     """Generate text, streaming tokens to stdout as they are committed."""
     from .api import stream_generate
 
-    _refuse_draft_options(gen, draft_quantize, draft_vocab)
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
@@ -821,7 +819,6 @@ def chat(
     from .session import ChatSession
 
     _not_a_count(model)
-    _refuse_draft_options(gen, draft_quantize, draft_vocab)
     if prompt_cache_file is not None:
         writable_file(prompt_cache_file, "--prompt-cache-file")
     engine = load(

@@ -7,7 +7,7 @@ option is a field here (and, for the command line, a flag in cli.py's group).
 
 import numbers
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .errors import DFlashError, is_int
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, SAMPLER_OPTIONS, Sampler
@@ -150,15 +150,17 @@ class GenerationConfig:
         """The sampler's filter options (seed apart), by the names :class:`Sampler` takes."""
         return {name: getattr(self, name) for name in SAMPLER_OPTIONS}
 
-    def refuse_unused(self, per_request: bool = False) -> None:
+    def refuse_unused(self, per_request: bool = False, drafting: Sequence[str] = ()) -> None:
         """Fields that shape drafting set where nothing they shape runs, a
         :class:`DFlashError` naming them. The CLI's check: a flag typed that
         would do nothing is a mistake, where a config in Python may carry
         them on purpose (``baseline=True`` on a base config to compare).
         ``per_request``: defaults that each request may override (a server):
-        ``auto_tree`` then serves the requests that leave the width to the policy."""
+        ``auto_tree`` then serves the requests that leave the width to the policy.
+        ``drafting``: names of other options given that shape only the draft
+        (the CLI's load flags), refused alike under ``baseline``."""
         if self.baseline:
-            given = [
+            given = list(drafting) + [
                 name
                 for name, on in (
                     ("block_size (--block-size)", self.block_size is not None),
