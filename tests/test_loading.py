@@ -81,8 +81,12 @@ def test_missing_and_non_model_paths(tmp_path):
         load_target(tmp_path / "nope")
     f = tmp_path / "file.txt"
     f.write_text("x")
-    with pytest.raises(DFlashError, match="not a model folder"):
+    with pytest.raises(DFlashError, match="a file, not a model folder"):
         load_target(f)
+    g = tmp_path / "model.gguf"  # named .gguf, but not one: the message says what is wrong with it
+    g.write_bytes(b"NOTGGUF" + bytes(64))
+    with pytest.raises(DFlashError, match="not a GGUF file .*'GGUF'"):
+        load_target(g)
     with pytest.raises(DFlashError, match="no config.json"):
         load_target(tmp_path)
     (tmp_path / "config.json").write_text("{not json")

@@ -29,7 +29,9 @@ def _folder(path, what: str) -> Path:
     if not p.exists():
         raise DFlashError(f"{what} path does not exist: {p}")
     if not p.is_dir():
-        raise DFlashError(f"{what} path is not a model folder: {p}")
+        if p.suffix.lower() == ".gguf":  # a .gguf that reached here failed the magic-bytes check
+            raise DFlashError(f"{what} file is not a GGUF file (it does not start with the bytes 'GGUF'): {p}")
+        raise DFlashError(f"{what} path is a file, not a model folder (a folder with config.json) or a .gguf file: {p}")
     return p
 
 
