@@ -69,6 +69,8 @@ def writable_folder(path, label: str):
     from pathlib import Path
 
     p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise DFlashError(f"the {label} {p} is a file; give a folder path")
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:

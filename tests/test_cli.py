@@ -211,6 +211,7 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--prompt-cache-file", str(tmp_path)], "is a folder"),
         (["bench", "--name", "../x", "--out", str(tmp_path)], "--name must be a plain file name"),
         (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
+        (["bench", "--out", str(latin1_folder / "a.txt")], "a.txt is a file; give a folder path"),
         (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
         (["bench", "--tree-topk", "3", "--out", str(tmp_path)], "(--tree-topk) shapes a tree"),
         (["generate", "hi", "--num-draft-tokens", "16"], "(1..15 drafted tokens), got 17 (16 drafted)"),

@@ -208,7 +208,7 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
         train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
     train_draft(path, tmp_path / "d", corpus=[corpus], config=cfg, log=lambda _: None)  # a draft's folder: retrained
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(DFlashError, match="cannot make the --feature-cache folder"):
+    with pytest.raises(DFlashError, match="the --feature-cache folder .*afile is a file; give a folder path"):
         train_draft(path, tmp_path / "d2", corpus=[corpus], feature_cache=tmp_path / "afile", config=cfg)
     # a run refused after its folders were made leaves none of them behind
     with pytest.raises(DFlashError, match="out of range"):
@@ -330,6 +330,10 @@ def test_train_draft_cli(target_dir, tmp_path, capsys):
         (
             ["train-draft", "-m", str(path), "-o", str(a_file / "out"), "--corpus", str(corpus)],
             f"cannot make the output folder {a_file / 'out'}",
+        ),
+        (
+            ["train-draft", "-m", str(path), "-o", str(a_file), "--corpus", str(corpus)],
+            "a_file is a file; give a folder",
         ),
         (base + ["--corpus", str(tmp_path / "nope.txt")], "corpus path does not exist"),
         (base + ["--corpus", str(empty)], "corpus is empty"),
