@@ -84,9 +84,9 @@ class Sampler:
         # Made once: XTC cuts every sampled row of every cycle.
         self._xtc_kept = mx.array(self.xtc_special_tokens, dtype=mx.int32) if self.xtc_special_tokens else None
         self.check(**{name: getattr(self, name) for name in SAMPLER_OPTIONS})
-        self._penalty = (
-            make_repetition_penalty(repetition_penalty, repetition_context_size) if repetition_penalty != 1.0 else None
-        )
+        # A window past any history is the whole history; capped so mlx-lm's slice of it stays a 32-bit index.
+        window = min(repetition_context_size, 2**31 - 1)
+        self._penalty = make_repetition_penalty(repetition_penalty, window) if repetition_penalty != 1.0 else None
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
         self.seed = seed
@@ -153,11 +153,20 @@ class Sampler:
         """mlx-lm's filters, in make_sampler's order: top-p, min-p, top-k
         (masked tokens get -inf; XTC, which comes before top-k, is in
         :meth:`_tempered`)."""
-        if 0.0 < self.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, self.top_p)
-        if self.min_p != 0.0:
-            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
-        return self._top_k(logprobs) if top_k else logprobs
+        seed = mx.random.state[0]
+        try:
+            if 0.0 < self.top_p < 1.0:
+                logprobs = apply_top_p(logprobs, self.top_p)
+            if self.min_p != 0.0 and self.min_tokens_to_keep < logprobs.shape[-1]:  # keeping >= V keeps every token
+                logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+            return self._top_k(logprobs) if top_k else logprobs
+        except Exception:
+            # mlx-lm compiles these filters with MLX's global random state as an
+            # input and output: one that raises mid-trace leaves that state a
+            # placeholder, and every later sampler that draws its seed from it
+            # would fail. Reseeded from the state before (as deterministic).
+            mx.random.seed(int(seed[1].item()))
+            raise
 
     def _top_k(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_k < logprobs.shape[-1]:  # top_k >= V keeps every token

@@ -171,6 +171,44 @@ def test_mlx_lm_flag_values_and_bad_values():
             Sampler(**{"temperature": 1.0, **kw})
 
 
+def test_keeping_more_tokens_than_the_vocabulary_keeps_them_all():
+    """min_tokens_to_keep past the vocabulary, or a repetition window past any
+    history (both ints a client may send, up to 2**70), keep every token / the
+    whole history. mlx-lm's filters raised on them (argpartition's kth, a
+    slice index over 32 bits), and their raise left MLX's random state unusable."""
+    logits = logits_row(mx.float32)
+    full = np.array(Sampler(1.0, seed=0).probs(logits))
+    for keep in (V, V + 1, 3000, 2**70):
+        got = np.array(Sampler(1.0, seed=0, min_p=0.3, min_tokens_to_keep=keep).probs(logits))
+        np.testing.assert_allclose(got, full, rtol=1e-6)
+    history = [[3, 5, 3]]
+    short = Sampler(1.0, seed=0, repetition_penalty=1.3, repetition_context_size=3)
+    for window in (4, 2**40, 2**70):
+        long = Sampler(1.0, seed=0, repetition_penalty=1.3, repetition_context_size=window)
+        assert long(logits, [0], history).tolist() == short(logits, [0], history).tolist()
+    assert Sampler(0.8).seed >= 0  # an unseeded sampler still draws its seed
+
+
+def test_a_filter_that_raises_leaves_later_samplers_working(monkeypatch):
+    """mlx-lm compiles its filters with MLX's global random state as input and
+    output; one raising mid-trace left that state a placeholder, and every
+    later unseeded sampler (its seed drawn from that state) failed."""
+    from functools import partial
+
+    from mlx_dflash import sampling
+
+    @partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+    def raises(logprobs, min_p, keep):
+        raise ValueError("a filter's own fault")
+
+    monkeypatch.setattr(sampling, "apply_min_p", raises)
+    with pytest.raises(ValueError, match="own fault"):
+        Sampler(1.0, seed=1, min_p=0.1)(logits_row(mx.float32), [0], None)
+    monkeypatch.undo()
+    draws = Sampler(0.8)(mx.broadcast_to(logits_row(mx.float32), (4, V)), [0, 1, 2, 3], None)
+    assert len(draws.tolist()) == 4
+
+
 def test_one_default_acceptance_rule_in_every_layer(dense, tok_dir, tmp_path, capsys):
     """The decode loop, the API and the CLI default to the same rule, and a
     caller that omits it gets that rule (not just the same name)."""

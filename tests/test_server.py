@@ -317,6 +317,31 @@ def test_xtc_min_p_and_repetition_penalty_in_every_dialect(server, engine):
     assert resp.output_text == want.text
 
 
+def test_sampling_integers_past_any_vocabulary_or_history_are_served(server, engine):
+    """min_tokens_to_keep over the vocabulary and a repetition window over 32
+    bits keep every token / the whole history. They passed validation and then
+    failed in mlx-lm's filters (a 500), and the first left MLX's random state
+    broken, so every later unseeded sampled request got a 500 too."""
+    msgs = [{"role": "user", "content": PROMPTS[3]}]
+    ids = engine.encode(PROMPTS[3], chat_template=True)
+    want = mlx_dflash.generate(engine, ids, max_tokens=MAX_NEW, temperature=1.0, seed=7).text
+    for extra in ({"min_p": 0.1, "min_tokens_to_keep": 3000}, {"min_p": 0.2, "min_tokens_to_keep": 2**70}):
+        r = server.openai().chat.completions.create(
+            model="mlx-dflash", messages=msgs, max_tokens=MAX_NEW, temperature=1.0, seed=7, extra_body=extra
+        )
+        assert r.choices[0].message.content == want
+    r = server.openai().chat.completions.create(
+        model="mlx-dflash",
+        messages=msgs,
+        max_tokens=MAX_NEW,
+        temperature=0.0,
+        extra_body={"repetition_penalty": 1.1, "repetition_context_size": 2**40},
+    )
+    assert r.choices[0].message.content
+    r = server.openai().chat.completions.create(model="mlx-dflash", messages=msgs, max_tokens=4, temperature=0.8)
+    assert 1 <= r.usage.completion_tokens <= 4  # answered, not a 500
+
+
 def test_second_turn_is_served_from_the_prefix_cache(server, engine):
     """An agent resending its history: the second turn reuses the first turn's prefix, and the
     reply still equals generate() without any cache."""
