@@ -331,7 +331,14 @@ FAULT_SAMPLING = [{}, {"temperature": 0.8, "seed": 7}, {}, {"temperature": 1.0, 
 
 
 def _in_process(
-    eng, monkeypatch, *, fail_batch=lambda calls: False, fail_alone=lambda tokens: False, slots=SLOTS, gather=0
+    eng,
+    monkeypatch,
+    *,
+    fail_batch=lambda calls: False,
+    fail_alone=lambda tokens: False,
+    slots=SLOTS,
+    gather=0,
+    prompt_cache=False,
 ):
     """A server app of ``slots`` slots in process on ``eng``, its batched
     forward failing where ``fail_batch(slots of each call so far)`` says, its
@@ -364,7 +371,9 @@ def _in_process(
     monkeypatch.setattr(eng.target, "forward_slots", failing_forward_slots)
     monkeypatch.setattr(eng.target, "prefill_steps", failing_prefill_steps)
     settings = Settings(
-        max_batch=slots, prompt_cache=False, generation=GenerationConfig(max_tokens=64, accept_rule="equality", **PIN)
+        max_batch=slots,
+        prompt_cache=prompt_cache,
+        generation=GenerationConfig(max_tokens=64, accept_rule="equality", **PIN),
     )
     app, worker = build(settings, lambda: eng)
     worker_of["w"] = worker
@@ -388,16 +397,23 @@ def _solo_fault(eng, i, n):
     )
 
 
-def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch):
+@pytest.mark.parametrize("prompt_cache", [False, True])
+def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch, prompt_cache):
     """The batched forward fails once, mid-generation (the first step of all
     four slots, after the first two streamed tokens): each request resumes
     alone from what it had committed and its reply and usage equal its solo
-    run, greedy or seeded."""
+    run, greedy or seeded. With the prompt cache, the resumed run restores
+    its prompt and its own output: the usage's cached tokens stay its first
+    run's (they read 36 of a 7-token prompt)."""
     eng = mlx_dflash.load()
     lengths = [24, 20, 28, 16]
     want = [_solo_fault(eng, i, n) for i, n in enumerate(lengths)]
     app, worker, calls = _in_process(
-        eng, monkeypatch, fail_batch=lambda calls: calls.count(4) == 1 and calls[-1] == 4, gather=4
+        eng,
+        monkeypatch,
+        fail_batch=lambda calls: calls.count(4) == 1 and calls[-1] == 4,
+        gather=4,
+        prompt_cache=prompt_cache,
     )
     try:
         got = _complete_all(app, eng, lengths)
@@ -410,6 +426,8 @@ def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch):
         assert body["choices"][0]["text"] == w.text, i
         assert body["usage"]["completion_tokens"] == len(w.tokens), i
         assert body["usage"]["prompt_tokens"] == len(eng.encode(FAULT_PROMPTS[i])), i
+        cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        assert cached < body["usage"]["prompt_tokens"], (i, body["usage"])
 
 
 def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):

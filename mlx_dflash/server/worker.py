@@ -151,6 +151,7 @@ class _Slot:
     tokens: List[int] = field(default_factory=list)  # what it committed so far
     seed: Optional[int] = None  # its sampler's seed, kept when it resumes
     resumed: Optional[int] = None  # once resumed alone after a failed step: the tokens it had then
+    cached: int = 0  # then: the prompt tokens its first run restored (the resumed run's count its own output)
 
 
 class Worker:
@@ -435,6 +436,7 @@ class Worker:
         finish: Optional[str],
         resumed: int = 0,
         generated: Optional[int] = None,
+        cached: Optional[int] = None,
     ) -> None:
         """The rest of the text (held for a stop string that did not come) and
         the "done" event. ``resumed``: tokens committed before the run that
@@ -448,6 +450,8 @@ class Worker:
         d = _stats_dict(stats, len(job.ids))
         if stats is not None:
             d["prompt_tokens"] -= resumed
+        if cached is not None:
+            d["cached_tokens"] = cached
         if generated is not None:
             d["generated_tokens"] = generated
         d["stop_sequence"] = stops.matched
@@ -557,6 +561,7 @@ class Worker:
             log.exception("resuming a request failed")
             job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
             return
+        slot.cached = int(getattr(slot.stats, "cached_tokens", 0) or 0) if slot.stats is not None else 0
         slot.resumed, slot.stats = n, None  # its stats now count from the resumed run
         self.slots[index] = slot
 
@@ -618,4 +623,5 @@ class Worker:
         slot = self.slots.pop(index)
         # What it handed out: a stop string's cut, or its tokens across a resume.
         generated = len(slot.tokens) if slot.stops.hit or slot.resumed is not None else None
-        self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0, generated)
+        cached = slot.cached if slot.resumed is not None else None
+        self._done(slot.job, slot.stops, slot.stats, finish, slot.resumed or 0, generated, cached)
