@@ -116,7 +116,8 @@ class Engine:
             if prefill_response is not None:
                 messages.append({"role": "assistant", "content": prefill_response})
             return list(
-                self.tokenizer.apply_chat_template(
+                render_chat(
+                    self.tokenizer,
                     messages,
                     add_generation_prompt=prefill_response is None,
                     continue_final_message=prefill_response is not None,
@@ -125,6 +126,18 @@ class Engine:
                 )
             )
         return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def render_chat(tokenizer, messages: List[dict], **kwargs):
+    """``tokenizer.apply_chat_template``, its failures one error: a model's
+    template may refuse a conversation (Qwen's call ``raise_exception``), hold
+    a syntax error, or not be text at all (a GGUF's value of another type)."""
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as e:
+        raise DFlashError(
+            f"the model's chat template failed: {type(e).__name__}: {e} (--no-chat-template sends the text as it is)"
+        ) from None
 
 
 def load(

@@ -2,7 +2,15 @@
 
 from typing import Iterator, List, Optional
 
-from .api import Engine, GenerationResponse, GenerationResult, check_engine, check_template_args, stream_generate
+from .api import (
+    Engine,
+    GenerationResponse,
+    GenerationResult,
+    check_engine,
+    check_template_args,
+    render_chat,
+    stream_generate,
+)
 from .config import GenerationConfig
 from .errors import DFlashError, check_text
 from .prefix import PrefixCache
@@ -47,7 +55,7 @@ class ChatSession:
     def _prompt(self, text: str) -> List[int]:
         tok = self.engine.tokenizer
         msgs = self.messages + [{"role": "user", "content": text}]
-        full = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **self.chat_template_config)
+        full = render_chat(tok, msgs, add_generation_prompt=True, tokenize=False, **self.chat_template_config)
         if self._ids:
             prev = tok.decode(self._ids)
             if full.startswith(prev):

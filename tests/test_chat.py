@@ -71,6 +71,32 @@ def test_session_on_a_template_that_rewrites_history(engines):  # noqa: F811
         tok._tokenizer.chat_template = saved
 
 
+@pytest.mark.parametrize(
+    "template, cause",
+    [
+        ("{{ raise_exception('Only user and assistant roles are supported') }}", "TemplateError: Only user"),
+        ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError"),
+        ("{{ messages | no_such_filter }}", "TemplateAssertionError"),
+    ],
+    ids=["raises", "syntax", "filter"],
+)
+def test_a_chat_template_that_fails_is_one_error(engines, template, cause):  # noqa: F811
+    """A template that refuses the conversation (Qwen's call raise_exception)
+    or does not compile is a DFlashError naming it, in the API and in a chat
+    session (it was jinja's own exception, a traceback in the CLI)."""
+    eng = engines["dense"]
+    tok = eng.tokenizer
+    saved = tok._tokenizer.chat_template
+    tok._tokenizer.chat_template = template
+    try:
+        with pytest.raises(DFlashError, match=f"chat template failed: {cause}"):
+            eng.encode("hi", chat_template=True)
+        with pytest.raises(DFlashError, match="chat template failed"):
+            mlx_dflash.ChatSession(eng).send("hi", max_tokens=2)
+    finally:
+        tok._tokenizer.chat_template = saved
+
+
 def _read_until(fd, pattern, timeout=240.0):
     buf = b""
     end = time.time() + timeout
