@@ -12,8 +12,10 @@ class DFlashError(Exception):
 
 
 class UnreadableFile(DFlashError):
-    """A file that cannot be read at all (truncated, corrupt): bad input,
-    never an answer such as "this draft does not fit that target"."""
+    """A file that cannot be read at all (truncated, corrupt), or a model
+    whose files contradict themselves (weights missing, or not the ones its
+    own config names): bad input, never an answer such as "this draft does
+    not fit that target"."""
 
 
 def check_positive(value, what: str, unit: str = "number") -> None:

@@ -307,6 +307,17 @@ def test_info_with_a_corrupt_draft_is_bad_input_not_a_misfit(capsys, tmp_path):
     weights.write_bytes(weights.read_bytes()[:4096])  # truncated
     code, out, err = cli(capsys, "info", str(DEFAULT_MODEL), "--draft", str(draft))
     assert code == 2 and "cannot read draft weights" in err and "does NOT fit" not in out
+    # Weights gone, or not the ones its own config names: broken files too (they said "does NOT fit", exit 1).
+    weights.unlink()
+    code, out, err = cli(capsys, "info", str(DEFAULT_MODEL), "--draft", str(draft))
+    assert code == 2 and "has no .safetensors weights" in err and "does NOT fit" not in out
+    shutil.copy(next(Path(DEFAULT_DRAFT).glob("*.safetensors")), weights)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    cfg["layer_types"].append(cfg["layer_types"][-1])
+    (draft / "config.json").write_text(json.dumps(cfg))
+    code, out, err = cli(capsys, "info", str(DEFAULT_MODEL), "--draft", str(draft))
+    assert code == 2 and "weight names do not match" in err and "does NOT fit" not in out
 
 
 def test_short_help_and_version(capsys):

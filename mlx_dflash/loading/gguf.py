@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import DFlashError
+from ..errors import DFlashError, UnreadableFile
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
 
@@ -1258,7 +1258,7 @@ def load_gguf_draft(path, target, *, dtype=None):
     for ours, names in wanted.items():
         name = next((n for n in names if n in tensors), None)
         if name is None:
-            raise DFlashError(f"draft GGUF {path}: missing tensor {names[0]}")
+            raise UnreadableFile(f"draft GGUF {path}: missing tensor {names[0]}")
         t = tensors[name]
         w = _decode(t, f"draft GGUF {path}")
         src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(

@@ -70,7 +70,7 @@ def check_shards(p: Path, what: str) -> None:
             indexes.append(index.name)
     if missing:
         names = sorted(missing)
-        raise DFlashError(
+        raise UnreadableFile(
             f"{what} folder {p} is incomplete: {' and '.join(indexes)} names {len(names)} weight file(s) "
             "that are not there: "
             + ", ".join(names[:8])
@@ -82,7 +82,7 @@ def check_shards(p: Path, what: str) -> None:
 def _weight_files(p: Path, what: str):
     files = sorted(glob.glob(str(p / "*.safetensors")))
     if not files:
-        raise DFlashError(f"{what} folder has no .safetensors weights: {p}")
+        raise UnreadableFile(f"{what} folder has no .safetensors weights: {p}")
     check_shards(p, what)
     return files
 
@@ -406,7 +406,7 @@ def build_draft(
     missing = sorted(expected - set(weights))
     extra = sorted(set(weights) - expected)
     if missing or extra:
-        raise DFlashError(
+        raise UnreadableFile(
             f"draft {path}: weight names do not match a {cfg.kind} draft with this config"
             + (f"; missing {missing[:5]}" if missing else "")
             + (f"; unexpected {extra[:5]}" if extra else "")
