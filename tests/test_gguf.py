@@ -707,6 +707,18 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused(tmp_path):
         load_gguf_target(path)
 
 
+@pytest.mark.parametrize("keep_precision", [False, True], ids=["as-held", "floats"])
+def test_a_head_count_the_per_head_tensors_do_not_have_is_refused(tmp_path, keep_precision):
+    """A value-head count (ssm.time_step_rank) the DeltaNet tensors do not
+    have: their per-head reorder failed in numpy's reshape (a ValueError,
+    a traceback in the CLI) where the tensors are decoded to floats."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(DATA / "tiny-qwen35-Q8_0.gguf", path)
+    _reference_tool("gguf_set_metadata", path, "qwen35.ssm.time_step_rank", "8", "--force")
+    with pytest.raises(DFlashError, match=r"tensor blk\.0\.ssm_.* metadata and tensors disagree|cannot decode tensor"):
+        load_gguf_target(path, keep_precision=keep_precision)
+
+
 def test_a_big_endian_gguf_is_refused_with_the_way_back(tmp_path):
     """gguf-convert-endian's big-endian file decoded to NaN weights (the block
     scales read in the other byte order); llama.cpp refuses it too."""

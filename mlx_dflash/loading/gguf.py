@@ -929,7 +929,13 @@ def load_gguf_target(
                     ) from None
             else:
                 w = _decode(t, f"GGUF {path}")
-                w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
+                try:  # per-head reorders reshape by the metadata's head counts
+                    w = transform(kind, np.asarray(w, dtype=np.float32), cfg)
+                except ValueError as e:
+                    raise DFlashError(
+                        f"GGUF {path}: tensor {gname} of shape {list(w.shape)} does not fit the file's metadata "
+                        f"({e}): metadata and tensors disagree (a head count, head size or state size?)"
+                    ) from None
                 arrs = np.split(w, 2, axis=1) if kind == "gate_up" else [w]
                 del w
                 for pn, x in zip(pns, arrs):
