@@ -348,6 +348,22 @@ def test_a_bad_eos_token_id_names_the_config_field(tok_dir, tmp_path, capsys, wh
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("value", ["abc", 2.5, [2, -3]])
+def test_a_bad_eos_token_id_in_generation_config_is_named_too(tok_dir, tmp_path, value):
+    """mlx-lm's load_config takes generation_config.json's eos_token_id over
+    config.json's (transformers' save_pretrained writes one): "abc" became the
+    stop ids {'a', 'b', 'c'}, 2.5 failed as a tokenizer error."""
+    cfg = tiny.target_config()
+    folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t", tokenizer_dir=tok_dir)
+    gen = folder / "generation_config.json"
+    gen.write_text(json.dumps({"eos_token_id": value, "do_sample": True}))
+    words = f"{gen}: eos_token_id must be a token id (an integer >= 0) or a list of them, got {value!r}"
+    with pytest.raises(DFlashError, match=re.escape(words)):
+        mlx_dflash.load(folder)
+    gen.write_text(json.dumps({"eos_token_id": [7, 11]}))
+    assert {7, 11} <= set(mlx_dflash.load(folder).tokenizer.eos_token_ids)
+
+
 def test_a_list_of_eos_token_ids_is_kept(tok_dir, tmp_path):
     cfg = tiny.target_config()
     folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t", tokenizer_dir=tok_dir)

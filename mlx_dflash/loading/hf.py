@@ -170,6 +170,13 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
         )
     _check_counts(cfg, p / "config.json")
     _check_eos(cfg, p / "config.json")
+    gen = p / "generation_config.json"  # mlx-lm's load_config takes its eos_token_id over config.json's
+    if gen.is_file():
+        try:
+            gen_cfg = json.loads(gen.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise DFlashError(f"cannot read {gen}: {e}") from None
+        _check_eos(gen_cfg if isinstance(gen_cfg, dict) else {}, gen)
     _weight_files(p, "model")
     try:
         model, config = load_model(p, lazy=lazy, model_config=override)
