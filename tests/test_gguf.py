@@ -4,6 +4,7 @@ tokenizer, stop tokens, drafts, convert, info, and bad files."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -717,6 +718,19 @@ def test_a_head_count_the_per_head_tensors_do_not_have_is_refused(tmp_path, keep
     _reference_tool("gguf_set_metadata", path, "qwen35.ssm.time_step_rank", "8", "--force")
     with pytest.raises(DFlashError, match=r"tensor blk\.0\.ssm_.* metadata and tensors disagree|cannot decode tensor"):
         load_gguf_target(path, keep_precision=keep_precision)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("attention.layer_norm_rms_epsilon", "-1"), ("rope.freq_base", "0"), ("context_length", "0")]
+)
+def test_a_metadata_number_out_of_range_names_its_key(tmp_path, key, value):
+    """A negative epsilon failed in MLX's RMSNorm (a traceback); a context
+    length of 0 loaded and made every prompt too long; a base of 0 gave NaN."""
+    path = tmp_path / "m.gguf"
+    shutil.copy(DATA / "tiny-qwen35-Q8_0.gguf", path)
+    _reference_tool("gguf_set_metadata", path, f"qwen35.{key}", value, "--force")
+    with pytest.raises(DFlashError, match=re.escape(f"GGUF metadata qwen35.{key} must be a positive")):
+        load_gguf_target(path)
 
 
 def test_a_big_endian_gguf_is_refused_with_the_way_back(tmp_path):

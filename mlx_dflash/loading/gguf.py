@@ -31,6 +31,7 @@ changes the Hugging Face tensors in ways undone here (docs/gguf.md):
 
 import atexit
 import json
+import math
 import re
 import shutil
 import tempfile
@@ -311,13 +312,25 @@ def _count(reader, key: str, default=None) -> int:
     return n
 
 
+def _number(reader, key: str, default: float) -> float:
+    """A positive finite number metadata value (one DFlashError naming ``key``)."""
+    v = _first(field(reader, key, default))
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise DFlashError(f"GGUF metadata {key} must be a positive number, got {v!r}") from None
+    if not math.isfinite(x) or x <= 0:
+        raise DFlashError(f"GGUF metadata {key} must be a positive number, got {v!r}")
+    return x
+
+
 def _rope(reader, a: str, D: int, rope_dims: int) -> dict:
     """rope_parameters as the HF config has them: theta (llama.cpp's default
     10000 when the key is missing) and the scaling llama.cpp's converter
     writes for a rope_scaling config (linear or YaRN)."""
     rp = {
         "rope_type": "default",
-        "rope_theta": float(field(reader, f"{a}.rope.freq_base", 10000.0)),
+        "rope_theta": _number(reader, f"{a}.rope.freq_base", 10000.0),
         "partial_rotary_factor": rope_dims / D,
     }
     kind = field(reader, f"{a}.rope.scaling.type")
@@ -325,14 +338,13 @@ def _rope(reader, a: str, D: int, rope_dims: int) -> dict:
         return rp
     if kind not in ("linear", "yarn"):
         raise DFlashError(f"GGUF {a}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
-    rp.update(rope_type=kind, factor=float(_req(reader, f"{a}.rope.scaling.factor")))
-    orig = field(reader, f"{a}.rope.scaling.original_context_length")
-    if orig:
-        rp["original_max_position_embeddings"] = int(orig)
+    _req(reader, f"{a}.rope.scaling.factor")
+    rp.update(rope_type=kind, factor=_number(reader, f"{a}.rope.scaling.factor", None))
+    if field(reader, f"{a}.rope.scaling.original_context_length"):
+        rp["original_max_position_embeddings"] = _count(reader, f"{a}.rope.scaling.original_context_length")
     for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        v = field(reader, f"{a}.rope.scaling.{key}")
-        if v is not None:
-            rp[name] = float(v)
+        if field(reader, f"{a}.rope.scaling.{key}") is not None:
+            rp[name] = _number(reader, f"{a}.rope.scaling.{key}", None)
     return rp
 
 
@@ -341,7 +353,9 @@ def _gguf_config(reader, arch: str) -> dict:
     tensors = {t.name: t for t in reader.tensors}
     H = _count(reader, f"{a}.embedding_length")
     n_blocks = _count(reader, f"{a}.block_count")
-    n_mtp = int(field(reader, f"{a}.nextn_predict_layers", 0) or 0)
+    n_mtp = field(reader, f"{a}.nextn_predict_layers", 0) or 0
+    if isinstance(n_mtp, bool) or not isinstance(n_mtp, int):
+        raise DFlashError(f"GGUF metadata {a}.nextn_predict_layers must be an integer, got {n_mtp!r}")
     if not 0 <= n_mtp < n_blocks:
         raise DFlashError(f"GGUF {a}.nextn_predict_layers = {n_mtp} does not fit block_count {n_blocks}")
     n_layers = n_blocks - n_mtp  # the MTP blocks come last
@@ -370,8 +384,8 @@ def _gguf_config(reader, arch: str) -> dict:
         "head_dim": D,
         "intermediate_size": int(_first(ffn) or 0),
         "vocab_size": vocab,
-        "rms_norm_eps": float(field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "max_position_embeddings": int(field(reader, f"{a}.context_length", 262144)),
+        "rms_norm_eps": _number(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": _count(reader, f"{a}.context_length", 262144),
         "full_attention_interval": interval,
         "linear_conv_kernel_dim": _count(reader, f"{a}.ssm.conv_kernel", 4),
         "linear_key_head_dim": Dk,
@@ -385,9 +399,9 @@ def _gguf_config(reader, arch: str) -> dict:
         text["mtp_num_hidden_layers"] = n_mtp  # as in the HF config; skipped at load, like mlx-lm does
     if arch == "qwen35moe":
         text.update(
-            num_experts=int(_req(reader, f"{a}.expert_count")),
-            num_experts_per_tok=int(_req(reader, f"{a}.expert_used_count")),
-            moe_intermediate_size=int(_req(reader, f"{a}.expert_feed_forward_length")),
+            num_experts=_count(reader, f"{a}.expert_count"),
+            num_experts_per_tok=_count(reader, f"{a}.expert_used_count"),
+            moe_intermediate_size=_count(reader, f"{a}.expert_feed_forward_length"),
             shared_expert_intermediate_size=int(field(reader, f"{a}.expert_shared_feed_forward_length", 0) or 0),
             norm_topk_prob=True,
         )
