@@ -179,6 +179,24 @@ def test_a_draft_that_cannot_be_read_fails_before_the_target_loads(tmp_path, mon
     for draft, words in ((tmp_path / "empty", "draft folder has no config.json"), (bad, "truncated or corrupt")):
         with pytest.raises(DFlashError, match=words):
             mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)
+    # Its weights, from their headers: gone, cut short, or not the ones its config names.
+    from mlx_dflash.api import DEFAULT_DRAFT
+
+    draft = tmp_path / "draft"
+    shutil.copytree(DEFAULT_DRAFT, draft)
+    weights = draft / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.unlink()
+    with pytest.raises(DFlashError, match="draft folder has no .safetensors weights"):
+        mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DFlashError, match=r"model.safetensors: its header places data up to byte \d+ of a"):
+        mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)
+    w = mx.load(str(DEFAULT_DRAFT / "model.safetensors"))
+    w.pop("norm.weight")
+    mx.save_safetensors(str(weights), w)
+    with pytest.raises(DFlashError, match=r"weight names do not match .*missing \['norm.weight'\]"):
+        mlx_dflash.api.load(DEFAULT_MODEL, draft=draft)
 
 
 @pytest.mark.parametrize("target", ["gguf", "folder"])

@@ -12,7 +12,16 @@ import mlx.core as mx
 
 from ..errors import DFlashError
 from .gguf import gguf_config, gguf_sizes, is_gguf, load_gguf_draft, load_gguf_target, open_gguf, tokenizer_dir_for
-from .hf import build_draft, draft_config, draft_vocab_ids, is_draft_config, read_config, read_draft, safetensors_sizes
+from .hf import (
+    build_draft,
+    draft_config,
+    draft_vocab_ids,
+    draft_weight_names,
+    is_draft_config,
+    read_config,
+    read_draft,
+    safetensors_sizes,
+)
 from .hf import load_target as load_folder_target
 from .hf import load_tokenizer as load_folder_tokenizer
 
@@ -190,20 +199,29 @@ def check_draft_files(path) -> None:
         open_gguf(p)
     else:
         read_config(p, "draft")
+        draft_weight_names(p)
 
 
 def check_draft_fit(draft, model) -> None:
     """That ``draft`` can be read and fits the target at ``model``, from
     headers and configs alone: checked before the target's weights are read
     (minutes of decoding on a large GGUF), so a draft for another model, or
-    one missing a part, fails first. What needs the weights (their names and
-    shapes) is checked when the draft loads."""
-    from .gguf import lazy_target
-    from .hf import validate_draft
+    one missing a part, a tensor or a file's end, fails first. What needs
+    the weights' values (their shapes) is checked when the draft loads."""
+    from .gguf import check_gguf_draft, gguf_draft_config, lazy_target
+    from .hf import check_draft_names, validate_draft
 
     cfg, where = read_draft_config(draft)
     shapes = lazy_target(gguf_config(open_gguf(model))) if is_gguf(model) else load_folder_target(model, lazy=True)
+    if cfg.vocab_size is None:
+        cfg.vocab_size = shapes.vocab_size  # as build_draft sets it
     validate_draft(cfg, shapes, where)
+    p = Path(draft).expanduser()
+    if is_gguf(p):
+        reader = open_gguf(p)
+        check_gguf_draft(reader, gguf_draft_config(reader), p, shapes.hidden_size)
+    else:
+        check_draft_names(cfg, draft_weight_names(p), p)
 
 
 def is_draft_path(path) -> bool:

@@ -1263,30 +1263,40 @@ def load_gguf_draft(path, target, *, dtype=None):
 
     reader = open_gguf(path)
     cfg = gguf_draft_config(reader)
-    ths = cfg.get("target_hidden_size")
-    if ths is not None and ths != target.hidden_size:
-        raise DFlashError(
-            f"draft {path}: {field(reader, 'general.architecture')}.target_hidden_size {ths} "
-            f"!= target hidden_size {target.hidden_size}"
-        )
     tensors = {t.name: t for t in reader.tensors}
-    wanted = dict(_DRAFT_GLOBAL)
-    for i in range(cfg["num_hidden_layers"]):
-        for ours, theirs in _DRAFT_LAYER.items():
-            wanted[f"layers.{i}.{ours}"] = tuple(f"blk.{i}.{n}" for n in theirs)
-    weights, used = {}, set()
-    for ours, names in wanted.items():
-        name = next((n for n in names if n in tensors), None)
-        if name is None:
-            raise UnreadableFile(f"draft GGUF {path}: missing tensor {names[0]}")
+    weights = {}
+    for ours, name in check_gguf_draft(reader, cfg, path, target.hidden_size).items():
         t = tensors[name]
         w = _decode(t, f"draft GGUF {path}")
         src = {"F16": mx.float16, "BF16": mx.bfloat16}.get(
             t.tensor_type.name, mx.float32 if t.tensor_type.name == "F32" else mx.float16
         )
         weights[ours] = mx.array(np.asarray(w, np.float32)).astype(dtype or src)
-        used.add(name)
-    extra = sorted(set(tensors) - used - set(_IGNORED_DRAFT))
-    if extra:
-        raise DFlashError(f"draft GGUF {path}: unknown tensors {extra[:5]}")
     return cfg, weights
+
+
+def check_gguf_draft(reader, cfg: dict, path, hidden_size: int) -> Dict[str, str]:
+    """A draft GGUF's fit to a target of ``hidden_size`` and its tensor names,
+    from the header alone (checked before a target is decoded); returns
+    z-lab name -> the GGUF tensor that holds it."""
+    ths = cfg.get("target_hidden_size")
+    if ths is not None and ths != hidden_size:
+        raise DFlashError(
+            f"draft {path}: {field(reader, 'general.architecture')}.target_hidden_size {ths} "
+            f"!= target hidden_size {hidden_size}"
+        )
+    tensors = {t.name for t in reader.tensors}
+    wanted = dict(_DRAFT_GLOBAL)
+    for i in range(cfg["num_hidden_layers"]):
+        for ours, theirs in _DRAFT_LAYER.items():
+            wanted[f"layers.{i}.{ours}"] = tuple(f"blk.{i}.{n}" for n in theirs)
+    found = {}
+    for ours, names in wanted.items():
+        name = next((n for n in names if n in tensors), None)
+        if name is None:
+            raise UnreadableFile(f"draft GGUF {path}: missing tensor {names[0]}")
+        found[ours] = name
+    extra = sorted(tensors - set(found.values()) - set(_IGNORED_DRAFT))
+    if extra:
+        raise UnreadableFile(f"draft GGUF {path}: unknown tensors {extra[:5]}")
+    return found

@@ -340,6 +340,49 @@ def validate_v2(cfg: DraftConfig, where: str) -> None:
         raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
+def draft_weight_names(path) -> set:
+    """The tensor names of a draft folder's weights, from the safetensors
+    headers alone; one UnreadableFile for no weights, a missing shard, or a
+    file cut short of the data its header promises."""
+    p = _folder(path, "draft")
+    names = set()
+    for f in _weight_files(p, "draft"):
+        try:
+            header, start = safetensors_header(Path(f))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        except (OSError, ValueError, TypeError, KeyError, IndexError, struct.error) as e:
+            raise UnreadableFile(f"cannot read draft weights {f}: {e}") from None
+        size = Path(f).stat().st_size
+        if start + max(ends, default=0) > size:
+            raise UnreadableFile(
+                f"cannot read draft weights {f}: its header places data up to byte {start + max(ends)} "
+                f"of a {size}-byte file (truncated: an interrupted download?)"
+            )
+        names |= {k for k in header if k != "__metadata__"}
+    return names
+
+
+def z_lab_names(weights: dict) -> dict:
+    """A draft's weights under z-lab's names: a ``model.`` prefix dropped, and
+    embedding / lm_head copies a converter kept left out (drafts borrow the target's)."""
+    weights = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in weights.items()}
+    return {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+
+
+def check_draft_names(cfg: DraftConfig, names, path) -> None:
+    """That a draft's weight names (z-lab's, a ``model.`` prefix allowed) are
+    the ones its config builds: one UnreadableFile naming the difference."""
+    names = set(z_lab_names(dict.fromkeys(names)))
+    expected = {k for k, _ in tree_flatten(DFlashDraft(cfg).parameters())}
+    missing, extra = sorted(expected - names), sorted(names - expected)
+    if missing or extra:
+        raise UnreadableFile(
+            f"draft {path}: weight names do not match a {cfg.kind} draft with this config"
+            + (f"; missing {missing[:5]}" if missing else "")
+            + (f"; unexpected {extra[:5]}" if extra else "")
+        )
+
+
 def read_draft(path):
     """A z-lab draft folder's config dict, weights and the place errors name."""
     p = _folder(path, "draft")
@@ -398,9 +441,7 @@ def build_draft(
     if cfg.vocab_size is None:
         cfg.vocab_size = target.vocab_size  # the selector's codebooks span the target vocab
     validate_draft(cfg, target, where)
-    weights = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in weights.items()}
-    # Drafts ship without embedding/lm_head; ignore copies if a converter kept them.
-    weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    weights = z_lab_names(weights)
     fc = weights.get("fc.weight")
     want = len(cfg.target_layer_ids) * target.hidden_size
     if fc is not None and fc.shape[-1] != want:
@@ -408,16 +449,8 @@ def build_draft(
             f"draft {path}: fc.weight takes {fc.shape[-1]} inputs but "
             f"{len(cfg.target_layer_ids)} target layers x hidden {target.hidden_size} = {want}"
         )
+    check_draft_names(cfg, weights, path)
     draft = DFlashDraft(cfg)
-    expected = {k for k, _ in tree_flatten(draft.parameters())}
-    missing = sorted(expected - set(weights))
-    extra = sorted(set(weights) - expected)
-    if missing or extra:
-        raise UnreadableFile(
-            f"draft {path}: weight names do not match a {cfg.kind} draft with this config"
-            + (f"; missing {missing[:5]}" if missing else "")
-            + (f"; unexpected {extra[:5]}" if extra else "")
-        )
     try:
         draft.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
