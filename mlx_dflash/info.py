@@ -131,16 +131,17 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> Tuple[str, Optional[
     from collections import Counter
 
     from .loading.gguf import (
+        check_gguf_target,
         default_dtype,
         eog_token_ids,
         field,
-        gguf_config,
         gguf_draft_config,
         gguf_files,
         is_gguf_draft,
         lazy_target,
         mlx_form,
         open_gguf,
+        tokenizer_dir_for,
     )
 
     reader = open_gguf(p)
@@ -176,7 +177,8 @@ def describe_gguf(p: Path, draft: Optional[Path] = None) -> Tuple[str, Optional[
             ]
             + tail
         ), None
-    cfg = gguf_config(reader)
+    cfg, *_ = check_gguf_target(reader, p)  # what the loader refuses, info does too: from the header
+    tokenizer_dir_for(p)  # and its tokenizer (a pre-tokenizer llama.cpp does not know, merges missing)
     t = cfg["text_config"]
     n_lin = sum(1 for i in range(t["num_hidden_layers"]) if (i + 1) % t["full_attention_interval"])
     moe = f", MoE {t['num_experts']} experts top-{t['num_experts_per_tok']}" if t.get("num_experts") else ""

@@ -706,6 +706,9 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused(tmp_path):
     _reference_tool("gguf_set_metadata", path, "qwen35.attention.key_length", "32", "--force")
     with pytest.raises(DFlashError, match=r"gives .*q_proj.weight the shape .* metadata and tensors disagree"):
         load_gguf_target(path)
+    # info reads the same header and refuses it too (it printed a report and exited 0)
+    r = run_cli("info", path)
+    assert r.returncode == 2 and "metadata and tensors disagree" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("keep_precision", [False, True], ids=["as-held", "floats"])

@@ -846,16 +846,7 @@ def load_gguf_target(
     from ..models.qwen35 import Target
 
     reader = open_gguf(path)
-    cfg = gguf_config(reader)
-    tensors = {t.name: t for t in reader.tensors}
-    names = _fuse_gate_up(tensor_map(cfg), tensors)
-    mtp = _check_mtp(path, cfg, tensors)
-    unknown = sorted(set(tensors) - set(names) - set(mtp))
-    if unknown:
-        raise DFlashError(f"GGUF {path}: unknown tensors {unknown[:5]} (not a {cfg['model_type']} layout?)")
-    missing = sorted(set(names) - set(tensors))
-    if missing:
-        raise DFlashError(f"GGUF {path}: missing tensors {missing[:5]}")
+    cfg, tensors, names, mtp = check_gguf_target(reader, path)
     dt = dtype or default_dtype(reader)
     held = sorted({t.tensor_type.name for t in tensors.values()})
     absent = sorted(set(bits or ()) - set(held))
@@ -864,11 +855,7 @@ def load_gguf_target(
             f"GGUF {path} has no {', '.join(absent)} tensors to requantize (its types: {', '.join(held)})"
         )
 
-    def parts(pname: str, kind: str) -> List[str]:
-        if kind == "gate_up":
-            return [pname.replace("gate_up_proj", "gate_proj.weight"), pname.replace("gate_up_proj", "up_proj.weight")]
-        return [pname]
-
+    parts = _parts
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))  # lazy random init, never evaluated
     mods = dict(model.named_modules())
@@ -1011,6 +998,48 @@ def load_gguf_target(
         out_cfg["quantization"] = {"group_size": gs_, "bits": bits_, "mode": mode_, **per_layer}
         out_cfg["quantization_config"] = out_cfg["quantization"]
     return Target(model, out_cfg), out_cfg
+
+
+def _parts(pname: str, kind: str) -> List[str]:
+    """The parameters one GGUF tensor fills (a fused gate/up: two)."""
+    if kind == "gate_up":
+        return [pname.replace("gate_up_proj", "gate_proj.weight"), pname.replace("gate_up_proj", "up_proj.weight")]
+    return [pname]
+
+
+def check_gguf_target(reader, path):
+    """A target GGUF's tensors against its metadata, from the header alone
+    (``info`` and the loader, before any tensor is decoded): none missing,
+    none unknown, each the shape (reordered ones: the size) the metadata
+    gives. Returns (config, tensors by name, name map, MTP tensor names)."""
+    from mlx.utils import tree_flatten
+
+    cfg = gguf_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    names = _fuse_gate_up(tensor_map(cfg), tensors)
+    mtp = _check_mtp(path, cfg, tensors)
+    unknown = sorted(set(tensors) - set(names) - set(mtp))
+    if unknown:
+        raise DFlashError(f"GGUF {path}: unknown tensors {unknown[:5]} (not a {cfg['model_type']} layout?)")
+    missing = sorted(set(names) - set(tensors))
+    if missing:
+        raise DFlashError(f"GGUF {path}: missing tensors {missing[:5]}")
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(lazy_target(cfg).model.parameters())}
+    why = "metadata and tensors disagree (a head count, head size, state size, feed-forward or vocabulary size?)"
+    for gname, (pname, kind) in names.items():
+        held = tuple(int(x) for x in reversed(tensors[gname].shape))  # GGUF lists dimensions innermost first
+        want = [shapes[pn] for pn in _parts(pname, kind) if pn in shapes]
+        if kind == "" and len(want) == 1 and held != want[0]:
+            raise DFlashError(
+                f"GGUF {path}: tensor {gname} gives {pname} the shape {list(held)}, but the file's "
+                f"metadata makes it {list(want[0])}: {why}"
+            )
+        if want and math.prod(held) != sum(math.prod(w) for w in want):
+            raise DFlashError(
+                f"GGUF {path}: tensor {gname} holds {math.prod(held)} values, but the file's metadata makes "
+                f"{pname} {' + '.join(str(math.prod(w)) for w in want)}: {why}"
+            )
+    return cfg, tensors, names, mtp
 
 
 def _decode(t, where: str) -> np.ndarray:
