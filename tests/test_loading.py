@@ -287,6 +287,24 @@ def test_a_target_config_field_of_the_wrong_kind_is_named(tmp_path, field, value
         load_target(folder)
 
 
+@pytest.mark.parametrize("field", ["num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"])
+def test_a_target_config_field_that_is_missing_is_named(tmp_path, field):
+    """mlx-lm took its default for it: a 351-line "Missing 350 parameters"
+    list, or a weight shape "(512, 4096)" that never said which field."""
+    cfg = tiny.target_config()
+    folder = tiny.save_mlx(tiny.build_target(cfg, seed=1), cfg, tmp_path / "t")
+    c = json.loads((folder / "config.json").read_text())
+    del c["text_config"][field]
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match=re.escape(f"config.json: {field} is missing from text_config")):
+        load_target(folder)
+    c["text_config"][field] = cfg["text_config"][field]
+    c["text_config"]["rms_norm_eps"] = "1e-6"
+    (folder / "config.json").write_text(json.dumps(c))
+    with pytest.raises(DFlashError, match=re.escape("config.json: rms_norm_eps must be a positive number, got '1e-6'")):
+        load_target(folder)
+
+
 # --- a sharded folder with a shard missing (an interrupted download) -----------------------
 
 

@@ -8,6 +8,8 @@ overrides). This module adds the checks that turn bad input into one clear
 
 import glob
 import json
+import math
+import numbers
 import re
 import struct
 from pathlib import Path
@@ -113,6 +115,8 @@ _COUNTS = (
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
 )
+# The fields every published config has, without which mlx-lm builds a model of its defaults' shape.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _MOE_COUNTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")  # 0 in some dense configs
 
 
@@ -121,6 +125,17 @@ def _check_counts(cfg: dict, where: Path) -> None:
     integers, one error naming the file and field (mlx-lm's own error names
     neither: "'str' object cannot be interpreted as an integer")."""
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    for k in _REQUIRED:
+        if text.get(k) is None:
+            raise DFlashError(
+                f"{where}: {k} is missing{' from text_config' if text is not cfg else ''} (mlx-lm would take a "
+                "default, which the weights do not have)"
+            )
+    eps = text.get("rms_norm_eps")
+    if eps is not None and not (
+        isinstance(eps, numbers.Real) and not isinstance(eps, bool) and math.isfinite(eps) and eps > 0
+    ):
+        raise DFlashError(f"{where}: rms_norm_eps must be a positive number, got {eps!r}")
     for k in _COUNTS + _MOE_COUNTS:
         v, least = text.get(k), 0 if k in _MOE_COUNTS else 1
         if v is not None and not is_count(v, least):
@@ -183,7 +198,10 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
     except DFlashError:
         raise
     except Exception as e:  # mlx-lm raises ValueError/KeyError/OSError for bad folders
-        raise DFlashError(f"cannot load model from {p}: {type(e).__name__}: {e}") from None
+        msg = " ".join(str(e).split())
+        if len(msg) > 400:  # its "Missing N parameters" lists every one of them
+            msg = msg[:400] + f" ... ({len(msg) - 400} more characters)"
+        raise DFlashError(f"cannot load model from {p}: {type(e).__name__}: {msg}") from None
     _cast(model, dtype)
     if dtype is not None and not lazy:
         mx.eval(model.parameters())
