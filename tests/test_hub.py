@@ -523,3 +523,5 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert out2["tokens"] == out["tokens"] and out2["draft_block"] == 8 and out2["gguf"] == out["gguf"]
     assert out2["pr"] == out["pr"]
     assert "not in the Hugging Face cache and the Hub cannot be reached" in out2["test-org/missing"]
+    # one failed request says the Hub is gone: no download retried with backoff (25 s of "Retrying" lines)
+    assert "Retrying" not in r2.stderr

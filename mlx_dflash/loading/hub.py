@@ -119,12 +119,31 @@ def _offline_first(fetch, *args, **kwargs):
     """``fetch`` (a huggingface_hub download function), from the cache alone when offline or
     when the Hub cannot be reached (for a commit-hash revision huggingface_hub would
     otherwise still ask the Hub for the commit's file list)."""
-    try:
-        return fetch(*args, local_files_only=_offline(), **kwargs)
-    except Exception as e:
-        if not _no_network(e):
-            raise
+    if not _offline() and _reachable():
+        try:
+            return fetch(*args, **kwargs)
+        except Exception as e:
+            if not _no_network(e):
+                raise
     return fetch(*args, local_files_only=True, **kwargs)
+
+
+_REACHED: list = []  # the one answer of this process: whether the Hub answered
+
+
+def _reachable() -> bool:
+    """Whether the Hub answers one request (asked once a process): a file
+    download retries a connection error five times with backoff (25 s of
+    "Retrying" lines offline), where one failed request says enough."""
+    if not _REACHED:
+        from huggingface_hub import constants, get_session
+
+        try:
+            get_session().head(constants.ENDPOINT, timeout=5)
+            _REACHED.append(True)
+        except Exception as e:  # another fault (a proxy's, say) is left to the download to report
+            _REACHED.append(not _no_network(e))
+    return _REACHED[0]
 
 
 def _repo_files(repo: str, rev: Optional[str]) -> list:
