@@ -73,9 +73,26 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(x.shape[0], -1)
 
 
+def encode_nvfp4(x: np.ndarray) -> np.ndarray:
+    """Rows of floats (cols % 64 == 0) -> NVFP4 blocks (36 bytes per 64 values),
+    as ggml's reference quantizer writes them (gguf-py reads but does not write
+    them): per 16 values an unsigned e4m3 scale of max|x| / 6 (gguf-py's own
+    rounding to it) and the nearest e2m1 value's code, a run of 16 codes kept
+    as 8 bytes of low nibbles (values 0-7) and high nibbles (values 8-15)."""
+    from gguf.quants import NVFP4
+
+    sub = x.reshape(-1, 4, 16).astype(np.float32)
+    code = NVFP4.fp32_to_ue4m3(np.abs(sub).max(2) / 6.0)
+    scale = NVFP4.ue4m3_to_fp32(code)[..., None] * 2  # its table is e2m1 doubled, its scale halved
+    values = np.array(NVFP4.kvalues, np.float32) / 2
+    idx = np.abs(scale[..., None] * values - sub[..., None]).argmin(-1).astype(np.uint8)
+    qs = idx[..., :8] | (idx[..., 8:] << 4)
+    return np.concatenate([code.reshape(-1, 4), qs.reshape(-1, 32)], axis=1).reshape(x.shape[0], -1)
+
+
 def _add(w: GGUFWriter, name: str, arr: np.ndarray, q) -> None:
     """Add one tensor in type ``q``; vectors and rows that do not fill a block stay F32."""
-    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.F16: 1, Q.BF16: 1, Q.F32: 1, Q.F64: 1}.get(q, 32)
+    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.NVFP4: 64, Q.F16: 1, Q.BF16: 1, Q.F32: 1, Q.F64: 1}.get(q, 32)
     if arr.ndim < 2 or arr.shape[-1] % block:
         q = Q.F32
     if q == Q.F32:
@@ -84,8 +101,8 @@ def _add(w: GGUFWriter, name: str, arr: np.ndarray, q) -> None:
         w.add_tensor(name, arr.astype(np.float16))
     elif q == Q.F64:
         w.add_tensor(name, arr.astype(np.float64))
-    elif q in (Q.Q4_K, Q.Q6_K):
-        enc = encode_q4_k if q == Q.Q4_K else encode_q6_k
+    elif q in (Q.Q4_K, Q.Q6_K, Q.NVFP4):
+        enc = {Q.Q4_K: encode_q4_k, Q.Q6_K: encode_q6_k, Q.NVFP4: encode_nvfp4}[q]
         w.add_tensor(name, enc(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1), raw_dtype=q)
     else:
         w.add_tensor(name, quantize(arr.astype(np.float32), q), raw_dtype=q)

@@ -204,8 +204,9 @@ FP16_AT = {
     "IQ2_XXS": [0],
     "IQ3_S": [0],
     "MXFP4": [],
+    "NVFP4": [],
 }
-EXACT_FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+EXACT_FORMS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4", "NVFP4")
 
 
 @pytest.mark.parametrize(
@@ -222,7 +223,7 @@ def test_block_types_decode_to_gguf_py_values(name, rows, n):
     from gguf import GGMLQuantizationType as Q
     from gguf.constants import GGML_QUANT_SIZES
 
-    from mlx_dflash.loading.gguf import _codes, default_bits, pack
+    from mlx_dflash.loading.gguf import _codes, default_bits, group_of, pack
 
     qt = getattr(Q, name)
     block, size = GGML_QUANT_SIZES[qt]
@@ -232,6 +233,8 @@ def test_block_types_decode_to_gguf_py_values(name, rows, n):
         raw[:, o : o + 2] = rng.uniform(1e-3, 2e-2, size=(len(raw), 1)).astype(np.float16).view(np.uint8)
     if name == "MXFP4":
         raw[:, 0] = rng.integers(110, 130, size=len(raw))  # e8m0 exponents near 1
+    if name == "NVFP4":  # any ue4m3 scale llama.cpp reads (0x7F reads 0, bit 7 is ignored) but 0xFF (480)
+        raw[:, :4][raw[:, :4] == 0xFF] = 0x7F
     data = raw.reshape(rows, -1)
     want = np.asarray(dequantize(data, qt), np.float32)
     k, s, z, mode = _codes(SimpleNamespace(data=data, tensor_type=qt, shape=[n, rows]))
@@ -241,7 +244,7 @@ def test_block_types_decode_to_gguf_py_values(name, rows, n):
             mx.array(pack(k, b)),
             mx.array(s),
             None if z is None else mx.array(z),
-            group_size=32,
+            group_size=group_of(name),
             bits=b,
             mode=mode,
             dtype=mx.float32,
@@ -277,6 +280,33 @@ def test_mxfp4_experts_load_as_mlx_mxfp4(tmp_path):
     modes = {v.get("mode") for v in qcfg["quantization"].values() if isinstance(v, dict)}
     assert qcfg["quantization"]["mode"] == "mxfp4" or "mxfp4" in modes
     f, _ = load_gguf_target(deq, dtype=mx.float32)
+    np.testing.assert_allclose(np.array(t(PROMPT[:8])), np.array(f(PROMPT[:8])), atol=1e-4, rtol=0)
+
+
+def test_nvfp4_weights_load_as_mlx_nvfp4(tmp_path):
+    # NVFP4 (an unsigned e4m3 scale per 16 values, e2m1 codes): MLX's nvfp4
+    # mode holds the same scales and codes, so the matrices are exact (they
+    # loaded as the nearest 8-bit form). The DeltaNet value heads of 32 keep
+    # even the head-reordered ssm_out in its own form.
+    import sys
+
+    from gguf import GGMLQuantizationType as Q
+
+    from tools import tiny
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_writer import convert_hf_to_gguf
+
+    cfg = tiny.target_config(hidden_size=64, linear_value_head_dim=32, linear_key_head_dim=32)
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=5), cfg, tmp_path / "hf")
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, w: Q.NVFP4, tokenizer=False)
+    held = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert "NVFP4" in held
+    t, qcfg = load_gguf_target(path, dtype=mx.float32)
+    q = qcfg["quantization"]
+    assert (q["mode"], q["group_size"]) == ("nvfp4", 16)
+    assert not any(isinstance(v, dict) and v.get("mode") != "nvfp4" for v in q.values())  # no layer fell back
+    f, _ = load_gguf_target(dequantized_gguf(path, tmp_path / "deq.gguf"), dtype=mx.float32)
     np.testing.assert_allclose(np.array(t(PROMPT[:8])), np.array(f(PROMPT[:8])), atol=1e-4, rtol=0)
 
 

@@ -3,7 +3,8 @@
 Tensors are read one at a time (``mx.load`` mis-decodes K-quants and drops
 tensors after MXFP4). Quantized ones are rebuilt from their raw blocks as
 MLX affine codes in groups of 32 that hold the file's values exactly where
-such a form exists (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q3_K, IQ4_*, MXFP4),
+such a form exists (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K, Q3_K, IQ4_*; MXFP4 and
+NVFP4 as MLX's own mxfp4 / nvfp4 modes),
 else in the nearest 8-bit form (Q6_K, Q2_K, IQ1-3); float tensors stay
 float; ``keep_precision`` stores every tensor as float, a ``bits`` map
 requantizes a source type. At most one decoded tensor is alive beyond the
@@ -579,11 +580,17 @@ def transform(kind: str, w: np.ndarray, cfg: dict) -> np.ndarray:
 # w = scale * k + bias per group of 32 (docs/gguf.md, "Quantized weights"):
 # exactly where such a form exists, else as the nearest 8-bit form.
 
-GROUP = 32  # every GGUF block and K-quant sub-block pair covers 32 values of a row
+GROUP = 32  # every GGUF block and K-quant sub-block pair covers 32 values of a row (NVFP4: 16 per scale)
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 FP16_SCALED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # the file's fp16 d (and m) are the MLX scales
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
-_NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "MXFP4": 4}
+_NATIVE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "MXFP4": 4, "NVFP4": 4}
+FP4_MODES = {"MXFP4": "mxfp4", "NVFP4": "nvfp4"}  # MLX's own modes: the file's scales and e2m1 codes as they are
+
+
+def group_of(type_name: str) -> int:
+    """Values per scale of a type's MLX form: 16 for NVFP4 (a scale per 16), else 32."""
+    return 16 if type_name == "NVFP4" else GROUP
 
 
 def default_bits(type_name: str) -> Optional[int]:
@@ -599,8 +606,8 @@ def mlx_form(type_name: str) -> str:
     b = default_bits(type_name)
     if b is None:
         return "float"
-    if type_name == "MXFP4":
-        return "mxfp4/32, exact"
+    if type_name in FP4_MODES:
+        return f"{FP4_MODES[type_name]}/{group_of(type_name)}, exact"
     if type_name in FP16_SCALED:
         return f"{b}-bit/32, exact"
     if type_name in _NATIVE_BITS or type_name in ("Q3_K", "IQ4_NL", "IQ4_XS"):
@@ -663,7 +670,7 @@ def _codes(t) -> Tuple[np.ndarray, np.ndarray, np.ndarray, str]:
     parts = [_decode_blocks(t.tensor_type, blk[i : i + step]) for i in range(0, len(blk), step)]
     k, s = (np.concatenate([p[j] for p in parts]) for j in (0, 1))
     z = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
-    s = s.reshape(rows + (n // GROUP,))
+    s = s.reshape(rows + (n // group_of(t.tensor_type.name),))
     return k.reshape(rows + (n,)), s, (None if z is None else z.reshape(s.shape)), parts[0][3]
 
 
@@ -726,6 +733,13 @@ def _decode_blocks(qtype, blk: np.ndarray):
         return out(*_lattice(v.reshape(len(blk), -1), d))
     if name == "MXFP4":  # e8m0 scale and e2m1 codes: MLX's mxfp4 as it is
         return out(_nibbles(blk[:, 1:]), blk[:, :1].copy(), None, "mxfp4")
+    if name == "NVFP4":  # per 64 values four ue4m3 scales and 16-value runs of e2m1 codes: MLX's nvfp4
+        x = blk[:, :4]
+        if (x == 0xFF).any():  # ggml's encoder stops at 0x7E; 0xFF would read 480, past e4m3's largest
+            raise ValueError("an NVFP4 scale byte of 0xFF (480) has no e4m3 form")
+        # llama.cpp reads the byte unsigned (bit 7 ignored) and 0x7F as 0, where e4m3 has a sign and a NaN.
+        s = np.where(x == 0x7F, 0, x & 0x7F).astype(np.uint8)
+        return out(_nibbles(blk[:, 4:].reshape(-1, 4, 8)), s, None, "nvfp4")
     # Q2_K, IQ1-IQ3, TQ*: the exact decode, rounded to 8 bits per group of 32
     from gguf.quants import dequantize
 
@@ -773,7 +787,7 @@ def default_dtype(reader):
     from collections import Counter
 
     mats = [t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2]
-    if any(n not in FLOAT_TYPES + FP16_SCALED + ("MXFP4",) for n in mats):
+    if any(n not in FLOAT_TYPES + FP16_SCALED + tuple(FP4_MODES) for n in mats):
         return mx.float32
     halves = Counter(n for n in mats if n in ("F16", "BF16"))
     if halves:
@@ -860,7 +874,6 @@ def load_gguf_target(
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))  # lazy random init, never evaluated
     mods = dict(model.named_modules())
     t_cfg = cfg["text_config"]
-    head_cols_ok = t_cfg["linear_value_head_dim"] % GROUP == 0  # column groups survive the head reorder
     plan, qconf, native = {}, {}, {}
     asked, linear = set(), set()  # types of ``bits`` requantized as asked; types of linear weights
     for gname, (pname, kind) in names.items():
@@ -869,17 +882,17 @@ def load_gguf_target(
         b = None if keep_precision else (bits or {}).get(tname, own)
         # the file's own form where asked for (the default), else requantized
         as_file = b is not None and b == own
-        if as_file and kind == "head_cols" and not head_cols_ok:
-            b = as_file = None  # no group-32 form survives the reorder: exact as float
+        if as_file and kind == "head_cols" and t_cfg["linear_value_head_dim"] % group_of(tname):
+            b = as_file = None  # the head reorder would split its column groups: exact as float
         native[gname] = bool(as_file)
         for pn in parts(pname, kind):
             mod_path = pn.rsplit(".", 1)[0]
             quantizable = pn.endswith(".weight") and hasattr(mods.get(mod_path), "to_quantized")
             if quantizable:
                 linear.add(tname)
-            gs = GROUP if as_file else _group_size(int(tensors[gname].shape[0]))
+            gs = group_of(tname) if as_file else _group_size(int(tensors[gname].shape[0]))
             if b is not None and quantizable and gs is not None:
-                mode = "mxfp4" if as_file and tname == "MXFP4" else "affine"
+                mode = FP4_MODES.get(tname, "affine") if as_file else "affine"
                 plan[pn] = (b, gs, mode)
                 qconf[mod_path] = {"group_size": gs, "bits": b, **({"mode": mode} if mode != "affine" else {})}
                 asked.add(tname)
