@@ -74,6 +74,7 @@ class SlotEvent:
     tokens: List[int]
     finish_reason: Optional[str]
     stats: GenerationStats
+    error: Optional[Exception] = None  # finish_reason "error": what its own prefill raised (the others go on)
 
 
 # --- the batch's width: costs of S slots at width W, and the choice ----------------
@@ -538,9 +539,12 @@ class BatchDecoder:
         spent = 0
         while self.prefilling and spent < self.prefill_budget:
             self._next_prefill()
-            d = self.prefilling[0][1]
+            index, d = self.prefilling[0][:2]
             before = d.cache.offset
-            ev = self._prefill_chunk()
+            try:
+                ev = self._prefill_chunk()
+            except Exception as e:  # a slot's prefill (its own cache, its first sample) is its own fault
+                ev = self._failed(index, d, e)
             spent += d.cache.offset - before
             if ev is not None:
                 events.append(ev)
@@ -625,6 +629,16 @@ class BatchDecoder:
         else:
             self._leave(index, d)
         return SlotEvent(index, out, d.stats.finish_reason, d.stats)
+
+    def _failed(self, index: int, d: Decoder, error: Exception) -> SlotEvent:
+        """Drop a slot whose prefill raised: it leaves no snapshot, and the
+        slots beside it, whose caches it never touched, go on."""
+        self.prefilling = deque(p for p in self.prefilling if p[0] != index)
+        for held in (self.configs, self.solo, self.boundaries):
+            held.pop(index, None)
+        self.started.discard(index)
+        d.stats.finish_reason = "error"
+        return SlotEvent(index, [], "error", d.stats, error)
 
     def _width_policy(self, ds: List[Decoder]) -> BatchPolicy:
         """The batch's width policy, made at its first cycle: pinned where a
@@ -885,6 +899,10 @@ def batch_generate(
     stats = [None] * len(prompts)
     while not batch.done:
         for ev in batch.step():
+            if ev.error is not None:
+                if isinstance(ev.error, DFlashError):
+                    raise DFlashError(f"prompt {ev.index}: {ev.error}") from None
+                raise ev.error
             tokens[ev.index].extend(ev.tokens)
             stats[ev.index] = ev.stats
     results = []

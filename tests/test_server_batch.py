@@ -462,6 +462,34 @@ def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):
             assert r.json()["choices"][0]["text"] == w.text, i
 
 
+def test_a_request_whose_own_prefill_fails_leaves_the_batch_running(monkeypatch):
+    """One request's prefill raises (its own cache, its first sample): it alone
+    gets the 500, and the others keep their batch. Before, the whole step
+    counted as failed and every other request was rerun one at a time."""
+    eng = mlx_dflash.load()
+    lengths = [24, 20, 28, 16]
+    poison = eng.encode(FAULT_PROMPTS[2])
+    want = [_solo_fault(eng, i, n) for i, n in enumerate(lengths)]
+    app, worker, calls = _in_process(
+        eng, monkeypatch, fail_alone=lambda tokens: tokens[: len(poison)] == poison, gather=4
+    )
+    failed_steps = []
+    monkeypatch.setattr(worker, "_failed_step", lambda batch, e: failed_steps.append(e) or batch)
+    try:
+        got = _complete_all(app, eng, lengths)
+    finally:
+        worker.stop()
+    assert not failed_steps
+    assert 3 in calls  # the three others stepped together
+    for i, (r, w) in enumerate(zip(got, want)):
+        if i == 2:
+            assert r.status_code == 500
+            assert "injected fault of this request" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == w.text, i
+
+
 @pytest.mark.parametrize("max_batch", ["1", "4"])
 def test_ctrl_c_ends_the_server_with_exit_0(max_batch, tmp_path):
     """The engine thread frees its MLX streams as it ends: without that the

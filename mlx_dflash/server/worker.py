@@ -604,6 +604,15 @@ class Worker:
         slot = self.slots.get(ev.index)
         if slot is None:
             return
+        if ev.error is not None:  # its own prefill failed; the batch goes on without it
+            self.slots.pop(ev.index)
+            e = ev.error
+            log.error("a request's prefill failed: %s: %s", type(e).__name__, e)
+            if isinstance(e, DFlashError):
+                slot.job.send("error", 400, str(e))
+            else:
+                slot.job.send("error", 500, f"generation failed: {type(e).__name__}: {e}")
+            return
         job, slot.stats = slot.job, ev.stats
         if job.cached_tokens is None:  # set before the first event is sent
             job.cached_tokens = int(ev.stats.cached_tokens or 0)
