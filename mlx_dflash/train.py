@@ -15,11 +15,13 @@ head's loss); its convolutions start as the identity.
 import hashlib
 import json
 import math
+import numbers
+import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -29,7 +31,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .errors import DFlashError, check_positive, writable_folder
+from .errors import DFlashError, check_positive, is_int, writable_folder
 from .files import left_only_if_used, write_text, written_whole
 from .models.draft import DFlashDraft, DraftConfig, default_target_layer_ids, train_hidden
 
@@ -69,6 +71,20 @@ class TrainConfig:
     def validate(self) -> None:
         """One DFlashError naming the first option out of range (the CLI's
         flag names): for the CLI and the Python API alike, before any work."""
+        for f in fields(self):  # the Python API's values: integers where counts go (not bools, not 2.5)
+            v, kind = getattr(self, f.name), str(f.type)
+            if v is None and "Optional" in kind:
+                continue
+            if "List[int]" in kind:
+                ok, want = isinstance(v, (list, tuple)) and all(is_int(x) for x in v), "a list of integers"
+            elif "int" in kind:
+                ok, want = is_int(v), "an integer"
+            elif "float" in kind:
+                ok, want = isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"
+            else:
+                continue
+            if not ok:
+                raise DFlashError(f"{f.name} must be {want}, got {v!r}")
         if not 2 <= self.block_size <= 64:
             raise DFlashError(f"block size must be in 2..64, got {self.block_size}")
         if self.seq_len < self.block_size + 2:
@@ -107,6 +123,8 @@ def read_texts(paths: Sequence, text_field: str = "text", log=None) -> List[str]
     (``log`` says how many); a file named itself must be text."""
     texts = []
     files = []
+    if isinstance(paths, (str, os.PathLike)):  # one file or folder
+        paths = [paths]
     for p in paths:
         p = Path(p).expanduser()
         if not p.exists():
@@ -122,7 +140,7 @@ def read_texts(paths: Sequence, text_field: str = "text", log=None) -> List[str]
         except OSError as e:
             raise DFlashError(f"cannot read corpus file {f}: {e}") from None
         try:
-            raw = data.decode("utf-8")
+            raw = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not text
             if "\x00" in raw:
                 raise UnicodeDecodeError("utf-8", data, raw.index("\x00"), raw.index("\x00") + 1, "NUL byte")
         except UnicodeDecodeError as e:
@@ -490,6 +508,63 @@ def _save_checkpoint(draft, cfg: dict, opt, step: int, tc: "TrainConfig", ckpt: 
             f.unlink()
 
 
+def _read_checkpoint(ckpt: Path, tc: "TrainConfig") -> dict:
+    """The checkpoint's state, its files checked whole from their headers:
+    one DFlashError before the feature pass (a damaged file failed after it)."""
+    from .loading.hf import safetensors_header
+
+    state_file = ckpt / "state.json"
+    if not state_file.exists():
+        raise DFlashError(f"--resume: no checkpoint in {ckpt}")
+    try:
+        state = json.loads(state_file.read_text())
+        done = state["step"]
+        names = [state.get(k, f"{k}.safetensors") for k in ("model", "optimizer")]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise DFlashError(
+            f"--resume: the checkpoint's {state_file} is damaged ({e}); train afresh without --resume"
+        ) from None
+    for name in names:
+        f = ckpt / str(name)
+        try:
+            header, start = safetensors_header(f)
+            end = start + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if end > f.stat().st_size:
+                raise ValueError(f"cut short: {f.stat().st_size} of {end} bytes")
+        except (OSError, ValueError, TypeError, KeyError, IndexError) as e:
+            raise DFlashError(
+                f"--resume: the checkpoint's {f} is missing or damaged ({e}); train afresh without --resume"
+            ) from None
+    if not is_int(done) or done >= tc.steps:
+        raise DFlashError(f"--resume: the checkpoint is at step {done}; give --steps above it to train on")
+    return state
+
+
+def _same_draft(ckpt: Path, cfg: dict) -> None:
+    """That this run's draft is the checkpoint's (its layers, architecture,
+    block, target layers): a different one failed after the feature pass."""
+    try:
+        had = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"--resume: the checkpoint's config.json is missing or damaged ({e})") from None
+
+    def flat(d, at=""):
+        return {
+            k2: v2
+            for k, v in d.items()
+            for k2, v2 in (flat(v, f"{at}{k}.") if isinstance(v, dict) else {f"{at}{k}": v}).items()
+        }
+
+    a, b = flat(had), flat(cfg)
+    differ = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if differ:
+        shown = "; ".join(f"{k}: checkpoint {a.get(k)!r}, now {b.get(k)!r}" for k in differ[:4])
+        raise DFlashError(
+            f"--resume: this run's draft is not the checkpoint's ({shown}); give the options it was trained with, "
+            "or train afresh without --resume"
+        )
+
+
 def _check_output_folder(out: Path, target_path) -> None:
     """Refuse to write a draft over a model: the target's own folder, or one
     whose config.json is not a DFlash draft's (a previous draft is overwritten)."""
@@ -539,20 +614,16 @@ def _train_draft(
     from .api import load
     from .prefix import tree_digest
 
-    tc = config or TrainConfig()
+    tc = TrainConfig() if config is None else config
+    if not isinstance(tc, TrainConfig):
+        raise DFlashError(f"config must be a TrainConfig, got {type(tc).__name__}")
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     if (corpus is None) == (generate_from is None):
         raise DFlashError("give exactly one data source: a corpus or --generate-from PROMPTS")
     tc.validate()
     out = Path(out).expanduser()
     _check_output_folder(out, target_path)
-    if resume:  # now, not after the feature pass
-        state_file = out / "checkpoint" / "state.json"
-        if not state_file.exists():
-            raise DFlashError(f"--resume: no checkpoint in {out / 'checkpoint'}")
-        done = json.loads(state_file.read_text()).get("step", 0)
-        if done >= tc.steps:
-            raise DFlashError(f"--resume: the checkpoint is at step {done}; give --steps above it to train on")
+    state = _read_checkpoint(out / "checkpoint", tc) if resume else None  # now, not after the feature pass
     if feature_cache is not None:
         feature_cache = writable_folder(feature_cache, "--feature-cache folder")
     # now, not after the training: a folder that cannot be made loses the draft
@@ -576,6 +647,8 @@ def _train_draft(
         from .loading.hf import validate_v2
 
         validate_v2(DraftConfig.from_dict(dcfg), "to train")
+    if resume:
+        _same_draft(ckpt, dcfg)
 
     # Data and features (tokens [n, L], features [n, L, N*H]).
     if corpus is not None:
@@ -675,14 +748,16 @@ def _train_draft(
     draft = DFlashDraft(DraftConfig.from_dict(dcfg)).bind(target)
     opt = optim.AdamW(learning_rate=_schedule(tc), weight_decay=tc.weight_decay)
     start = 0
-    if resume:
-        state = json.loads((ckpt / "state.json").read_text())  # checked to exist before the feature pass
+    if resume:  # the files checked before the feature pass
         draft.load_weights(str(ckpt / state.get("model", "model.safetensors")))
         opt.init(draft.trainable_parameters())
         opt.state = tree_unflatten(list(mx.load(str(ckpt / state.get("optimizer", "optimizer.safetensors"))).items()))
         start = state["step"]
         log(f"resumed from step {start}")
     else:
+        if ckpt.is_dir():  # an earlier run's: --resume would take it up and train this draft's files over
+            shutil.rmtree(ckpt, ignore_errors=True)
+            log(f"removed the earlier run's checkpoint in {ckpt}: this run starts afresh")
         if tc.init == "target":
             copied = init_from_target(draft, target)
             log(f"initialised {len(copied)} draft tensors from the target")

@@ -162,6 +162,13 @@ def test_a_damaged_feature_cache_is_computed_again(target_dir, tmp_path):
         (dict(warmup=-5), "--warmup must be >= 0"),
         (dict(checkpoint_every=-1), "--checkpoint-every must be >= 0"),
         (dict(selector_weight=float("nan")), "selector weight must be a number >= 0"),
+        # the Python API's types: a string, a float, a bool where a count goes (steps=True trained one step)
+        (dict(steps="2"), "steps must be an integer, got '2'"),
+        (dict(steps=2.5), "steps must be an integer, got 2.5"),
+        (dict(steps=True), "steps must be an integer, got True"),
+        (dict(batch_size=None), "batch_size must be an integer, got None"),
+        (dict(target_layer_ids="1,3"), "target_layer_ids must be a list of integers, got '1,3'"),
+        (dict(lr="fast"), "lr must be a number, got 'fast'"),
     ],
 )
 def test_the_python_api_checks_the_config_as_the_cli_does(target_dir, tmp_path, bad, words):
@@ -206,7 +213,32 @@ def test_bad_output_and_resume_are_refused_before_any_work(target_dir, tmp_path)
     )
     with pytest.raises(DFlashError, match="the checkpoint is at step 3; give --steps above it"):
         train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=cfg, log=lambda _: None)
+    # another draft than the checkpoint's, or a damaged checkpoint: before the features (it was a traceback after)
+    c3 = TrainConfig(**{**CFG, "steps": 6, "num_layers": 3})
+    with pytest.raises(
+        DFlashError, match=r"this run's draft is not the checkpoint's .*num_hidden_layers: checkpoint 2, now 3"
+    ):
+        train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=c3, log=lambda _: None)
+    c6 = TrainConfig(**{**CFG, "steps": 6})
+    state = (tmp_path / "d" / "checkpoint" / "state.json").read_text()
+    (tmp_path / "d" / "checkpoint" / "state.json").write_text(state[:10])
+    with pytest.raises(DFlashError, match=r"state.json is damaged"):
+        train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=c6, log=lambda _: None)
+    (tmp_path / "d" / "checkpoint" / "state.json").write_text(state)
+    weights = tmp_path / "d" / "checkpoint" / "model-3.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DFlashError, match=r"model-3.safetensors is missing or damaged"):
+        train_draft(path, tmp_path / "d", corpus=[corpus], resume=True, config=c6, log=lambda _: None)
+    weights.write_bytes(whole)
+    with pytest.raises(DFlashError, match="config must be a TrainConfig, got dict"):
+        train_draft(path, tmp_path / "d", corpus=[corpus], config={"steps": 2})
     train_draft(path, tmp_path / "d", corpus=[corpus], config=cfg, log=lambda _: None)  # a draft's folder: retrained
+    # its checkpoint now this run's (the earlier run's, at step 3, stayed where a run saved none)
+    assert json.loads((tmp_path / "d" / "checkpoint" / "state.json").read_text())["step"] == 2
+    c0 = TrainConfig(**{**CFG, "steps": 2, "checkpoint_every": 0})
+    train_draft(path, tmp_path / "d", corpus=[corpus], config=c0, log=lambda _: None)
+    assert not (tmp_path / "d" / "checkpoint").exists()
     (tmp_path / "afile").write_text("x")
     with pytest.raises(DFlashError, match="the --feature-cache folder .*afile is a file; give a folder path"):
         train_draft(path, tmp_path / "d2", corpus=[corpus], feature_cache=tmp_path / "afile", config=cfg)
@@ -416,3 +448,7 @@ def test_corpus_folders_skip_what_is_not_text(tmp_path):
     (tmp_path / "n.jsonl").write_text('{"text": null}\n')
     with pytest.raises(DFlashError, match="the 'text' field is not a string"):
         read_texts([tmp_path / "n.jsonl"])
+    # a byte-order mark (as Windows editors save UTF-8) read as "not a JSON line"; one path given alone
+    (tmp_path / "bom.jsonl").write_text('{"text": "a b"}\n', encoding="utf-8-sig")
+    assert read_texts(tmp_path / "bom.jsonl") == ["a b"]
+    assert read_texts(str(tmp_path / "c" / "a.txt")) == ["def f(x):\n    return x\n"]
