@@ -569,6 +569,9 @@ def generate(
 
     if pipeline and prompt_cache_file:
         raise DFlashError("--prompt-cache-file does not work with --pipeline (each rank holds its own layers' state)")
+    from .distributed.stage import check_pipeline_kv
+
+    check_pipeline_kv(pipeline, gen.kv_bits)
     if prompt_cache_bytes is not None and prompt_cache_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {prompt_cache_bytes}")
     if prompt_cache_file is not None:
@@ -1467,6 +1470,9 @@ def serve(
         raise DFlashError("--chat-template-args must be a JSON object")
     if api_key is not None and not api_key.strip():
         raise DFlashError("--api-key is empty (an unset variable?): give a key, or leave the flag out")
+    from .distributed.stage import check_pipeline_kv
+
+    check_pipeline_kv(pipeline, gen.kv_bits)
     sock = bind(host, port)  # before the model loads
     mid, aliases = model_names(model)
     settings = Settings(

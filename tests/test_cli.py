@@ -239,6 +239,9 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--draft", str(EMBEDDED / "target")], "not a DFlash draft; give the draft's folder"),
         (["generate", "hi", "--tree-topk", "8"], "(--tree-topk) shapes a tree"),
         (["generate", "hi", "--pipeline-timeout", "5"], "--pipeline-timeout is for --pipeline runs"),
+        # a stage's cache took no kv_bits: a TypeError after the whole load, on every rank
+        (["generate", "hi", "--pipeline", "--kv-bits", "8"], "--kv-bits (kv_bits) does not work with --pipeline"),
+        (["serve", "--pipeline", "--kv-bits", "4"], "--kv-bits (kv_bits) does not work with --pipeline"),
     ]
 
 

@@ -35,6 +35,14 @@ from .link import (
 from .plan import LAYER_NAME, Costs, stage_plan
 
 
+def check_pipeline_kv(pipeline, kv_bits: Optional[int]) -> None:
+    """A quantized KV cache on a pipeline-split target is refused: the other
+    ranks make their caches unquantized, and a cache split across ranks in
+    two forms would not be the one decoding checks exact."""
+    if pipeline and kv_bits is not None:
+        raise DFlashError("--kv-bits (kv_bits) does not work with --pipeline yet: run on one machine, or drop it")
+
+
 class StageTarget(Target):
     """The layers [start, end) of a target (global layer ids), plus the
     embedding and/or final norm + head where this stage needs them."""
@@ -77,7 +85,8 @@ class StageTarget(Target):
             if not tied:
                 self.lm.pop("lm_head", None)
 
-    def make_cache(self) -> TargetCache:
+    def make_cache(self, kv_bits: Optional[int] = None) -> TargetCache:
+        check_pipeline_kv(True, kv_bits)
         return TargetCache(self.is_linear)
 
     def run_layers(
@@ -237,7 +246,8 @@ class PipelineTarget(StageTarget):
         self.in_generation = False
         self.wait: Dict[int, List[float]] = {}  # T -> [forwards, seconds from send to hidden back]
 
-    def make_cache(self) -> PipelineCache:
+    def make_cache(self, kv_bits: Optional[int] = None) -> PipelineCache:
+        check_pipeline_kv(True, kv_bits)
         self.in_generation = True
         return PipelineCache(self)
 
