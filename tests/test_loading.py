@@ -76,6 +76,17 @@ def test_tokenizer_and_chat_template_from_folder(dense, tok_dir, tmp_path):
 # --- bad input -----------------------------------------------------------------
 
 
+def test_a_draft_or_nothing_given_as_the_target_is_named(tmp_path):
+    """A draft given where the target goes said only "unsupported model_type
+    'qwen3'" (or GGUF architecture 'dflash'); an empty path loaded the current folder."""
+    from mlx_dflash.api import DEFAULT_DRAFT
+
+    with pytest.raises(DFlashError, match="is a DFlash draft, not a target model: give it as the draft"):
+        mlx_dflash.load(DEFAULT_DRAFT)
+    with pytest.raises(DFlashError, match="a model or draft path is empty"):
+        mlx_dflash.load("")
+
+
 def test_missing_and_non_model_paths(tmp_path):
     with pytest.raises(DFlashError, match="does not exist"):
         load_target(tmp_path / "nope")

@@ -294,6 +294,8 @@ def gguf_config(reader) -> dict:
     for a value of the wrong kind or out of range, naming its key)."""
     arch = field(reader, "general.architecture")
     if arch not in ARCHS:
+        if is_gguf_draft(reader):
+            raise DFlashError("this GGUF is a DFlash draft, not a target model: give it as the draft (--draft)")
         raise DFlashError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHS)} (Qwen3.5/3.6)")
     try:
         return _gguf_config(reader, arch)

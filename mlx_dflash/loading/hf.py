@@ -179,6 +179,8 @@ def load_target(path, dtype=None, lazy: bool = False) -> Target:
     if mt in _TEXT_TYPES:
         override = {"model_type": _TEXT_TYPES[mt]}
         mt = _TEXT_TYPES[mt]
+    if is_draft_config(cfg):
+        raise DFlashError(f"{p} is a DFlash draft, not a target model: give it as the draft (--draft)")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise DFlashError(
             f"unsupported model_type {mt!r} in {p / 'config.json'}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

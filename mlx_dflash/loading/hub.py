@@ -57,6 +57,8 @@ def resolve(path_or_id: Union[str, Path, None]) -> Optional[Path]:
         return None
     if not isinstance(path_or_id, (str, os.PathLike)):
         raise DFlashError(f"a model or draft is a path or a Hugging Face id, got {type(path_or_id).__name__}")
+    if not str(path_or_id).strip():  # Path("") is the current folder
+        raise DFlashError("a model or draft path is empty")
     p = Path(path_or_id).expanduser()
     if p.exists():
         return p
