@@ -162,7 +162,7 @@ GENERATION_FLAGS = {
         None,
         ("--block-size", "-b"),
         "Pin the tokens verified per cycle, 2..the draft's block size (default: chosen each cycle by the "
-        "adaptive policy, up to the draft's block; see --no-adaptive). With --tree-budget: the tree's depth "
+        "adaptive policy, up to the draft's block). With --tree-budget: the tree's depth "
         "plus one (the draft block its candidates come from).",
     ),
     "num_draft_tokens": (
@@ -217,7 +217,12 @@ GENERATION_FLAGS = {
         ("--tree-budget",),
         "Verify a DDTree of this many draft nodes (at most 1024) per cycle instead of a chain; 0 = chain.",
     ),
-    "tree_topk": (int, 4, ("--tree-topk",), "Candidate tokens per depth when building the tree."),
+    "tree_topk": (
+        Optional[int],
+        None,
+        ("--tree-topk",),
+        "Candidate tokens per depth when building the tree (default 4; only with a tree).",
+    ),
     "auto_tree": (
         int,
         0,
@@ -291,7 +296,9 @@ def generation_options(*names: str, **defaults):
             flags = {n: kw.pop(n) for n in names}
             # Load options that shape only the draft, given: nothing for them to shape under --baseline.
             drafting = [flag for flag, n in DRAFT_ONLY_OPTIONS if kw.get(n) is not None]
-            return fn(gen=generation_config(flags, per_request=fn.__name__ == "serve", drafting=drafting), **kw)
+            own_tree = kw.get("tree_budget") if "tree_budget" not in names else None  # bench's own flag
+            gen = generation_config(flags, per_request=fn.__name__ == "serve", drafting=drafting, tree_budget=own_tree)
+            return fn(gen=gen, **kw)
 
         command.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name != "gen"] + extra)
         return command
@@ -302,13 +309,21 @@ def generation_options(*names: str, **defaults):
 DRAFT_ONLY_OPTIONS = (("--draft-quantize", "draft_quantize"), ("--draft-vocab", "draft_vocab"))
 
 
-def generation_config(flags: dict, per_request: bool = False, drafting=()):
+def generation_config(flags: dict, per_request: bool = False, drafting=(), tree_budget=None):
     """The GenerationConfig of a command's generation flags (aliases resolved;
     ``per_request``: defaults each request may override, as ``serve``'s;
-    ``drafting``: the command's other flags given that shape only the draft)."""
+    ``drafting``: the command's other flags given that shape only the draft;
+    ``tree_budget``: the command's own tree flag, apart from the config (``bench``'s))."""
     from .config import GenerationConfig
 
     flags = dict(flags)
+    topk = flags.pop("tree_topk", None)
+    if topk is not None:  # given: refused without a tree even at the default (it would do nothing)
+        if not (flags.get("tree_budget") or flags.get("auto_tree") or tree_budget):
+            trees = [f for f, n in (("--tree-budget", "tree_budget"), ("--auto-tree", "auto_tree")) if n in flags]
+            trees += ["--tree-budget"] if tree_budget is not None else []
+            raise DFlashError(f"--tree-topk shapes a tree: give {' or '.join(trees)} too, or drop it")
+        flags["tree_topk"] = topk
     ndt = flags.pop("num_draft_tokens", None)
     if ndt is not None and ndt < 1:
         raise DFlashError(f"--num-draft-tokens must be at least 1 (a block of 2), got {ndt}")
@@ -325,7 +340,7 @@ def generation_config(flags: dict, per_request: bool = False, drafting=()):
         flags["draft_window"] = (sink, window)
     gen = GenerationConfig(**flags)
     gen.validate()  # before loading anything; the draft's block limit once it is loaded
-    gen.refuse_unused(per_request, drafting)  # a flag that would do nothing is refused, not silently ignored
+    gen.refuse_unused(per_request, drafting, tree_budget or 0)  # a flag that would do nothing is refused
     return gen
 
 
@@ -1141,8 +1156,6 @@ def bench(
         raise DFlashError("--context values must be positive")
     if tree_budget < 0:
         raise DFlashError(f"--tree-budget must be >= 0 (0: no tree mode), got {tree_budget}")
-    if not tree_budget and gen.tree_topk != GENERATION_FLAGS["tree_topk"][1]:  # bench's own --tree-budget
-        raise DFlashError("--tree-topk shapes a tree: give --tree-budget too, or drop it")
     if not name or Path(name).name != name or name in (".", ".."):
         raise DFlashError(f"--name must be a plain file name (the results go to --out), got {name!r}")
     if _FROM_COMMAND_LINE:  # never re-execute a host process (tests, notebooks)

@@ -150,7 +150,7 @@ class GenerationConfig:
         """The sampler's filter options (seed apart), by the names :class:`Sampler` takes."""
         return {name: getattr(self, name) for name in SAMPLER_OPTIONS}
 
-    def refuse_unused(self, per_request: bool = False, drafting: Sequence[str] = ()) -> None:
+    def refuse_unused(self, per_request: bool = False, drafting: Sequence[str] = (), tree_budget: int = 0) -> None:
         """Fields that shape drafting set where nothing they shape runs, a
         :class:`DFlashError` naming them. The CLI's check: a flag typed that
         would do nothing is a mistake, where a config in Python may carry
@@ -158,7 +158,8 @@ class GenerationConfig:
         ``per_request``: defaults that each request may override (a server):
         ``auto_tree`` then serves the requests that leave the width to the policy.
         ``drafting``: names of other options given that shape only the draft
-        (the CLI's load flags), refused alike under ``baseline``."""
+        (the CLI's load flags), refused alike under ``baseline``;
+        ``tree_budget``: a tree the caller runs apart from this config (``bench``'s)."""
         if self.baseline:
             given = list(drafting) + [
                 name
@@ -175,7 +176,7 @@ class GenerationConfig:
                 raise DFlashError(
                     f"baseline (--baseline) decodes without a draft: {' and '.join(given)} would do nothing; drop one"
                 )
-        if self.tree_topk != TREE_TOPK and not (self.tree_budget or self.auto_tree):
+        if self.tree_topk != TREE_TOPK and not (self.tree_budget or self.auto_tree or tree_budget):
             raise DFlashError(
                 "tree_topk (--tree-topk) shapes a tree: give tree_budget (--tree-budget) or auto_tree "
                 "(--auto-tree) too, or drop it"

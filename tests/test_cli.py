@@ -213,7 +213,7 @@ def bad_cases(tmp_path, small_ctx_model):
         (["bench", "--out", "/proc/mlx-dflash-results"], "cannot make the results folder"),
         (["bench", "--out", str(latin1_folder / "a.txt")], "a.txt is a file; give a folder path"),
         (["bench", "--tree-budget", "-1", "--out", str(tmp_path)], "--tree-budget must be >= 0"),
-        (["bench", "--tree-topk", "3", "--out", str(tmp_path)], "(--tree-topk) shapes a tree"),
+        (["bench", "--tree-topk", "3", "--out", str(tmp_path)], "--tree-topk shapes a tree: give --tree-budget too"),
         (["generate", "hi", "--num-draft-tokens", "16"], "(1..15 drafted tokens), got 17 (16 drafted)"),
         (["generate", "hi", "--draft-quantize", "3"], "(--draft-quantize) must be 4 or 8 bits"),
         # flags that would do nothing without another: an error, as --system without the template is
@@ -237,7 +237,8 @@ def bad_cases(tmp_path, small_ctx_model):
         (["info", str(EMBEDDED / "draft"), "--stages", "2"], "--stages splits a target over ranks"),
         (["info", str(EMBEDDED / "target"), "--draft", str(EMBEDDED / "target")], "is a target model"),
         (["generate", "hi", "--draft", str(EMBEDDED / "target")], "not a DFlash draft; give the draft's folder"),
-        (["generate", "hi", "--tree-topk", "8"], "(--tree-topk) shapes a tree"),
+        (["generate", "hi", "--tree-topk", "8"], "--tree-topk shapes a tree: give --tree-budget or --auto-tree"),
+        (["generate", "hi", "--tree-topk", "4"], "--tree-topk shapes a tree"),  # the default's value, given: as idle
         (["generate", "hi", "--pipeline-timeout", "5"], "--pipeline-timeout is for --pipeline runs"),
         # a stage's cache took no kv_bits: a TypeError after the whole load, on every rank
         (["generate", "hi", "--pipeline", "--kv-bits", "8"], "--kv-bits (kv_bits) does not work with --pipeline"),

@@ -243,3 +243,14 @@ def test_fields_are_given_by_name():
     """GenerationConfig(0.7) used to set a temperature without saying so."""
     with pytest.raises(TypeError):
         GenerationConfig(0.7)
+
+
+def test_bench_tree_flag_is_its_own_and_takes_tree_topk():
+    """bench holds --tree-budget apart from its generation config: --tree-topk
+    with it was refused as "give --tree-budget" (and named --auto-tree, which
+    bench does not have)."""
+    from mlx_dflash.cli import generation_config
+
+    assert generation_config({"tree_topk": 3}, tree_budget=12).tree_topk == 3
+    with pytest.raises(DFlashError, match=r"give --tree-budget too, or drop it"):
+        generation_config({"tree_topk": 3}, tree_budget=0)
