@@ -498,18 +498,20 @@ def _stats_table(s, mode: str, profile: bool = False, compiled: bool = True, ext
 def generate(
     prompt: Optional[str] = typer.Argument(None, help="Prompt text, or '-' to read it from stdin."),
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (instead of the argument)."),
-    model: Optional[Path] = typer.Option(
+    model: Optional[str] = typer.Option(
         None,
         "--model",
         "-m",
+        metavar="<path>",
         help="Target folder (HF or MLX safetensors), llama.cpp GGUF file, or " + HUB_IDS + ". Default: the "
         "embedded pair shipped with the package.",
     ),
-    draft: Optional[Path] = typer.Option(
+    draft: Optional[str] = typer.Option(
         None,
         "--draft",
         "-d",
         "--draft-model",
+        metavar="<path>",
         help="DFlash draft folder (z-lab format), draft GGUF, or Hugging Face id (e.g. z-lab/Qwen3.5-9B-DFlash). "
         "Default: the embedded draft with the embedded target; none (plain decoding, naming the published "
         "draft when one fits) with another --model.",
@@ -788,14 +790,19 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int], kv_bit
     max_tokens=512,
 )
 def chat(
-    model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair."
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        metavar="<path>",
+        help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair.",
     ),
-    draft: Optional[Path] = typer.Option(
+    draft: Optional[str] = typer.Option(
         None,
         "--draft",
         "-d",
         "--draft-model",
+        metavar="<path>",
         help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft with the embedded target.",
     ),
     system: Optional[str] = typer.Option(
@@ -943,8 +950,12 @@ def chat(
 
 @app.command("train-draft")
 def train_draft_cmd(
-    model: Path = typer.Option(
-        ..., "--model", "-m", help="Target folder, GGUF file (or Hugging Face id) the draft is trained for."
+    model: str = typer.Option(
+        ...,
+        "--model",
+        "-m",
+        metavar="<path>",
+        help="Target folder, GGUF file (or Hugging Face id) the draft is trained for.",
     ),
     out: Path = typer.Option(
         ..., "--out", "-o", help="Output draft folder (z-lab format); checkpoints go to OUT/checkpoint."
@@ -1082,11 +1093,19 @@ def train_draft_cmd(
 @app.command()
 @generation_options("block_size", "tree_topk", "adaptive")
 def bench(
-    model: Optional[Path] = typer.Option(
-        None, "--model", "-m", help="Target folder, GGUF or Hugging Face id (default: the embedded pair)."
+    model: Optional[str] = typer.Option(
+        None,
+        "--model",
+        "-m",
+        metavar="<path>",
+        help="Target folder, GGUF or Hugging Face id (default: the embedded pair).",
     ),
-    draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="Draft folder, GGUF or Hugging Face id (default: the embedded draft)."
+    draft: Optional[str] = typer.Option(
+        None,
+        "--draft",
+        "-d",
+        metavar="<path>",
+        help="Draft folder, GGUF or Hugging Face id (default: the embedded draft).",
     ),
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."
@@ -1135,9 +1154,10 @@ def bench(
         help="With --pipeline: seconds a rank waits for the previous one during "
         "a generation before ending every rank with an error.",
     ),
-    draft2: Optional[Path] = typer.Option(
+    draft2: Optional[str] = typer.Option(
         None,
         "--draft2",
+        metavar="<path>",
         help="A second draft folder for the same target (e.g. a DFlash 2 head): adds the mode "
         "'dflash2', a chain on it, so both drafts' tau and tok/s sit side by side.",
     ),
@@ -1293,8 +1313,12 @@ def info(
     path: Path = typer.Argument(
         ..., help="A target or draft folder, a GGUF file (target or draft), or " + HUB_IDS + "."
     ),
-    draft: Optional[Path] = typer.Option(
-        None, "--draft", "-d", help="Also check whether this draft (folder, GGUF or Hugging Face id) fits the target."
+    draft: Optional[str] = typer.Option(
+        None,
+        "--draft",
+        "-d",
+        metavar="<path>",
+        help="Also check whether this draft (folder, GGUF or Hugging Face id) fits the target.",
     ),
     stages: int = typer.Option(
         0,
@@ -1343,17 +1367,19 @@ def info(
     max_tokens=512,
 )
 def serve(
-    model: Optional[Path] = typer.Option(
+    model: Optional[str] = typer.Option(
         None,
         "--model",
         "-m",
+        metavar="<path>",
         help="Target folder, GGUF file or " + HUB_IDS + ". Default: the embedded pair shipped with the package.",
     ),
-    draft: Optional[Path] = typer.Option(
+    draft: Optional[str] = typer.Option(
         None,
         "--draft",
         "-d",
         "--draft-model",
+        metavar="<path>",
         help="DFlash draft folder, GGUF or Hugging Face id. Default: the embedded draft "
         "with the embedded target; none (plain decoding) with another --model.",
     ),

@@ -149,7 +149,7 @@ def test_serve_takes_mlx_lm_server_flag_names(capsys, monkeypatch, tmp_path):
         "--decode-concurrency",
         "3",
     )
-    assert ours_loaded == theirs_loaded == (None, tmp_path)
+    assert ours_loaded == theirs_loaded == (None, str(tmp_path))  # as typed: a Path dropped a leading "./"
     assert ours == theirs
     assert theirs.generation.block_size == 5 and theirs.generation.prefill_chunk == 64 and theirs.max_batch == 3
     code, _, err = cli(capsys, "serve", "--block-size", "5", "--num-draft-tokens", "4")
@@ -203,7 +203,7 @@ def test_chat_takes_mlx_lm_flag_names(capsys, monkeypatch, tmp_path):
         "64",
     )
     assert ours == theirs
-    assert theirs[0] == (None, tmp_path) and theirs[1]["system"] == "be brief" and theirs[1]["gen"].block_size == 3
+    assert theirs[0] == (None, str(tmp_path)) and theirs[1]["system"] == "be brief" and theirs[1]["gen"].block_size == 3
     assert theirs[1]["gen"].prefill_chunk == 64
 
 

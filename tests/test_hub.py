@@ -525,3 +525,15 @@ def test_download_fetches_only_what_loads_then_works_offline(hub, tmp_path):
     assert "not in the Hugging Face cache and the Hub cannot be reached" in out2["test-org/missing"]
     # one failed request says the Hub is gone: no download retried with backoff (25 s of "Retrying" lines)
     assert "Retrying" not in r2.stderr
+
+
+def test_a_relative_path_on_the_command_line_stays_a_path(capsys, tmp_path, monkeypatch):
+    """The CLI read -m ./org/name as the Hub id org/name: its Path type dropped
+    the "./" that marks a path. Now it is the path, and missing, one error."""
+    from test_cli import cli
+
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "info", "--draft", "./org/name", str(tmp_path))
+    assert code == 2 and "draft path does not exist" in err and "Hugging Face" not in err
+    code, _, err = cli(capsys, "generate", "hi", "-m", "./org/name")
+    assert code == 2 and "model path does not exist" in err and "Hugging Face" not in err
