@@ -183,7 +183,8 @@ def test_reasoning_and_function_call(srv):
     assert r.status == "completed" and r.incomplete_details is None
     assert [o.type for o in r.output] == ["reasoning", "function_call"]
     assert r.output[0].content[0].text == "Let me check the weather."
-    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    # a part of the output: re-encoding the reasoning text counted 15 of 7 generated tokens here
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
     call = r.output[1]
     assert (call.name, json.loads(call.arguments), call.status) == (
         "get_weather",

@@ -486,6 +486,7 @@ def _post(server, path, body, headers=None, raw=None):
 
 
 MSG = [{"role": "user", "content": "x = 1"}]
+RFN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 BAD = [
     # (path, json body or raw bytes, status, words in the message)
     ("/v1/chat/completions", b"{not json", 400, "malformed JSON"),
@@ -724,6 +725,41 @@ BAD = [
         {"model": "mlx-dflash", "messages": MSG, "temperature": 1, "top_p": 1e-300},
         400,
         "top_p",
+    ),
+    # tool_choice as OpenAI checks it: /v1/responses echoed "bogus" (a reply the SDK's types refuse),
+    # and a named function the tools lack, or "required" with none, passed in both OpenAI dialects
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "tool_choice": "bogus"}, 400, "tool_choice must be"),
+    (
+        "/v1/responses",
+        {"model": "mlx-dflash", "input": "hi", "tools": [RFN], "tool_choice": {"type": "function", "name": "nope"}},
+        400,
+        "names the function 'nope', which 'tools' does not define",
+    ),
+    ("/v1/responses", {"model": "mlx-dflash", "input": "hi", "tool_choice": "required"}, 400, "'required' needs tools"),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "mlx-dflash",
+            "messages": MSG,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}},
+        },
+        400,
+        "names the function 'nope'",
+    ),
+    ("/v1/chat/completions", {"model": "mlx-dflash", "messages": MSG, "tool_choice": "required"}, 400, "needs tools"),
+    # tools the client runs that are not function tools were dropped: the model never saw them
+    (
+        "/v1/responses",
+        {"model": "mlx-dflash", "input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]},
+        400,
+        "tools of type 'custom' are not supported",
+    ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tools": [{"type": "bash_20250124", "name": "bash"}]},
+        400,
+        "tools of type 'bash_20250124' are not supported",
     ),
 ]
 

@@ -7,7 +7,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .app import APIError, EngineSampling, Server, cut_short, error_body, off_loop, read_request, sse
+from .app import (
+    ANTHROPIC_CLIENT_TOOLS,
+    APIError,
+    EngineSampling,
+    Server,
+    check_client_tool,
+    cut_short,
+    error_body,
+    off_loop,
+    read_request,
+    sse,
+)
 from .tools import OutputParser
 
 router = APIRouter()
@@ -127,6 +138,8 @@ def template_messages(req: CountRequest) -> List[dict]:
 
 
 def _tools(req: CountRequest) -> List[dict]:
+    for i, t in enumerate(req.tools or []):
+        check_client_tool(t.type, f"tools[{i}]", ANTHROPIC_CLIENT_TOOLS)
     if req.tool_choice is not None and req.tool_choice.type == "none":
         return []
     # Server-side tools (web search, ...) have a type and no schema: nothing here can run them.

@@ -456,6 +456,45 @@ def check_template_kwargs(kwargs: Optional[Dict[str, Any]], param: str = "chat_t
     return kwargs
 
 
+# Tool types a client runs itself but only as OpenAI's or Anthropic's models are trained to
+# call them (a free-form grammar, a shell, an editor, a screen): not function tools, so the
+# model here would never be offered them. (A trailing "_": a family of dated versions.)
+OPENAI_CLIENT_TOOLS = ("custom", "local_shell", "shell", "apply_patch", "computer_use_preview")
+ANTHROPIC_CLIENT_TOOLS = ("bash_", "text_editor_", "computer_")
+
+
+def check_client_tool(kind: Any, where: str, kinds: Sequence[str]) -> None:
+    """A 400 for a tool of ``kinds`` (the client would run it, and it is not a
+    function tool): it was dropped silently, so the model was never offered it."""
+    if isinstance(kind, str) and any(kind == c or (c.endswith("_") and kind.startswith(c)) for c in kinds):
+        raise APIError(
+            400, f"{where}: tools of type '{kind}' are not supported here; give it as a function tool", param="tools"
+        )
+
+
+def check_tool_choice(choice: Any, names: Sequence[str], name_of) -> None:
+    """tool_choice as the OpenAI APIs take it: "none", "auto", "required"
+    (with tools), or an object naming one of ``names`` (``name_of(choice)``:
+    its name, or None for an object of another kind, accepted as a hint)."""
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError(
+                400, f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice!r}", param="tool_choice"
+            )
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice")
+        return
+    if not isinstance(choice, dict):
+        raise APIError(400, "tool_choice must be a string or an object", param="tool_choice")
+    name = name_of(choice)
+    if name is not None and name not in names:
+        raise APIError(
+            400, f"tool_choice names the function {name!r}, which 'tools' does not define", param="tool_choice"
+        )
+
+
 def check_effort(effort: Optional[str], param: str) -> Optional[str]:
     if effort is not None and effort not in REASONING_EFFORTS:
         raise APIError(400, f"'{param}' must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param=param)

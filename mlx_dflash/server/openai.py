@@ -16,6 +16,7 @@ from .app import (
     Server,
     check_effort,
     check_template_kwargs,
+    check_tool_choice,
     cut_short,
     error_body,
     off_loop,
@@ -256,6 +257,11 @@ async def chat_completions(request: Request):
     else:
         max_tokens = server.check_max_tokens(req.max_tokens, "max_tokens")
     # tool_choice "none" hides the tools; other choices are hints (no constrained decoding).
+    check_tool_choice(
+        req.tool_choice,
+        [t.function.name for t in req.tools or []],
+        lambda c: (c.get("function") or {}).get("name") if c.get("type") == "function" else None,
+    )
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
     kwargs = check_template_kwargs(req.chat_template_kwargs)
     if check_effort(req.reasoning_effort, "reasoning_effort") is not None:

@@ -18,12 +18,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from .app import (
+    OPENAI_CLIENT_TOOLS,
     APIError,
     EngineSampling,
     OpenAITemperature,
     Server,
+    check_client_tool,
     check_effort,
     check_template_kwargs,
+    check_tool_choice,
     cut_short,
     off_loop,
     read_request,
@@ -180,10 +183,15 @@ def template_messages(req: ResponsesRequest) -> List[dict]:
 
 def _tools(req: ResponsesRequest) -> List[dict]:
     """Function tools in chat-template form; hosted tools (web search, ...) have nothing to run them here."""
+    names = [t.get("name") for t in req.tools or [] if isinstance(t, dict) and t.get("type") == "function"]
+    check_tool_choice(req.tool_choice, names, lambda c: c.get("name") if c.get("type") == "function" else None)
     if req.tool_choice == "none":
+        for i, t in enumerate(req.tools or []):
+            check_client_tool(t.get("type") if isinstance(t, dict) else None, f"tools[{i}]", OPENAI_CLIENT_TOOLS)
         return []
     out = []
     for i, t in enumerate(req.tools or []):
+        check_client_tool(t.get("type") if isinstance(t, dict) else None, f"tools[{i}]", OPENAI_CLIENT_TOOLS)
         if not isinstance(t, dict) or t.get("type") != "function":
             continue
         if not isinstance(t.get("name"), str) or not t["name"]:
@@ -406,7 +414,13 @@ async def responses(request: Request):
             "completed_at": int(time.time()) if status == "completed" else None,
             "usage": None
             if d is None
-            else _usage(d, len(server.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0),
+            # the reasoning text's tokens, re-encoded: never more than were generated
+            else _usage(
+                d,
+                min(len(server.tokenizer.encode(reasoning, add_special_tokens=False)), d["generated_tokens"])
+                if reasoning
+                else 0,
+            ),
         }
 
     def status_of(finish: str) -> str:
