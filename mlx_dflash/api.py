@@ -246,6 +246,8 @@ def check_template_args(system, chat_template_config) -> None:
     arguments that are not a dict (else the template fails deep inside)."""
     if system is not None and not isinstance(system, str):
         raise DFlashError(f"system must be text, got {type(system).__name__}")
+    if system:
+        check_text(system, "the system prompt")
     if chat_template_config is not None and not isinstance(chat_template_config, dict):
         raise DFlashError(
             "chat_template_config must be a dict of template arguments (e.g. {'enable_thinking': False}), "

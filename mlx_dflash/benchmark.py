@@ -226,7 +226,7 @@ def run_bench(
             "dflash-tree": lambda p: _run_engine(
                 engine, ids, n, engine.draft, block_size, tree_budget, tree_topk, profile=p
             ),
-            "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p),
+            "dflash2": lambda p: _run_engine(engine, ids, n, draft2, block_size, profile=p, adaptive=adaptive),
         }
 
     results = []
@@ -380,7 +380,8 @@ def to_markdown(res: dict) -> str:
     for r in res["results"]:
         w = r["modes"]["dflash"].get("widths", {})
         lines.append(f"- {r['prompt']} / {r['max_tokens']}: " + " ".join(f"{k}:{c}" for k, c in w.items()))
-    ctx = [r for r in res["results"] if r["prompt"].startswith("context_")]
+    # shortest first, whatever order --context gave them in (the summary is longest over shortest)
+    ctx = sorted((r for r in res["results"] if r["prompt"].startswith("context_")), key=lambda r: r["prompt_tokens"])
     if ctx:
         lines += [
             "",

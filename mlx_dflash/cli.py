@@ -666,22 +666,28 @@ def generate(
 
 
 def _ctrl_c_stops(pieces):
-    """Yield from ``pieces`` until a Ctrl-C, which raises KeyboardInterrupt
-    here even if the one Python raised was swallowed where it landed (a
-    finalizer, a library's broad except): the signal also sets a flag that
-    is checked between pieces. Main thread only, as signal handlers are."""
+    """Yield from ``pieces`` until a Ctrl-C. Before the first piece (the
+    prefill) it raises KeyboardInterrupt where it lands; once pieces flow it
+    sets a flag checked between them, so the generation stops between two
+    cycles, where its state is whole and the reply's prefix snapshot is
+    taken (raised mid-cycle, it skipped the snapshot). A second Ctrl-C
+    raises at once (a cycle that does not end). Main thread only, as signal
+    handlers are."""
     import signal
     import threading
 
-    hit = threading.Event()
+    hit, flowing = threading.Event(), threading.Event()
 
     def on_int(signum, frame):
+        if hit.is_set() or not flowing.is_set():
+            hit.set()
+            raise KeyboardInterrupt
         hit.set()
-        raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGINT, on_int)
     try:
         for piece in pieces:
+            flowing.set()
             yield piece
             if hit.is_set():
                 raise KeyboardInterrupt
@@ -769,7 +775,7 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int], kv_bit
 
     if max_bytes is not None and max_bytes <= 0:
         raise DFlashError(f"--prompt-cache-bytes must be positive, got {max_bytes}")
-    if path is not None and Path(path).exists():
+    if path is not None and Path(path).expanduser().exists():  # ~ unexpanded by the shell after --flag=
         pc = PrefixCache.load(path, engine, max_bytes=max_bytes)
     else:
         pc = PrefixCache(max_bytes=max_bytes)

@@ -53,7 +53,7 @@ def writable_file(path, label: str) -> None:
     import os
     from pathlib import Path
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_dir():
         raise DFlashError(f"{label} {path} is a folder; give a file path")
     folder = path.parent

@@ -496,7 +496,7 @@ class PrefixCache:
         arrays plus its JSON meta (the index). Written atomically."""
         if not isinstance(path, (str, os.PathLike)):
             raise DFlashError(f"save: path must be a file path, got {type(path).__name__}")
-        path = Path(path)
+        path = Path(path).expanduser()
         writable_file(path, "prefix cache file")
         if engine is not None and (not hasattr(engine, "target") or not hasattr(engine, "tokenizer")):
             raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
@@ -571,7 +571,7 @@ class PrefixCache:
             raise DFlashError(f"engine must be an Engine (mlx_dflash.load() gives one), got {type(engine).__name__}")
         if not isinstance(path, (str, os.PathLike)):
             raise DFlashError(f"load: path must be a file path, got {type(path).__name__}")
-        path = Path(path)
+        path = Path(path).expanduser()
         if not path.is_file():
             raise DFlashError(f"prompt cache file not found: {path}")
         try:

@@ -171,6 +171,11 @@ def test_bench_context_length_axis(tmp_path, monkeypatch):
     assert all(r["modes"]["dflash"]["peak_memory"] > 0 for r in ctx)
     md = write_results(res, tmp_path / "out", "t")[1].read_text()
     assert "| 120 | 8 |" in md and "Speedup at the longest context" in md
+    # contexts given longest first (--context 120 --context 40): the summary was the inverse ratio
+    want = ctx[1]["modes"]["dflash"]["speedup"] / ctx[0]["modes"]["dflash"]["speedup"]
+    for rows in (res["results"], list(reversed(res["results"]))):
+        md = benchmark.to_markdown({**res, "results": rows})
+        assert f"Speedup at the longest context / at the shortest: {want:.2f}." in md
 
 
 def test_context_rows_end_at_the_same_token():

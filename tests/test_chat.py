@@ -97,6 +97,13 @@ def test_a_chat_template_that_fails_is_one_error(engines, template, cause):  # n
         tok._tokenizer.chat_template = saved
 
 
+def test_a_system_prompt_that_is_not_utf8_is_refused(engines):  # noqa: F811
+    """chat --system took a lone surrogate (an invalid byte on the command line)
+    that generate --system refuses."""
+    with pytest.raises(DFlashError, match="the system prompt is not valid UTF-8 text"):
+        mlx_dflash.ChatSession(engines["dense"], system="be \udcff brief")
+
+
 def _read_until(fd, pattern, timeout=240.0):
     buf = b""
     end = time.time() + timeout

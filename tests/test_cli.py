@@ -441,3 +441,45 @@ def test_a_stage_plan_of_a_bad_folder_is_one_error(capsys, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)
     code, _, err = cli(capsys, "info", str(tmp_path), "--stages", "2")
     assert code == 2 and "cannot read the safetensors header" in err and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_a_reply_flows_stops_it_between_two_cycles():
+    """A Ctrl-C raised KeyboardInterrupt where it landed: mid-cycle, the
+    generation then skipped the reply's prefix snapshot (the next chat turn
+    prefilled the whole conversation again). It now ends the reply after the
+    cycle in flight; before the first piece (the prefill) it stops at once,
+    and so does a second Ctrl-C."""
+    import signal
+
+    from mlx_dflash.cli import _ctrl_c_stops
+
+    finished = []
+
+    def pieces(kills):
+        for i in range(4):
+            if i in kills:
+                os.kill(os.getpid(), signal.SIGINT)  # lands mid-cycle
+            finished.append(i)
+            yield i
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for p in _ctrl_c_stops(pieces({1})):
+            got.append(p)
+    assert got == [0, 1] and finished == [0, 1]  # cycle 1 ran to its end
+    finished.clear()
+    with pytest.raises(KeyboardInterrupt):
+        list(_ctrl_c_stops(pieces({0})))  # the prefill: at once
+    assert finished == []
+    finished.clear()
+
+    def twice():
+        yield 0
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # a cycle that does not end: the second one stops it
+        finished.append("past")
+        yield 1
+
+    with pytest.raises(KeyboardInterrupt):
+        list(_ctrl_c_stops(twice()))
+    assert finished == []
