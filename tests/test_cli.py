@@ -483,3 +483,15 @@ def test_ctrl_c_while_a_reply_flows_stops_it_between_two_cycles():
     with pytest.raises(KeyboardInterrupt):
         list(_ctrl_c_stops(twice()))
     assert finished == []
+
+
+def test_a_cache_file_path_under_home_is_expanded(tmp_path, monkeypatch):
+    """`--prompt-cache-file=~/c.safetensors` (no shell expansion after "=")
+    was refused: "the folder ~ does not exist"."""
+    from mlx_dflash.errors import DFlashError, writable_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    writable_file("~/c.safetensors", "--prompt-cache-file")
+    with pytest.raises(DFlashError, match="c.safetensors is a folder"):
+        (tmp_path / "c.safetensors").mkdir()
+        writable_file("~/c.safetensors", "--prompt-cache-file")
