@@ -214,6 +214,9 @@ def run_bench(
     # longest context over the shortest is a ratio of rows measured side by side.
     groups = [[(name, ids, n)] for name, ids in ((k, encode(v)) for k, v in prompts.items()) for n in max_tokens]
     if contexts:
+        limit = engine.target.max_context
+        if max(contexts) >= limit:  # now, not after the prompt rows have run
+            raise DFlashError(f"--context {max(contexts)}: the context limit is {limit} tokens")
         groups.append([(f"context_{L}", context_prompt(engine, L, max(contexts)), max_tokens[0]) for L in contexts])
 
     def mode_fns(ids, n):

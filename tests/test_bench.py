@@ -178,6 +178,21 @@ def test_bench_context_length_axis(tmp_path, monkeypatch):
         assert f"Speedup at the longest context / at the shortest: {want:.2f}." in md
 
 
+def test_a_context_past_the_limit_is_refused_before_any_row_runs(tmp_path, monkeypatch):
+    """It was refused when its row came, after every prompt row had run (their
+    results thrown away)."""
+    from mlx_dflash.errors import DFlashError
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "code.txt").write_text("def add(a, b):\n")
+    eng = mlx_dflash.load()
+    ran = []
+    monkeypatch.setattr(benchmark, "_run_mlx_lm", lambda *a: ran.append(a))
+    with pytest.raises(DFlashError, match=f"--context 5000: the context limit is {eng.target.max_context} tokens"):
+        run_bench(eng, read_prompts(tmp_path / "p"), max_tokens=[4], repeats=1, contexts=[64, 5000], log=lambda _: None)
+    assert ran == []
+
+
 def test_context_rows_end_at_the_same_token():
     """Each context row continues the same text; only what precedes it grows."""
     from mlx_dflash.benchmark import context_prompt
