@@ -1288,25 +1288,24 @@ def convert(
         raise DFlashError(f"output folder {out} is a file")
     if out.exists() and any(out.iterdir()):
         raise DFlashError(f"output folder is not empty: {out}")
-    made = not out.exists()
-    writable_folder(out, "output folder")  # now, not after the whole GGUF is decoded
     tic = time.perf_counter()
-    try:
-        gguf_file = _local(gguf_file)
-        tok_dir = tokenizer_dir_for(gguf_file)
-        target, cfg = load_gguf_target(
-            gguf_file, keep_precision=keep_precision, bits=bmap or None, dtype=_dtype(dtype), progress=True
-        )
-        save_model(out, target.model)
-        save_config(cfg, out / "config.json")
-        load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
-    except BaseException:  # nothing half-written: what this command wrote goes (the folder was empty)
-        if made:
-            shutil.rmtree(out, ignore_errors=True)
-        else:
+    # Nothing half-written: what this command wrote goes (the folder was empty), and
+    # the folders it made for it, parents too.
+    with left_only_if_used(out):
+        writable_folder(out, "output folder")  # now, not after the whole GGUF is decoded
+        try:
+            gguf_file = _local(gguf_file)
+            tok_dir = tokenizer_dir_for(gguf_file)
+            target, cfg = load_gguf_target(
+                gguf_file, keep_precision=keep_precision, bits=bmap or None, dtype=_dtype(dtype), progress=True
+            )
+            save_model(out, target.model)
+            save_config(cfg, out / "config.json")
+            load_tokenizer(tok_dir, eos_token_ids=cfg.get("eos_token_id")).save_pretrained(out)
+        except BaseException:
             for child in out.iterdir():
                 shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
-        raise
+            raise
     typer.echo(
         f"wrote {out} ({cfg['torch_dtype']}"
         + (f", {cfg['quantization']['bits']}-bit" if "quantization" in cfg else "")

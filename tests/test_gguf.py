@@ -647,6 +647,9 @@ def test_a_failed_convert_into_an_empty_folder_leaves_it_empty(tok_dir, tmp_path
     code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "out"))
     assert code == 2 and "the tokenizer could not be written" in err
     assert (tmp_path / "out").is_dir() and list((tmp_path / "out").iterdir()) == []
+    # into folders it made, parents too: none of them stays (the parents did)
+    code, _, err = cli(capsys, "convert", str(path), str(tmp_path / "new" / "deeper" / "out"))
+    assert code == 2 and not (tmp_path / "new").exists()
 
 
 def run_cli(*args):
