@@ -430,6 +430,17 @@ def test_a_failed_batched_step_resumes_its_requests_unchanged(monkeypatch, promp
         assert cached < body["usage"]["prompt_tokens"], (i, body["usage"])
 
 
+def _only_the_poisoned_failed(got, want, poisoned: int) -> None:
+    """Request ``poisoned`` got the 500 of its injected fault; the others their solo replies."""
+    for i, (r, w) in enumerate(zip(got, want)):
+        if i == poisoned:
+            assert r.status_code == 500
+            assert "injected fault of this request" in r.json()["error"]["message"]
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == w.text, i
+
+
 def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):
     """Every step of four slots fails; the request whose own prefill fails
     when it runs again alone gets the 500 (in the OpenAI error shape), the
@@ -453,13 +464,7 @@ def test_a_request_that_fails_alone_too_is_the_only_500(monkeypatch):
     finally:
         worker.stop()
     assert calls[-1] == 4  # all four shared the batch that failed
-    for i, (r, w) in enumerate(zip(got, want)):
-        if i == 2:
-            assert r.status_code == 500
-            assert "injected fault of this request" in r.json()["error"]["message"]
-        else:
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == w.text, i
+    _only_the_poisoned_failed(got, want, 2)
 
 
 def test_a_request_whose_own_prefill_fails_leaves_the_batch_running(monkeypatch):
@@ -481,13 +486,7 @@ def test_a_request_whose_own_prefill_fails_leaves_the_batch_running(monkeypatch)
         worker.stop()
     assert not failed_steps
     assert 3 in calls  # the three others stepped together
-    for i, (r, w) in enumerate(zip(got, want)):
-        if i == 2:
-            assert r.status_code == 500
-            assert "injected fault of this request" in r.json()["error"]["message"]
-        else:
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == w.text, i
+    _only_the_poisoned_failed(got, want, 2)
 
 
 @pytest.mark.parametrize("max_batch", ["1", "4"])

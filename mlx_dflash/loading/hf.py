@@ -360,6 +360,24 @@ def validate_v2(cfg: DraftConfig, where: str) -> None:
         raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
+def whole_safetensors(f) -> dict:
+    """A safetensors file's tensor entries (name -> dtype, shape,
+    data_offsets), from its header, checked to hold the data the header
+    places; ValueError (or OSError) for a file cut short or without one."""
+    header, start = safetensors_header(Path(f))
+    try:
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = start + max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:
+        raise ValueError(f"a malformed header ({e})") from None
+    size = Path(f).stat().st_size
+    if end > size:
+        raise ValueError(
+            f"its header places data up to byte {end} of a {size}-byte file (truncated: an interrupted download?)"
+        )
+    return tensors
+
+
 def draft_weight_names(path) -> set:
     """The tensor names of a draft folder's weights, from the safetensors
     headers alone; one UnreadableFile for no weights, a missing shard, or a
@@ -368,17 +386,9 @@ def draft_weight_names(path) -> set:
     names = set()
     for f in _weight_files(p, "draft"):
         try:
-            header, start = safetensors_header(Path(f))
-            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
-        except (OSError, ValueError, TypeError, KeyError, IndexError, struct.error) as e:
+            names |= set(whole_safetensors(f))
+        except (OSError, ValueError, struct.error) as e:
             raise UnreadableFile(f"cannot read draft weights {f}: {e}") from None
-        size = Path(f).stat().st_size
-        if start + max(ends, default=0) > size:
-            raise UnreadableFile(
-                f"cannot read draft weights {f}: its header places data up to byte {start + max(ends)} "
-                f"of a {size}-byte file (truncated: an interrupted download?)"
-            )
-        names |= {k for k in header if k != "__metadata__"}
     return names
 
 

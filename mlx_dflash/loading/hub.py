@@ -15,6 +15,7 @@ Downloads go through ``huggingface_hub`` into its standard cache (``HF_HOME``,
 Hub cannot be reached, the cached copy is used.
 """
 
+import functools
 import os
 import re
 from pathlib import Path
@@ -130,22 +131,18 @@ def _offline_first(fetch, *args, **kwargs):
     return fetch(*args, local_files_only=True, **kwargs)
 
 
-_REACHED: list = []  # the one answer of this process: whether the Hub answered
-
-
+@functools.cache
 def _reachable() -> bool:
     """Whether the Hub answers one request (asked once a process): a file
     download retries a connection error five times with backoff (25 s of
     "Retrying" lines offline), where one failed request says enough."""
-    if not _REACHED:
-        from huggingface_hub import constants, get_session
+    from huggingface_hub import constants, get_session
 
-        try:
-            get_session().head(constants.ENDPOINT, timeout=5)
-            _REACHED.append(True)
-        except Exception as e:  # another fault (a proxy's, say) is left to the download to report
-            _REACHED.append(not _no_network(e))
-    return _REACHED[0]
+    try:
+        get_session().head(constants.ENDPOINT, timeout=5)
+    except Exception as e:  # another fault (a proxy's, say) is left to the download to report
+        return not _no_network(e)
+    return True
 
 
 def _repo_files(repo: str, rev: Optional[str]) -> list:
