@@ -115,12 +115,22 @@ COMPILE_OPTION = typer.Option(
 )
 
 
-_SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30}
+_SIZE_UNITS = {
+    "": 1,
+    "K": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "KI": 2**10,
+    "MI": 2**20,
+    "GI": 2**30,
+    "TI": 2**40,
+}
 
 
 def _size(text: str) -> int:
     """A byte count: digits, or a size such as 512MB, 4GB, 1.5G (decimal
-    units, as mlx-lm's --prompt-cache-bytes reads them; KiB, MiB, GiB binary)."""
+    units, as mlx-lm's --prompt-cache-bytes reads them; KiB, MiB, GiB, TiB binary)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]I?)?B?\s*", str(text), re.IGNORECASE)
     if m is None:
         raise typer.BadParameter(f"{text!r} is not a size: give bytes, or a size such as 512MB or 4GB")
@@ -793,6 +803,7 @@ def _prefix_cache(engine, path: Optional[Path], max_bytes: Optional[int], kv_bit
     "tree_budget",
     "auto_tree",
     "prefill_chunk",
+    "kv_bits",
     max_tokens=512,
 )
 def chat(

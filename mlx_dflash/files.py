@@ -22,7 +22,10 @@ def written_whole(path, scratch: Optional[Path] = None, suffix: Optional[str] = 
     ``*.safetensors``)."""
     path = Path(path)
     folder = path.parent if scratch is None else Path(scratch)
-    tmp = folder / f"{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix if suffix is None else suffix}"
+    tail = f".{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix if suffix is None else suffix}"
+    # A name the file system takes for ``path`` must take its temporary one too (255 bytes).
+    stem = path.stem.encode()[: max(255 - len(tail.encode()), 1)].decode(errors="ignore")
+    tmp = folder / f"{stem}{tail}"
     try:
         yield tmp
         os.replace(tmp, path)

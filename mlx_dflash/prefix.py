@@ -572,8 +572,10 @@ class PrefixCache:
         if not isinstance(path, (str, os.PathLike)):
             raise DFlashError(f"load: path must be a file path, got {type(path).__name__}")
         path = Path(path).expanduser()
-        if not path.is_file():
+        if not path.exists():
             raise DFlashError(f"prompt cache file not found: {path}")
+        if not path.is_file():  # a FIFO or a device would block or read as junk
+            raise DFlashError(f"prompt cache file {path} is not a regular file")
         try:
             # safetensors whatever the name: MLX would go by the extension
             arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)

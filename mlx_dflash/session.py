@@ -56,10 +56,14 @@ class ChatSession:
         tok = self.engine.tokenizer
         msgs = self.messages + [{"role": "user", "content": text}]
         full = render_chat(tok, msgs, add_generation_prompt=True, tokenize=False, **self.chat_template_config)
-        if self._ids:
-            prev = tok.decode(self._ids)
+        last = self._ids
+        # A reply that ended at an EOS: a template that writes no end marker
+        # renders the history without it, so also try the ids without it.
+        tries = [last, last[:-1]] if last and last[-1] in set(tok.eos_token_ids) else [last] if last else []
+        for ids in tries:
+            prev = tok.decode(ids)
             if full.startswith(prev):
-                return self._ids + list(tok.encode(full[len(prev) :], add_special_tokens=False))
+                return ids + list(tok.encode(full[len(prev) :], add_special_tokens=False))
         return list(tok.encode(full, add_special_tokens=False))
 
     def stream(self, text: str, config: Optional[GenerationConfig] = None, **kwargs) -> Iterator[GenerationResponse]:

@@ -71,6 +71,30 @@ def test_session_on_a_template_that_rewrites_history(engines):  # noqa: F811
         tok._tokenizer.chat_template = saved
 
 
+def test_a_reply_that_ended_at_an_eos_is_reused_by_the_next_turn(engines):  # noqa: F811
+    """A template that renders the history without the reply's EOS: the next
+    turn matched only the previous prompt's boundary (decode(ids) ended in
+    the EOS's text, which the rendering lacks), and prefilled the reply again."""
+    eng = engines["dense"]
+    tok = eng.tokenizer
+    first = mlx_dflash.ChatSession(eng, prefix_cache=PrefixCache(rung_interval=0)).send("def f(x):", max_tokens=12)
+    stop = first.tokens[5]  # a token the reply reaches: made an EOS, the reply ends there
+    saved = set(tok.eos_token_ids)
+    tok.eos_token_ids = saved | {stop}
+    try:
+        chat = mlx_dflash.ChatSession(eng, prefix_cache=PrefixCache(rung_interval=0))
+        reply = chat.send("def f(x):", max_tokens=12)
+        assert reply.tokens[-1] == stop and len(reply.tokens) <= 6
+        turn = reply.stats.prompt_tokens + len(reply.tokens) - 1  # the EOS itself is not rendered
+        second = chat.send("def g(y):", max_tokens=4)
+        assert second.stats.cached_tokens >= turn, (second.stats.cached_tokens, turn)
+        # The turn's output is a cold run's over the same ids.
+        ids = chat._ids[: second.stats.prompt_tokens]
+        assert mlx_dflash.generate(eng, ids, max_tokens=4).tokens == second.tokens
+    finally:
+        tok.eos_token_ids = saved
+
+
 @pytest.mark.parametrize(
     "template, cause",
     [
@@ -204,6 +228,26 @@ def test_generate_with_a_prompt_cache_file(capsys, tmp_path, tok_dir):
         "100",
     )
     assert code == 2 and "too small for one snapshot" in err
+
+
+def test_chat_takes_kv_bits_and_the_cache_files_made_with_them(tmp_path):
+    """chat had no --kv-bits: a cache file that generate --kv-bits 8 saved
+    could never be used by chat, and chat's errors named the flag it lacked."""
+    import subprocess
+
+    cache = tmp_path / "kv8.cache"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = lambda *a, text="": subprocess.run(
+        [sys.executable, "-m", "mlx_dflash", *a], input=text, capture_output=True, text=True, env=env, timeout=120
+    )
+    r = run("generate", "def fib(n):", "-n", "4", "--kv-bits", "8", "--prompt-cache-file", str(cache))
+    assert r.returncode == 0, r.stderr
+    r = run("chat", "-n", "8", "--kv-bits", "8", "--prompt-cache-file", str(cache), text="def fib(n):\n")
+    assert r.returncode == 0, r.stderr
+    reply = mlx_dflash.ChatSession(mlx_dflash.load()).send("def fib(n):", max_tokens=8, kv_bits=8).text
+    assert r.stdout == reply + "\n"
+    r = run("chat", "-n", "8", "--prompt-cache-file", str(cache), text="def fib(n):\n")
+    assert r.returncode == 2 and "--kv-bits" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_chat_and_generate_help_list_the_cache_flags(capsys, monkeypatch):

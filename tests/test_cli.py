@@ -421,13 +421,15 @@ def test_sizes_read_as_mlx_lm_reads_them():
     """--prompt-cache-bytes takes 4GB as mlx-lm's server does (decimal units), and GiB."""
     from mlx_dflash.cli import _size
 
-    assert [_size(t) for t in ("1000", "512MB", "4GB", "1.5G", "2GiB", "12kb")] == [
+    assert [_size(t) for t in ("1000", "512MB", "4GB", "1.5G", "2GiB", "12kb", "1TiB", "1tb")] == [
         1000,
         512 * 10**6,
         4 * 10**9,
         15 * 10**8,
         2 * 2**30,
         12000,
+        2**40,  # a KeyError before: the pattern took TiB, the table lacked it
+        10**12,
     ]
 
 

@@ -40,3 +40,13 @@ def test_a_scratch_folder_keeps_the_half_written_file_out_of_the_target_folder(t
         mx.save_safetensors(str(tmp), {"w": mx.ones(2)})
         assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == []
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
+
+
+def test_a_name_the_file_system_takes_gets_a_temporary_name_it_takes(tmp_path):
+    """The temporary name adds about 30 bytes: a 240-byte name failed with
+    "File name too long", after the work, naming the temporary file."""
+    path = tmp_path / ("a" * 228 + ".safetensors")
+    with written_whole(path) as tmp:
+        assert len(tmp.name.encode()) <= 255 and tmp.suffix == ".safetensors"
+        mx.save_safetensors(str(tmp), {"x": mx.arange(2)})
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

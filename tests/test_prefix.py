@@ -3,6 +3,7 @@ snapshots are never mutated or wrongly shared, LRU by real bytes, files."""
 
 import gc
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -394,6 +395,9 @@ def test_bad_cache_files(engines, tmp_path):
             PrefixCache.load(p, eng)
     with pytest.raises(DFlashError, match="not found"):
         PrefixCache.load(tmp_path / "missing.safetensors", eng)
+    os.mkfifo(tmp_path / "fifo")  # it said "not found" of a path that is there
+    with pytest.raises(DFlashError, match="fifo is not a regular file"):
+        PrefixCache.load(tmp_path / "fifo", eng)
     plain = tmp_path / "plain.safetensors"
     mx.save_safetensors(str(plain), {"x": mx.zeros((2,))})
     with pytest.raises(DFlashError, match="not an mlx-dflash prompt cache"):
