@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .config import GenerationConfig
 from .decode import GenerationStats, generate_tokens
+from .detokenize import Detokenizer
 from .errors import DFlashError, check_text, token_ids
 from .loading import (
     check_adapter_fit,
@@ -376,8 +377,7 @@ def stream_generate(
     if prefix_cache is not None:
         prefix_cache.bind(engine)
     tok = engine.tokenizer
-    detok = tok.detokenizer
-    detok.reset()
+    detok = Detokenizer(tok)
     stats = GenerationStats()
     try:
         for tokens in generate_tokens(

@@ -49,6 +49,7 @@ from .decode import (
     make_policy,
     open_decoder,
 )
+from .detokenize import Detokenizer
 from .errors import DFlashError, is_int, token_ids
 from .models.draft import draft_logits_slots, propose_slots
 from .policy import (
@@ -906,7 +907,7 @@ def batch_generate(
             tokens[ev.index].extend(ev.tokens)
             stats[ev.index] = ev.stats
     results = []
-    detok = tok.detokenizer
+    detok = Detokenizer(tok)
     for toks, st in zip(tokens, stats):
         detok.reset()
         for t in toks:

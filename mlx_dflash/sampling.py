@@ -89,7 +89,7 @@ class Sampler:
         self._penalty = make_repetition_penalty(repetition_penalty, window) if repetition_penalty != 1.0 else None
         if seed is None:
             seed = int(mx.random.randint(0, 2**31 - 1, ()).item())
-        self.seed = seed
+        self.seed = int(seed)  # a numpy integer would overflow in the keys' arithmetic
 
     @staticmethod
     def check(

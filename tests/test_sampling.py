@@ -189,6 +189,17 @@ def test_keeping_more_tokens_than_the_vocabulary_keeps_them_all():
     assert Sampler(0.8).seed >= 0  # an unseeded sampler still draws its seed
 
 
+def test_a_numpy_integer_seed_draws_as_the_same_python_int():
+    """np.int64(3) passed validation (numpy integers are integers) and then
+    overflowed in the keys' arithmetic: a bare OverflowError from the sampler."""
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    want = mlx_dflash.generate(eng, "def f(x):", max_tokens=6, temperature=0.7, seed=3).tokens
+    for seed in (np.int64(3), np.int32(3), np.uint64(3)):
+        assert mlx_dflash.generate(eng, "def f(x):", max_tokens=6, temperature=0.7, seed=seed).tokens == want
+
+
 def test_a_filter_that_raises_leaves_later_samplers_working(monkeypatch):
     """mlx-lm compiles its filters with MLX's global random state as input and
     output; one raising mid-trace left that state a placeholder, and every

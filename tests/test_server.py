@@ -186,6 +186,8 @@ def test_openai_completions_equals_generate(server, engine):
     client = server.openai()
     r = client.completions.create(model="mlx-dflash", prompt=PROMPTS[1], max_tokens=MAX_NEW)
     assert r.choices[0].text == want.text
+    eos = engine.tokenizer.eos_token_ids
+    assert want.text == engine.tokenizer.decode([t for t in want.tokens if t not in eos])  # leading space kept
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(want.tokens))
     streamed = "".join(
         c.choices[0].text

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..batch import DEFAULT_MAX_BATCH
+from ..detokenize import Detokenizer
 from ..errors import DFlashError
 from .metrics import Metrics
 
@@ -397,8 +398,7 @@ class Worker:
         stops = StopMatcher(job.stops)
         # Its own detokenizer over the tokens (the text stream_generate gives),
         # token by token, so a stop string ends the count where it ends the text.
-        detok, eos = self.engine.tokenizer.detokenizer, self.engine.tokenizer.eos_token_ids
-        detok.reset()
+        detok, eos = Detokenizer(self.engine.tokenizer), self.engine.tokenizer.eos_token_ids
         gen = self._generate(self.engine, job.ids, **kwargs)
         stats, finish, generated = None, None, 0
         try:
@@ -587,8 +587,7 @@ class Worker:
             return False
         job.started = now
         self.metrics.record_queue_wait(now - job.arrived)
-        detok = eng.tokenizer.detokenizer
-        detok.reset()
+        detok = Detokenizer(eng.tokenizer)
         self.slots[index] = _Slot(job, detok, StopMatcher(job.stops))
         return True
 
