@@ -38,7 +38,7 @@ from .models.draft import propose
 
 CACHE_FILE = "costs.json"
 READ_ROWS = (32, 128)  # context rows a draft forward reads when its cost of reading them is measured
-FORMAT = 9  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
+FORMAT = 10  # bump when what is measured changes (2: context slopes; 3: at 2048 tokens; 4: per-verify term;
 #            5: verify blocks use the fused exp and a batched rollback, so old curves overprice them;
 #            6: CPU verifies over quantized KV attend over it dequantized once, far cheaper deep in a context;
 #            7: the draft's cost per context row it reads; 8: the draft's cost is its proposal as the
@@ -46,7 +46,9 @@ FORMAT = 9  # bump when what is measured changes (2: context slopes; 3: at 2048 
 #            9: a plain step is one of a run in flight, and a run's fill (its first step's host work) a term of
 #            its own: a whole run over its steps overpriced long runs by ~7% and a 4-step calibration run read
 #            dearer than drafted cycles; and the draft's reading of rows measured at 32 and 128 rows: priced
-#            at 32 rows' rate, 128 rows came out 1.5x dear, and a first cycle reading its prompt 8% dear)
+#            at 32 rows' rate, 128 rows came out 1.5x dear, and a first cycle reading its prompt 8% dear;
+#            10: a verify at every width of the ladder (3, 6, 12 too): odd row counts ran dearer than the
+#            next power of two on a CPU, and interpolating between 2, 4 and 8 priced them cheaper)
 
 
 # --- where the curve is cached, and for what ------------------------------------
@@ -108,6 +110,18 @@ def cost_key(target, draft, kv_bits: Optional[int] = None) -> str:
 
 
 # --- the cost model ----------------------------------------------------------------
+
+
+def ladder_widths(top: int) -> List[int]:
+    """2, 3, 4, 6, 8, 12, 16, 24, 32, ... (powers of two and three halves of
+    them) below ``top``, and ``top``: the drafted widths the policy considers."""
+    out, w = {top}, 2
+    while w < top:
+        out.add(w)
+        if 3 * w // 2 < top:
+            out.add(3 * w // 2)
+        w *= 2
+    return sorted(x for x in out if x >= 2)
 
 
 def interpolate(table: Dict[int, float], x: int) -> float:
@@ -270,6 +284,7 @@ class CostModel:
         V = target.vocab_size
         Bmax = draft.block_size
         widths = sorted({w for w in (2, 4, 8, 16, Bmax) if 2 <= w <= Bmax})
+        ladder = ladder_widths(Bmax) if Bmax >= 2 else []
         capture = draft.target_layer_ids
         long_context = min(long_context, target.max_context // 2)
 
@@ -338,7 +353,7 @@ class CostModel:
 
         # Runs of 2 and 8 steps: their difference is 6 steps in flight, the rest the fill.
         parts = {("plain", 0): plain_run, ("plain", 2): lambda: plain_run(2)}
-        parts.update({("verify", B): verify_at(B) for B in widths})
+        parts.update({("verify", B): verify_at(B) for B in ladder})
         parts.update({("draft", B): draft_at(B) for B in widths})
         parts.update({("draft-read", n): draft_at(Bmax, n) for n in READ_ROWS})
         for n in tree_sizes:
@@ -359,7 +374,8 @@ class CostModel:
                 if r:
                     best[k] = min(best[k], time.perf_counter() - t)
         table = lambda kind: _monotone({n: best[(k, n)] for k, n in best if k == kind})
-        verify = table("verify")
+        # Verifies as measured: a wider one may cost less (Policy.ladder then skips the narrower).
+        verify = {n: best[("verify", n)] for n in ladder}
         per_key_verify = per_key_plain = per_key_base = 0.0
         if deep:
             extra = long_context - context
@@ -817,13 +833,13 @@ class Policy:
         neighbours at most 1.5x apart keeps that to a few traces per process
         at little loss of fit."""
         top = min(self.max_width, room)
-        out, w = {top}, 2
-        while w < top:
-            out.add(w)
-            if 3 * w // 2 < top:
-                out.add(3 * w // 2)
-            w *= 2
-        return sorted(x for x in out if x >= 2)
+        out = ladder_widths(top)
+        # A width whose verify was measured dearer than a wider one's is left
+        # out: the wider verifies more for less (on a CPU, 3 and 5-7 rows ran
+        # dearer than 4 and 8; drafted at 3 a draft right at depth 3 lost 18%
+        # to a pinned 4).
+        v = self.costs.verify
+        return [B for B in out if not (B in v and any(w > B and w in v and v[w] <= v[B] for w in out))]
 
     def rates(self, room: int, acc: Optional[Acceptance] = None) -> Dict[int, float]:
         """Expected committed tokens per second (load-free) of B = 1 and each

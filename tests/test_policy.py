@@ -253,7 +253,7 @@ def test_a_curve_without_measured_reads_prices_rows_at_one_rate():
 def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     model, target, draft = pair
     costs, measured = load_costs(target, draft, cache_dir=tmp_path)
-    assert measured and costs.plain > 0 and set(costs.verify) == {2, 4, 8, 16}
+    assert measured and costs.plain > 0 and set(costs.verify) == {2, 3, 4, 6, 8, 12, 16}
     assert costs.plain_fill >= 0 and set(costs.reads) == {32, 128}
     assert costs.context == 64 and min(costs.per_key_verify, costs.per_key_plain, costs.per_key_base) >= 0
     assert all(costs.verify[a] <= costs.verify[b] for a, b in [(2, 4), (4, 8), (8, 16)])
@@ -1027,6 +1027,30 @@ def test_widths_come_from_a_ladder_so_few_widths_are_ever_traced():
 
     widths = {p.width for p in drive(policy, accept, 300)}
     assert widths <= {1, 2, 3, 4, 6, 8, 12, 16} and len(widths) > 2
+
+
+def test_a_width_whose_verify_costs_more_than_a_wider_ones_is_never_drafted():
+    """Measured on a CPU, a verify of 3 rows cost more than one of 4 (6.8 ms
+    against 5.8) and 5-7 rows more than 8. Priced between 2 and 4, width 3
+    looked no dearer than 4: a draft right to depth 2 was drafted at 3 (a tie
+    in expected tokens, the narrower taken) for 49 cycles and lost 18% to the
+    pinned block of 4, timed. Each ladder width's verify is measured now, and
+    a narrower one that costs as much as a wider one leaves the ladder."""
+    v = {2: 5.5, 3: 6.8, 4: 5.8, 6: 7.0, 8: 6.7}
+    costs = CostModel(plain=4.9e-3, verify={B: t * 1e-3 for B, t in v.items()}, draft={8: 2.0e-3}, rollback=1e-4)
+    policy = Policy(8, costs)
+    assert policy.ladder(100) == [2, 4, 8]
+    assert policy.ladder(5) == [2, 4, 5]  # the room left, unmeasured, stays (interpolated)
+
+    def accept(B):  # right to depth 2, then wrong
+        return min(B - 1, 2)
+
+    plans = drive(policy, accept, 60)
+    assert {p.width for p in plans[10:]} == {4}, [p.width for p in plans]
+    # Priced from 2, 4 and 8 alone, as before, ties went to width 3.
+    measured = {B: costs.verify[B] for B in (2, 4, 8)}
+    old = Policy(8, CostModel(plain=costs.plain, verify=measured, draft=costs.draft, rollback=1e-4))
+    assert 3 in {p.width for p in drive(old, accept, 60)[10:]}
 
 
 def test_a_verify_deep_in_a_context_costs_a_base_plus_a_per_row_term():
