@@ -838,7 +838,7 @@ class Policy:
         # out: the wider verifies more for less (on a CPU, 3 and 5-7 rows ran
         # dearer than 4 and 8; drafted at 3 a draft right at depth 3 lost 18%
         # to a pinned 4).
-        v = self.costs.verify
+        v = self.costs.verify if self.costs is not None else {}
         return [B for B in out if not (B in v and any(w > B and w in v and v[w] <= v[B] for w in out))]
 
     def rates(self, room: int, acc: Optional[Acceptance] = None) -> Dict[int, float]:
