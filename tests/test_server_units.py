@@ -264,26 +264,13 @@ def _gen_fn(engine, ids, **kw):
     return iter(_Gen(engine, ids, **kw))
 
 
-class _Detok:
-    """The scripted generator's detokenizer: token r * 1000 + i reads "r.i "."""
-
-    def reset(self):
-        self.text, self.at = "", 0
-
-    def add_token(self, t):
-        self.text += f"{t // 1000}.{t % 1000} "
-
-    def finalize(self):
-        pass
-
-    @property
-    def last_segment(self):
-        out, self.at = self.text[self.at :], len(self.text)
-        return out
+def _decode(ids):
+    """The scripted generator's tokenizer: token r * 1000 + i reads "r.i "."""
+    return "".join(f"{t // 1000}.{t % 1000} " for t in ids)
 
 
 def _scripted_engine():
-    return SimpleNamespace(tokenizer=SimpleNamespace(detokenizer=_Detok(), eos_token_ids=[]))
+    return SimpleNamespace(tokenizer=SimpleNamespace(decode=_decode, eos_token_ids=[]))
 
 
 def _collect(job):
