@@ -296,8 +296,11 @@ def test_worker_order_cancel_timeout_and_queue_bound():
             # job a holds the engine until released, so b and c queue behind it
             a = Job([1], {"max_tokens": 1000, "step_delay": 0.01}, [], 30.0, loop)
             w.submit(a)
-            while not _Gen.log:
+            for _ in range(1000):  # a worker that fails before generating must fail the test, not hang it
+                if _Gen.log or a.out.qsize():
+                    break
                 await asyncio.sleep(0.01)
+            assert _Gen.log, [a.out.get_nowait() for _ in range(a.out.qsize())]
             b = Job([2], {"max_tokens": 3}, ["2.2"], 30.0, loop)
             c = Job([3], {"max_tokens": 2}, [], 30.0, loop)
             w.submit(b)
