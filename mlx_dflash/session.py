@@ -56,10 +56,11 @@ class ChatSession:
         tok = self.engine.tokenizer
         msgs = self.messages + [{"role": "user", "content": text}]
         full = render_chat(tok, msgs, add_generation_prompt=True, tokenize=False, **self.chat_template_config)
-        last = self._ids
-        # A reply that ended at an EOS: a template that writes no end marker
-        # renders the history without it, so also try the ids without it.
-        tries = [last, last[:-1]] if last and last[-1] in set(tok.eos_token_ids) else [last] if last else []
+        tries = [self._ids] if self._ids else []
+        if tries and self._ids[-1] in tok.eos_token_ids:
+            # A reply that ended at an EOS: a template that writes no end marker
+            # renders the history without it, so also try the ids without it.
+            tries.append(self._ids[:-1])
         for ids in tries:
             prev = tok.decode(ids)
             if full.startswith(prev):
