@@ -256,7 +256,8 @@ def test_cost_curve_cached_and_invalidated(pair, moe, tmp_path):
     assert measured and costs.plain > 0 and set(costs.verify) == {2, 3, 4, 6, 8, 12, 16}
     assert costs.plain_fill >= 0 and set(costs.reads) == {32, 128}
     assert costs.context == 64 and min(costs.per_key_verify, costs.per_key_plain, costs.per_key_base) >= 0
-    assert all(costs.verify[a] <= costs.verify[b] for a, b in [(2, 4), (4, 8), (8, 16)])
+    # Verifies are kept as measured (a wider one may cost less; Policy.ladder skips the narrower then).
+    assert all(v > 0 for v in costs.verify.values())
     again, measured = load_costs(target, draft, cache_dir=tmp_path)
     assert not measured and again == costs  # the second load reads the file
     # Another model (same shapes, other weights) is measured anew.
