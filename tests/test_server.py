@@ -487,6 +487,7 @@ def _post(server, path, body, headers=None, raw=None):
     return httpx.post(server.url + path, json=body, headers=h, timeout=60)
 
 
+ATOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 MSG = [{"role": "user", "content": "x = 1"}]
 RFN = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
 BAD = [
@@ -717,9 +718,41 @@ BAD = [
     ),
     (
         "/v1/messages",
-        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tool_choice": {"type": "tool", "name": "nope"}},
+        {
+            "model": "mlx-dflash",
+            "max_tokens": 5,
+            "messages": MSG,
+            "tools": [ATOOL],
+            "tool_choice": {"type": "tool", "name": "nope"},
+        },
         400,
         "'nope'",
+    ),
+    # as Anthropic refuses them: a tool forced where no tools are given, or a forced tool without its name
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tool_choice": {"type": "any"}},
+        400,
+        "'any' needs tools",
+    ),
+    (
+        "/v1/messages",
+        {"model": "mlx-dflash", "max_tokens": 5, "messages": MSG, "tools": [ATOOL], "tool_choice": {"type": "tool"}},
+        400,
+        "needs the tool's 'name'",
+    ),
+    # as OpenAI refuses it: stream options without a stream
+    (
+        "/v1/chat/completions",
+        {"model": "mlx-dflash", "messages": MSG, "stream_options": {"include_usage": True}},
+        400,
+        "only allowed when stream is true",
+    ),
+    (
+        "/v1/completions",
+        {"model": "mlx-dflash", "prompt": "x", "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "only allowed when stream is true",
     ),
     # A top_p that is 0 in float32 would keep no token: refused, as a tiny temperature is.
     (

@@ -161,6 +161,32 @@ def test_a_call_that_is_text_keeps_the_whitespace_before_it(chunk):
     assert _split(_stream(out, chunk, tools=WEATHER)[0]) == ("", "Checking.", [("get_weather", {"city": "Oslo"})])
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_joined_text_keeps_the_whitespace_between_text_and_a_call(chunk):
+    """Chat Completions makes one string of the content: the text after a
+    call keeps the layout the model wrote after it (or before it), not
+    "checking.Done"; block dialects drop it, each block stripped."""
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    for out, joined, apart in [
+        ("Sure, checking. " + call + "\nDone now.", "Sure, checking.\nDone now.", "Sure, checking.Done now."),
+        ("Sure, checking. " + call + "Done now.", "Sure, checking. Done now.", "Sure, checking.Done now."),
+        ("Two: " + call + "\n" + call + "\n\nDone.", "Two:\n\nDone.", "Two:Done."),
+        (call + "\nDone.", "Done.", "Done."),  # no text before the call: nothing to keep apart
+    ]:
+        events, _ = _stream(out, chunk, tools=WEATHER, joined=True)
+        r, t, calls = _split(events)
+        assert t == joined and [n for n, _ in calls] == ["get_weather"] * out.count("<tool_call>")
+        assert _split(_stream(out, chunk, tools=WEATHER)[0])[1] == apart
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 1000])
+def test_reasoning_drops_the_template_newline_after_think(chunk):
+    """Qwen's templates write "<think>\\n" + reasoning + "\\n</think>": neither newline is reasoning."""
+    for out, kw in [("<think>\nplan\n</think>\n\nHi", {}), ("\nplan\n</think>\n\nHi", {"reasoning": True})]:
+        r, t, _ = _split(_stream(out, chunk, **kw)[0])
+        assert (r, t) == ("plan", "Hi")
+
+
 def test_prompt_opens_thinking():
     assert tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not tools.prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")

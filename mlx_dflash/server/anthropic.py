@@ -165,7 +165,11 @@ def _prompt(server: Server, req: CountRequest, check: bool = True):
         raise APIError(400, "output_config.format is not supported by this server; only plain text")
     tools = _tools(req)
     choice = req.tool_choice
-    if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools or []}:
+    if choice is not None and choice.type in ("any", "tool") and not req.tools:
+        raise APIError(400, f"tool_choice of type '{choice.type}' needs tools")
+    if choice is not None and choice.type == "tool" and not choice.name:
+        raise APIError(400, "tool_choice of type 'tool' needs the tool's 'name'")
+    if choice is not None and choice.type == "tool" and choice.name not in {t.name for t in req.tools}:
         raise APIError(400, f"tool_choice names the tool {choice.name!r}, which 'tools' does not define")
     messages = template_messages(req)
     prefill = ""

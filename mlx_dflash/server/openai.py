@@ -141,6 +141,9 @@ def _refuse_unsupported(req: _Sampling) -> None:
     for name, given, hint in unsupported:
         if given:
             raise APIError(400, f"'{name}' is not supported by this server" + (f"; {hint}" if hint else ""), param=name)
+    if req.stream_options is not None and not req.stream:
+        # As OpenAI answers it: the options shape a stream, and there is none.
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
 def _one_prompt(prompt) -> Union[str, List[int]]:
@@ -268,7 +271,7 @@ async def chat_completions(request: Request):
         kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
     ids, thinking = await off_loop(server.render_chat, template_messages(req.messages), tools, kwargs)
     job = _start(server, ids, req, max_tokens, kwargs)
-    parser = OutputParser(reasoning=thinking, tools=tools)
+    parser = OutputParser(reasoning=thinking, tools=tools, joined=True)
     cid, created, model = "chatcmpl-" + uuid.uuid4().hex[:24], int(time.time()), server.settings.model_id
 
     if not req.stream:

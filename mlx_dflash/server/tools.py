@@ -137,7 +137,7 @@ class OutputParser:
     With neither reasoning nor tools in play the text passes through unchanged.
     """
 
-    def __init__(self, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None):
+    def __init__(self, *, reasoning: bool = False, tools: Optional[Sequence[dict]] = None, joined: bool = False):
         self.tools = tools
         self.parse_tools = bool(tools)
         self.state = "reasoning" if reasoning else "start"
@@ -146,6 +146,16 @@ class OutputParser:
         self.tool_ws = ""  # that whitespace, given back if the call turns out to be text
         self.strip_lead = False  # drop the blank lines after </think> or </tool_call>
         self.made_tool_call = False
+        # Qwen's templates write "<think>\n" + reasoning + "\n</think>": the newlines are layout.
+        self.think_lead = True
+        # ``joined``: the dialect makes one string of all the text (Chat
+        # Completions' content), so text on either side of a call keeps the
+        # whitespace the model wrote between them; block dialects (Anthropic,
+        # Responses) keep the pieces apart and drop it.
+        self.joined = joined
+        self.wrote_text = False
+        self.after_call = False  # a call parsed since the last text
+        self.lead_ws = ""  # whitespace dropped after the last call so far
 
     def _markers(self) -> List[str]:
         if self.state == "reasoning":
@@ -159,13 +169,18 @@ class OutputParser:
 
     def _text(self, s: str, events: List[Event], final: bool = False) -> None:
         if self.strip_lead:
-            s = s.lstrip()
-            if not s:
+            body = s.lstrip()
+            self.lead_ws += s[: len(s) - len(body)]
+            if not body:
                 return
-            self.strip_lead = False
+            s, self.strip_lead = body, False
+            if self.joined and self.after_call and self.wrote_text:
+                s = (self.lead_ws or self.tool_ws) + s
+            self.lead_ws = ""
         if not self.parse_tools:
             if s:
                 events.append(("text", s))
+                self.wrote_text, self.after_call = True, False
             return
         s = self.held_ws + s
         keep = len(s) - len(s.rstrip())
@@ -173,6 +188,7 @@ class OutputParser:
         out = s if final else s[: len(s) - keep]
         if out:
             events.append(("text", out))
+            self.wrote_text, self.after_call = True, False
 
     def feed(self, piece: str) -> List[Event]:
         events: List[Event] = []
@@ -192,6 +208,12 @@ class OutputParser:
                 self.state = "text"
                 continue
             if self.state == "reasoning":
+                if self.think_lead:
+                    body = self.buf.lstrip("\n")
+                    self.buf = body
+                    if not body:
+                        return events
+                    self.think_lead = False
                 i = self.buf.find(THINK_END)
                 if i >= 0:
                     r = self.buf[:i].rstrip()
@@ -214,6 +236,7 @@ class OutputParser:
                 if i >= 0:
                     self._text(self.buf[:i], events)
                     self.tool_ws, self.held_ws = self.held_ws, ""  # between content and a call: layout
+                    self.lead_ws = ""
                     self.buf = self.buf[i + len(TOOL_START) :]
                     self.state = "tool"
                     continue
@@ -238,7 +261,7 @@ class OutputParser:
             self.strip_lead = False
             self._text(self.tool_ws + raw, events)
             return
-        self.made_tool_call = True
+        self.made_tool_call = self.after_call = True
         events.extend(("tool", c) for c in calls)
 
     def finish(self, cut: bool = False) -> List[Event]:
