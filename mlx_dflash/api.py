@@ -126,7 +126,8 @@ class Engine:
                     **(chat_template_config or {}),
                 )
             )
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        # As mlx-lm encodes a raw prompt: with what the tokenizer adds (a BOS where its model takes one).
+        return list(self.tokenizer.encode(prompt))
 
 
 def render_chat(tokenizer, messages: List[dict], **kwargs):

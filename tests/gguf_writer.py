@@ -92,7 +92,7 @@ def encode_nvfp4(x: np.ndarray) -> np.ndarray:
 
 def _add(w: GGUFWriter, name: str, arr: np.ndarray, q) -> None:
     """Add one tensor in type ``q``; vectors and rows that do not fill a block stay F32."""
-    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.NVFP4: 64, Q.F16: 1, Q.BF16: 1, Q.F32: 1, Q.F64: 1}.get(q, 32)
+    block = {Q.Q4_K: 256, Q.Q6_K: 256, Q.NVFP4: 64, Q.F16: 1, Q.BF16: 1, Q.F32: 1, Q.F64: 1, Q.I32: 1}.get(q, 32)
     if arr.ndim < 2 or arr.shape[-1] % block:
         q = Q.F32
     if q == Q.F32:
@@ -101,6 +101,8 @@ def _add(w: GGUFWriter, name: str, arr: np.ndarray, q) -> None:
         w.add_tensor(name, arr.astype(np.float16))
     elif q == Q.F64:
         w.add_tensor(name, arr.astype(np.float64))
+    elif q == Q.I32:  # a type a broken converter might write: integers where weights belong
+        w.add_tensor(name, np.round(arr * 1000).astype(np.int32))
     elif q in (Q.Q4_K, Q.Q6_K, Q.NVFP4):
         enc = {Q.Q4_K: encode_q4_k, Q.Q6_K: encode_q6_k, Q.NVFP4: encode_nvfp4}[q]
         w.add_tensor(name, enc(arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1), raw_dtype=q)

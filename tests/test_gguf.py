@@ -371,6 +371,93 @@ def test_stop_tokens_are_every_end_of_generation_id(tok_dir, tmp_path):
     assert res.stats.finish_reason == "stop"
 
 
+def _vocab_gguf(path, tokens, ids=None, **flags):
+    """A GGUF holding only a byte-level vocabulary, as gguf-py writes one
+    (CONTROL types for the <...> tokens; ``ids``: tokenizer.ggml.KEY_token_id)."""
+    from gguf import GGUFWriter, TokenType
+
+    w = GGUFWriter(str(path), "qwen35")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(tokens)
+    w.add_token_types([TokenType.CONTROL if t.startswith(("<", "[")) else TokenType.NORMAL for t in tokens])
+    w.add_token_merges(["a b"])
+    for key, i in (ids or {}).items():
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", i)
+    for key, v in flags.items():
+        w.add_bool(f"tokenizer.ggml.{key}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return open_gguf(path)
+
+
+def test_end_of_generation_ids_are_llama_cpps(tmp_path):
+    """llama.cpp's special_eog_ids (llama-vocab.cpp): the FIM pad / repo /
+    file-separator tokens (by key, else by text: every Qwen vocabulary has
+    <|file_sep|> and <|repo_name|>), the eos/eot/eom ids and its list of
+    texts; <|end|> dropped beside <|return|> and <|call|>, </s> beside
+    <|tool_response>. Before, a Qwen GGUF's code completion ran past the
+    <|file_sep|> where llama.cpp stops."""
+    from mlx_dflash.loading.gguf import eog_token_ids
+
+    qwen = ["a", "b", "ab", "<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>"]
+    r = _vocab_gguf(tmp_path / "qwen.gguf", qwen, {"eos": 4})
+    assert sorted(eog_token_ids(r)) == [3, 4, 5, 6, 7]
+    # a key names the FIM token: its text is then not looked for
+    r = _vocab_gguf(tmp_path / "key.gguf", qwen, {"eos": 4, "fim_sep": 2})
+    assert sorted(eog_token_ids(r)) == [2, 3, 4, 5, 6]
+    harmony = ["a", "b", "<|end|>", "<|return|>", "<|call|>", "<|start|>"]
+    assert sorted(eog_token_ids(_vocab_gguf(tmp_path / "h.gguf", harmony))) == [3, 4]
+    assert sorted(eog_token_ids(_vocab_gguf(tmp_path / "e.gguf", harmony[:3]))) == [2]
+    gemma = ["a", "b", "</s>", "<eos>", "<turn|>", "<|tool_response>"]
+    assert sorted(eog_token_ids(_vocab_gguf(tmp_path / "g.gguf", gemma))) == [3, 4, 5]
+    assert sorted(eog_token_ids(_vocab_gguf(tmp_path / "s.gguf", gemma[:3]))) == [2]
+
+
+def test_a_vocabulary_that_asks_for_a_bos_gets_one(tmp_path):
+    """tokenizer.ggml.add_bos_token: llama.cpp puts the BOS before a text it
+    tokenizes; the tokenizer built from the file (and the folder convert
+    writes, loaded by transformers) does too. Qwen's files say false."""
+    from transformers import AutoTokenizer
+
+    tokens = ["<s>", "a", "b", "ab", "</s>"]
+    r = _vocab_gguf(tmp_path / "bos.gguf", tokens, {"bos": 0, "eos": 4}, add_bos_token=True)
+    folder = write_tokenizer(r, tmp_path / "tok")
+    assert AutoTokenizer.from_pretrained(str(folder)).encode("abab") == [0, 3, 3]
+    r = _vocab_gguf(tmp_path / "nobos.gguf", tokens, {"bos": 0, "eos": 4}, add_bos_token=False)
+    assert AutoTokenizer.from_pretrained(str(write_tokenizer(r, tmp_path / "tok2"))).encode("abab") == [3, 3]
+
+
+def test_token_types_that_do_not_cover_the_tokens_are_refused(tmp_path):
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "qwen35")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(["a", "b", "ab"])
+    w.add_token_types([1, 1])
+    w.add_token_merges(["a b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(DFlashError, match="token_type has 2 entries for 3 tokens"):
+        write_tokenizer(open_gguf(tmp_path / "m.gguf"), tmp_path / "tok")
+
+
+def test_info_refuses_a_tensor_type_the_loader_cannot_decode(tok_dir, tmp_path):
+    """An integer tensor where a weight belongs: info called it "8-bit/32,
+    nearest" and exited 0, and generate then failed on it."""
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=23), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    path = convert_hf_to_gguf(hf, tmp_path / "m.gguf", lambda n, a: Q.I32 if n == "blk.0.ffn_up.weight" else Q.F32)
+    r = run_cli("info", path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "blk.0.ffn_up.weight is of type I32, which this loader cannot decode" in r.stderr
+
+
 # --- decoding, convert, info -------------------------------------------------------------
 
 

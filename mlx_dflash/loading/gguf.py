@@ -78,8 +78,11 @@ PRE_SPLITS = {
     ),
 }
 # llama.cpp normalizes no BPE text; Qwen2's and Qwen3.5's tokenizer.json
-# declare NFC (GPT-2's declares nothing), so the Qwen rules add it.
-NFC_SPLITS = {"qwen2", "qwen35"}
+# declare NFC (GPT-2's declares nothing), so their names (and DeepSeek's
+# R1 distills of Qwen, which keep Qwen's tokenizer) add it. Keyed by name,
+# not by split: the others that share Qwen2's split (StableLM2, Hunyuan,
+# Grok-2, ...) are not Qwen's tokenizer and get none, as in llama.cpp.
+NFC_NAMES = {"qwen2", "qwen35", "deepseek-r1-qwen"}
 PRE_TOKENIZERS = {
     **dict.fromkeys(
         (
@@ -126,19 +129,49 @@ PRE_TOKENIZERS = {
 }
 # "gpt2" is the tokenizer *model* name; llama.cpp refuses it as a pre name and
 # no converter writes it, so it is not listed.
-# Tokens llama.cpp treats as end of generation by their text, besides the
-# eos/eot/eom ids the metadata names.
+# llama.cpp's end-of-generation set (llama-vocab.cpp, ``special_eog_ids``):
+# the fill-in-the-middle pad, repo and file-separator tokens (by their key,
+# else by text), the tokens below by text, and the eos/eot/eom ids the
+# metadata names (an eot missing from it is found by text first).
 EOG_TEXTS = (
-    "<|im_end|>",
-    "<|endoftext|>",
     "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
     "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+)
+EOT_TEXTS = (
+    "<|eot_id|>",
+    "<|im_end|>",
     "<|end|>",
     "<end_of_turn>",
+    "<|endoftext|>",
     "<|end_of_text|>",
     "<EOT>",
     "_<EOT>",
+    "[EOT]",
+    "<end_of_utterance>",
 )
+FIM_EOG_TEXTS = {  # key suffix -> the texts llama.cpp recognises it by when the key is absent
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
 
 
 def is_gguf(path) -> bool:
@@ -276,17 +309,30 @@ def _first(v):
 
 
 def eog_token_ids(reader) -> List[int]:
-    """Every id generation stops on: eos/eot/eom as named, and the tokens
-    llama.cpp recognises as end of generation by their text."""
+    """Every id generation stops on, as llama.cpp builds its end-of-generation
+    set (see ``EOG_TEXTS``), with its two exceptions: ``<|end|>`` is not one
+    where ``<|return|>`` and ``<|call|>`` (or ``<|calls|>`` and
+    ``<|flush|>``) are, nor ``</s>`` where ``<|tool_response>`` is."""
     tokens = list(field(reader, "tokenizer.ggml.tokens") or [])
-    ids = []
-    for key in ("eos", "eot", "eom"):
+    by_text = {t: i for i, t in enumerate(tokens) if isinstance(t, str)}
+
+    def named(key, texts=()):
         i = field(reader, f"tokenizer.ggml.{key}_token_id")
         if i is not None and 0 <= int(i) < len(tokens):
-            ids.append(int(i))
-    by_text = {t: i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+            return int(i)
+        return next((by_text[t] for t in texts if t in by_text), None)
+
+    ids = [named(key, texts) for key, texts in FIM_EOG_TEXTS.items()]
     ids += [by_text[t] for t in EOG_TEXTS if t in by_text]
-    return list(dict.fromkeys(ids))
+    ids += [named("eos"), named("eot", EOT_TEXTS), named("eom", ("<|eom_id|>",))]
+    eog = list(dict.fromkeys(i for i in ids if i is not None))
+    texts = {tokens[i] for i in eog}
+    calls = "<|call|>" in texts or "<|calls|>" in texts
+    if calls and ("<|return|>" in texts or "<|flush|>" in texts):
+        eog = [i for i in eog if tokens[i] != "<|end|>"]
+    if "<|tool_response>" in texts:
+        eog = [i for i in eog if tokens[i] != "</s>"]
+    return eog
 
 
 def gguf_config(reader) -> dict:
@@ -1039,6 +1085,10 @@ def check_gguf_target(reader, path):
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise DFlashError(f"GGUF {path}: missing tensors {missing[:5]}")
+    for name in names:  # (the MTP layers are skipped at load)
+        kind = tensors[name].tensor_type.name
+        if not decodable(kind):
+            raise DFlashError(f"GGUF {path}: tensor {name} is of type {kind}, which this loader cannot decode")
     shapes = {k: tuple(v.shape) for k, v in tree_flatten(lazy_target(cfg).model.parameters())}
     why = "metadata and tensors disagree (a head count, head size, state size, feed-forward or vocabulary size?)"
     for gname, (pname, kind) in names.items():
@@ -1055,6 +1105,19 @@ def check_gguf_target(reader, path):
                 f"{pname} {' + '.join(str(math.prod(w)) for w in want)}: {why}"
             )
     return cfg, tensors, names, mtp
+
+
+def decodable(type_name: str) -> bool:
+    """Whether :func:`_decode` takes a tensor type: the floats, and every
+    block type gguf-py dequantizes (not its integer types, nor the ones it
+    names but has no decoder for)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    if type_name in ("F32", "F16", "F64"):
+        return True
+    kind = getattr(GGMLQuantizationType, type_name, None)
+    return kind is not None and kind in _type_traits
 
 
 def _decode(t, where: str) -> np.ndarray:
@@ -1087,15 +1150,16 @@ def lazy_target(cfg: dict):
 
 def build_tokenizer(reader):
     """A ``tokenizers.Tokenizer`` from tokenizer.ggml.* (byte-level BPE), with
-    the split llama.cpp uses for ``tokenizer.ggml.pre`` and, for the Qwen
-    rules, the NFC normalizer Qwen's tokenizer.json declares."""
+    the split llama.cpp uses for ``tokenizer.ggml.pre``, for Qwen's names the
+    NFC normalizer Qwen's tokenizer.json declares, and the BOS / EOS the file
+    says to add."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     model_kind = field(reader, "tokenizer.ggml.model")
     if model_kind != "gpt2":
         raise DFlashError(f"unsupported GGUF tokenizer model {model_kind!r} (only byte-level BPE 'gpt2')")
     pre = field(reader, "tokenizer.ggml.pre")
-    if pre is None:  # as llama.cpp: the default split, with a warning
+    if pre is None or pre == "":  # as llama.cpp (missing or empty): the default split, with a warning
         import sys
 
         sys.stderr.write(
@@ -1118,13 +1182,17 @@ def build_tokenizer(reader):
     if not merges or not all(isinstance(m, str) and " " in m for m in merges):
         raise DFlashError("tokenizer.ggml.merges is missing or not a list of 'A B' pairs (a BPE needs them)")
     types = list(field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(types) != len(tokens):  # llama.cpp refuses it too (an index out of its bounds)
+        raise DFlashError(
+            f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens (a damaged file?)"
+        )
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     try:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     except Exception as e:  # a merge of a token not in the vocabulary, say
         raise DFlashError(f"its tokenizer cannot be built: {' '.join(str(e).split())}") from None
-    if rule in NFC_SPLITS:
+    if pre in NFC_NAMES:
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_SPLITS[rule]]
@@ -1137,6 +1205,23 @@ def build_tokenizer(reader):
         [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == 3]
     )
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == 4])
+    # add_bos_token / add_eos_token: llama.cpp puts them around a text it
+    # tokenizes with its special tokens, as this post-processor does.
+    ends = []
+    for key, default in (("bos", False), ("eos", False)):
+        i = field(reader, f"tokenizer.ggml.{key}_token_id")
+        if bool(field(reader, f"tokenizer.ggml.add_{key}_token", default)) and i is not None and 0 <= int(i) < len(tokens):
+            ends.append((key, tokens[int(i)], int(i)))
+    if ends:
+        from tokenizers import processors
+
+        bos = [(t, i) for k, t, i in ends if k == "bos"]
+        eos = [(t, i) for k, t, i in ends if k == "eos"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=[t for t, _ in bos] + ["$A"] + [t for t, _ in eos],
+            pair=[t for t, _ in bos] + ["$A"] + [t for t, _ in eos] + ["$B"],
+            special_tokens=bos + eos,
+        )
     return tok
 
 

@@ -254,7 +254,7 @@ class Server:
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt")
         else:
-            ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            ids = list(self.tokenizer.encode(prompt))  # as the engine encodes a raw prompt (a BOS if taken)
         self.check_prompt(ids)
         return ids
 
