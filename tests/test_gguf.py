@@ -402,7 +402,17 @@ def test_end_of_generation_ids_are_llama_cpps(tmp_path):
     <|file_sep|> where llama.cpp stops."""
     from mlx_dflash.loading.gguf import eog_token_ids
 
-    qwen = ["a", "b", "ab", "<|endoftext|>", "<|im_end|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|im_start|>"]
+    qwen = [
+        "a",
+        "b",
+        "ab",
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+        "<|im_start|>",
+    ]
     r = _vocab_gguf(tmp_path / "qwen.gguf", qwen, {"eos": 4})
     assert sorted(eog_token_ids(r)) == [3, 4, 5, 6, 7]
     # a key names the FIM token: its text is then not looked for

@@ -1210,7 +1210,11 @@ def build_tokenizer(reader):
     ends = []
     for key, default in (("bos", False), ("eos", False)):
         i = field(reader, f"tokenizer.ggml.{key}_token_id")
-        if bool(field(reader, f"tokenizer.ggml.add_{key}_token", default)) and i is not None and 0 <= int(i) < len(tokens):
+        if (
+            bool(field(reader, f"tokenizer.ggml.add_{key}_token", default))
+            and i is not None
+            and 0 <= int(i) < len(tokens)
+        ):
             ends.append((key, tokens[int(i)], int(i)))
     if ends:
         from tokenizers import processors
