@@ -101,7 +101,7 @@ class Engine:
                 "system, chat_template_config and prefill_response are parts of the chat template: "
                 "give chat_template=True"
             )
-        if not prompt.strip():
+        if not prompt:  # (whitespace is a prompt: a blank line or an indent starts code)
             raise DFlashError("empty prompt: give some text")
         check_text(prompt, "the prompt")
         if system:
@@ -292,7 +292,7 @@ class GenerationResponse:
     prompt_tokens: int = 0
     prompt_tps: float = 0.0  # prefilled tokens per second (restored ones not counted)
     generation_tokens: int = 0  # generated so far, this step's included
-    generation_tps: float = 0.0  # after the first token, as mlx-lm counts it
+    generation_tps: float = 0.0  # tokens after the first per second since it (mlx-lm's counts the first too)
     peak_memory: float = 0.0  # GB
     # No ``token``: a step commits ``tokens`` (several after a drafted cycle);
     # code that read mlx-lm's one token per step fails here rather than drop some.

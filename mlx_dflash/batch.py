@@ -848,6 +848,7 @@ def batch_generate(
     chat_template: bool = False,
     system: Optional[str] = None,
     chat_template_config: Optional[dict] = None,
+    prefill_response: Optional[str] = None,
     **options,
 ) -> List[GenerationResult]:
     """Generate for every prompt (text or token ids), up to ``max_batch`` at
@@ -861,8 +862,8 @@ def batch_generate(
     :func:`mlx_dflash.stream_generate` takes it: each request restores its
     longest cached prefix when it joins (``stats.cached_tokens``) and is
     snapshotted into it when it leaves. ``chat_template``, ``system`` and
-    ``chat_template_config``: each text prompt through the chat template, as
-    :func:`mlx_dflash.stream_generate` takes them.
+    ``chat_template_config`` and ``prefill_response``: each text prompt
+    through the chat template, as :func:`mlx_dflash.stream_generate` takes them.
 
     Greedy, and sampling with ``accept_rule="equality"``, give each request
     the tokens :func:`mlx_dflash.generate` gives it alone. One verify width
@@ -878,6 +879,7 @@ def batch_generate(
         raise DFlashError("configs must be a list with one GenerationConfig (or None) per prompt")
     if configs is not None and len(configs) != len(prompts):
         raise DFlashError(f"{len(configs)} configs for {len(prompts)} prompts")
+    engine.config(config, **options)  # the call's options: an error in them is no one prompt's
     tok = engine.tokenizer
     if prefix_cache is not None:
         prefix_cache.bind(engine)
@@ -888,7 +890,11 @@ def batch_generate(
         own = configs[i] if configs is not None and configs[i] is not None else config
         try:
             ids = engine.encode(
-                prompt, chat_template=chat_template, system=system, chat_template_config=chat_template_config
+                prompt,
+                chat_template=chat_template,
+                system=system,
+                chat_template_config=chat_template_config,
+                prefill_response=prefill_response,
             )
             boundary = (
                 prefix_cache.stable_boundary(tok, ids, chat_template_config) if prefix_cache is not None else None

@@ -83,8 +83,11 @@ def _run_mlx_lm(engine, ids: List[int], max_tokens: int):
     ):
         toks.append(int(r.token))
         last = r
+    # mlx-lm's generation_tps counts all N tokens over the time since the
+    # first (which the prefill made): N / (N - 1) steps. Ours is the N - 1
+    # decoded tokens over that time; compared alike, mlx-lm's is scaled.
     return toks, {
-        "decode_tps": last.generation_tps,
+        "decode_tps": last.generation_tps * (len(toks) - 1) / len(toks) if len(toks) > 1 else last.generation_tps,
         "prefill_tps": last.prompt_tps,
         "peak_memory": last.peak_memory,
     }

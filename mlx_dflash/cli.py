@@ -85,7 +85,7 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
         raise DFlashError("no prompt: pass it as an argument, with --prompt, or '-' to read stdin")
     if text == "-":
         text = sys.stdin.read()
-    if not text.strip():
+    if not text:  # (whitespace is a prompt: a blank line or an indent starts code)
         raise DFlashError("empty prompt: give some text")
     return text
 
@@ -628,6 +628,8 @@ def generate(
     for flag, value in (("--system", system), ("--prefill-response", prefill_response)):
         if chat_template is False and value is not None:
             raise DFlashError(f"{flag} needs the chat template (it is a message of the chat); drop --no-chat-template")
+    if chat_template is False and chat_template_config is not None:
+        raise DFlashError("--chat-template-config configures the chat template; drop it or --no-chat-template")
     template_kwargs = _template_config(chat_template_config)
     engine = load_engine()
     _say_draft_hint(engine, gen.baseline)
@@ -635,11 +637,12 @@ def generate(
     _add_eos_tokens(engine, extra_eos_token)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
-        for flag, value in (("--system", system), ("--prefill-response", prefill_response)):
+        given = (("--system", system), ("--prefill-response", prefill_response))
+        for flag, value in given + (("--chat-template-config", chat_template_config),):
             if not chat_template and value is not None:
                 raise DFlashError(f"{flag} needs the chat template, and this model's tokenizer has none")
     if not chat_template:
-        template_kwargs = None  # (--chat-template-config has no template to configure)
+        template_kwargs = None
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits) if prompt_cache_file else None
     stats, interrupted, tokens = None, False, []
     try:

@@ -7,7 +7,7 @@ option is a field here (and, for the command line, a flag in cli.py's group).
 
 import numbers
 from dataclasses import dataclass, fields, replace
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .errors import DFlashError, is_int
 from .sampling import ACCEPT_RULES, DEFAULT_ACCEPT_RULE, SAMPLER_OPTIONS, Sampler
@@ -161,17 +161,7 @@ class GenerationConfig:
         (the CLI's load flags), refused alike under ``baseline``;
         ``tree_budget``: a tree the caller runs apart from this config (``bench``'s)."""
         if self.baseline:
-            given = list(drafting) + [
-                name
-                for name, on in (
-                    ("block_size (--block-size)", self.block_size is not None),
-                    ("tree_budget (--tree-budget)", bool(self.tree_budget)),
-                    ("auto_tree (--auto-tree)", bool(self.auto_tree)),
-                    ("draft_window (--draft-window)", self.draft_window is not None),
-                    ("adaptive=False (--no-adaptive)", not self.adaptive),
-                )
-                if on
-            ]
+            given = list(drafting) + self.drafting_given()
             if given:
                 raise DFlashError(
                     f"baseline (--baseline) decodes without a draft: {' and '.join(given)} would do nothing; drop one"
@@ -194,6 +184,20 @@ class GenerationConfig:
             )
             if why:
                 raise DFlashError(f"auto_tree (--auto-tree) is the adaptive policy's choice, and {why}: drop one")
+
+    def drafting_given(self) -> List[str]:
+        """The fields set away from their defaults that shape only drafting, named with their flags."""
+        return [
+            name
+            for name, on in (
+                ("block_size (--block-size)", self.block_size is not None),
+                ("tree_budget (--tree-budget)", bool(self.tree_budget)),
+                ("auto_tree (--auto-tree)", bool(self.auto_tree)),
+                ("draft_window (--draft-window)", self.draft_window is not None),
+                ("adaptive=False (--no-adaptive)", not self.adaptive),
+            )
+            if on
+        ]
 
     def validate(self, draft=NOT_LOADED) -> None:
         """Every check of these options, raising :class:`DFlashError` naming the cause.
@@ -241,10 +245,13 @@ class GenerationConfig:
             )
         if self.max_context is not None and self.max_context < 2:
             raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
-        if self.block_size is None or self.baseline or draft is NOT_LOADED:
+        if draft is None and not self.baseline and self.drafting_given():
+            raise DFlashError(
+                f"no draft is loaded: {' and '.join(self.drafting_given())} would do nothing; "
+                "give a draft (--draft) or drop them"
+            )
+        if self.block_size is None or self.baseline or draft is None or draft is NOT_LOADED:
             return
-        if draft is None:
-            raise DFlashError("a block size was given but no draft is loaded")
         limit = draft if isinstance(draft, int) else draft.block_size
         if not 2 <= self.block_size <= limit:
             raise DFlashError(  # a block is the drafted tokens (--num-draft-tokens) and one more

@@ -134,6 +134,8 @@ def read_texts(paths: Sequence, text_field: str = "text", log=None) -> List[str]
             files.extend((f, True) for f in sorted(f for f in p.rglob("*") if f.is_file()))
         else:
             files.append((p, False))
+    if text_field != "text" and not any(f.suffix == ".jsonl" for f, _ in files):
+        raise DFlashError(f"--text-field {text_field!r} names a JSONL field, and no corpus file is JSONL (.jsonl)")
     skipped = []
     for f, in_folder in files:
         try:
@@ -538,6 +540,23 @@ def _read_checkpoint(ckpt: Path, tc: "TrainConfig") -> dict:
     return state
 
 
+def _refuse_stopped_run(ckpt: Path) -> None:
+    """A run without ``--resume`` starts afresh and deletes ``ckpt``: refused
+    where that is a stopped run's checkpoint (its step short of its steps),
+    maybe the only copy of hours of training. A finished run's is dropped:
+    its draft is the folder the new run retrains."""
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        step, steps = int(state["step"]), int(state["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # none, or not one --resume could take up either
+    if step < steps:
+        raise DFlashError(
+            f"{ckpt} holds a stopped run's checkpoint (step {step} of {steps}): give --resume to continue it, "
+            "or remove that folder to start afresh"
+        )
+
+
 def _same_draft(ckpt: Path, cfg: dict) -> None:
     """That this run's draft is the checkpoint's (its layers, architecture,
     block, target layers): a different one failed after the feature pass."""
@@ -647,6 +666,8 @@ def _train_draft(
         validate_v2(DraftConfig.from_dict(dcfg), "to train")
     if resume:
         _same_draft(ckpt, dcfg)
+    else:
+        _refuse_stopped_run(ckpt)
 
     # Data and features (tokens [n, L], features [n, L, N*H]).
     if corpus is not None:
@@ -661,6 +682,8 @@ def _train_draft(
             raise DFlashError(f"prompt file does not exist: {pf}")
         if pf.suffix == ".jsonl":
             prompts = read_texts([pf], text_field)
+        elif text_field != "text":
+            raise DFlashError(f"--text-field {text_field!r} names a JSONL field, and the prompt file {pf} is not JSONL")
         else:
             try:
                 prompts = [l for l in pf.read_text(encoding="utf-8").splitlines() if l.strip()]
@@ -753,9 +776,9 @@ def _train_draft(
         start = state["step"]
         log(f"resumed from step {start}")
     else:
-        if ckpt.is_dir():  # an earlier run's: --resume would take it up and train this draft's files over
+        if ckpt.is_dir():  # a finished run's (a stopped one's is refused above): --resume would misread it
             shutil.rmtree(ckpt, ignore_errors=True)
-            log(f"removed the earlier run's checkpoint in {ckpt}: this run starts afresh")
+            log(f"removed the finished earlier run's checkpoint in {ckpt}: this run starts afresh")
         if tc.init == "target":
             copied = init_from_target(draft, target)
             log(f"initialised {len(copied)} draft tensors from the target")

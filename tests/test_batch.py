@@ -1372,3 +1372,18 @@ def test_batch_stats_count_only_the_tokens_handed_out():
             assert r.tokens == want.tokens
             assert 1 + sum(r.stats.cycle_commits) == r.stats.generated_tokens == n
             assert r.stats.tau == sum(r.stats.cycle_commits) / len(r.stats.cycle_commits)
+
+
+def test_batch_generate_takes_generates_chat_options_and_names_no_prompt_for_the_calls_errors():
+    """prefill_response, as generate takes it (it was an unknown option);
+    an error in the call's own options is no one prompt's (it read "prompt 0: ...")."""
+    import mlx_dflash
+
+    eng = mlx_dflash.load()
+    kw = dict(chat_template=True, system="Be brief.", prefill_response="def", max_tokens=8)
+    got = mlx_dflash.batch_generate(eng, ["write a function", "sort a list"], **kw)
+    for prompt, r in zip(["write a function", "sort a list"], got):
+        assert r.tokens == mlx_dflash.generate(eng, prompt, **kw).tokens
+    with pytest.raises(DFlashError) as e:
+        mlx_dflash.batch_generate(eng, ["a", "b"], temp=0.5)
+    assert "unknown generation option" in str(e.value) and "prompt 0" not in str(e.value)

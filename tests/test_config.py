@@ -26,7 +26,12 @@ PROMPT = [3, 17, 42, 5, 99, 7]
             16,
             "block_size (--block-size, --num-draft-tokens) must be in 2..16 for this draft (1..15 drafted tokens), got 1 (0 drafted)",
         ),
-        (dict(block_size=4), None, "a block size was given but no draft is loaded"),
+        (dict(block_size=4), None, "no draft is loaded: block_size (--block-size) would do nothing"),
+        # every flag that shapes only drafting, where none is loaded (these ran plain decoding silently)
+        (dict(tree_budget=8), None, "no draft is loaded: tree_budget (--tree-budget) would do nothing"),
+        (dict(auto_tree=8), None, "no draft is loaded: auto_tree (--auto-tree) would do nothing"),
+        (dict(draft_window=(0, 8)), None, "no draft is loaded: draft_window (--draft-window) would do nothing"),
+        (dict(adaptive=False), None, "no draft is loaded: adaptive=False (--no-adaptive) would do nothing"),
         (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
         (dict(prefill_chunk=0), 16, "prefill_chunk (--prefill-chunk) must be positive, got 0"),
         (dict(accept_rule="typical"), 16, "accept_rule (--accept-rule) must be one of"),

@@ -267,6 +267,10 @@ def test_public_api_refuses_bad_prompts_and_batches_by_name():
     assert mlx_dflash.generate(eng, np.array([1, 5, 3]), max_tokens=4).tokens == (
         mlx_dflash.generate(eng, [1, 5, 3], max_tokens=4).tokens
     )
+    # whitespace is a prompt (a blank line, an indent): it was refused as empty, its token ids not
+    for text in ("\n", "    ", "\n\n    "):
+        ids = eng.tokenizer.encode(text)
+        assert mlx_dflash.generate(eng, text, max_tokens=6).tokens == mlx_dflash.generate(eng, ids, max_tokens=6).tokens
 
 
 def test_stream_responses_carry_mlx_lms_fields_as_they_stood(capsys):

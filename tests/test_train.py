@@ -103,6 +103,10 @@ def test_resume_continues_from_checkpoint_step(target_dir, tmp_path):
             log=killed_at_5,
         )
     assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
+    # the same command again without --resume: it deleted the stopped run's checkpoint and started over
+    with pytest.raises(DFlashError, match=r"holds a stopped run's checkpoint \(step 3 of 6\): give --resume"):
+        train_draft(path, tmp_path / "b", corpus=[corpus], config=TrainConfig(steps=6, **CFG), log=quiet)
+    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
     assert sorted(f.name for f in (tmp_path / "b" / "checkpoint").glob("*.safetensors")) == [
         "model-3.safetensors",
         "optimizer-3.safetensors",
@@ -452,3 +456,11 @@ def test_corpus_folders_skip_what_is_not_text(tmp_path):
     (tmp_path / "bom.jsonl").write_text('{"text": "a b"}\n', encoding="utf-8-sig")
     assert read_texts(tmp_path / "bom.jsonl") == ["a b"]
     assert read_texts(str(tmp_path / "c" / "a.txt")) == ["def f(x):\n    return x\n"]
+    # --text-field where no file is JSONL: it was ignored, and the whole files trained on
+    with pytest.raises(DFlashError, match="--text-field 'body' names a JSONL field, and no corpus file is JSONL"):
+        read_texts([tmp_path / "c" / "a.txt"], "body")
+    (tmp_path / "b.jsonl").write_text('{"body": "x = 1"}\n')
+    assert read_texts([tmp_path / "c" / "a.txt", tmp_path / "b.jsonl"], "body") == [
+        "def f(x):\n    return x\n",
+        "x = 1",
+    ]
