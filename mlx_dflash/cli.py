@@ -90,6 +90,14 @@ def _read_prompt(arg: Optional[str], opt: Optional[str]) -> str:
     return text
 
 
+def _check_for_draft(gen, engine) -> None:
+    """The options against the loaded draft; without one, a flag that shapes
+    only drafting is refused (it would run plain decoding silently)."""
+    gen.validate(engine.draft)
+    if engine.draft is None:
+        gen.refuse_without_draft()
+
+
 def _template_config(text: Optional[str]) -> Optional[dict]:
     """--chat-template-config: a JSON object of keyword arguments for the template."""
     if text is None:
@@ -633,7 +641,7 @@ def generate(
     template_kwargs = _template_config(chat_template_config)
     engine = load_engine()
     _say_draft_hint(engine, gen.baseline)
-    gen.validate(engine.draft)
+    _check_for_draft(gen, engine)
     _add_eos_tokens(engine, extra_eos_token)
     if chat_template is None:
         chat_template = getattr(engine.tokenizer, "chat_template", None) is not None
@@ -876,7 +884,7 @@ def chat(
         draft_vocab=draft_vocab,
     )
     _say_draft_hint(engine, gen.baseline)
-    gen.validate(engine.draft)
+    _check_for_draft(gen, engine)
     _add_eos_tokens(engine, extra_eos_token)
     pc = _prefix_cache(engine, prompt_cache_file, prompt_cache_bytes, gen.kv_bits)
     if len(pc):
@@ -1567,7 +1575,7 @@ def serve(
     def load_engine():
         engine = get_engine()
         _say_draft_hint(engine)
-        gen.validate(engine.draft)
+        _check_for_draft(gen, engine)
         if gen.max_tokens > engine.target.max_context:  # else every request without max_tokens gets a 400
             raise DFlashError(
                 f"--max-tokens {gen.max_tokens} is more than this model's context ({engine.target.max_context} tokens)"

@@ -185,6 +185,16 @@ class GenerationConfig:
             if why:
                 raise DFlashError(f"auto_tree (--auto-tree) is the adaptive policy's choice, and {why}: drop one")
 
+    def refuse_without_draft(self) -> None:
+        """The CLI's check once the model is loaded without a draft: a flag
+        that shapes only drafting would do nothing (a config in Python may
+        carry one on purpose, as under ``baseline``)."""
+        if not self.baseline and self.drafting_given():
+            raise DFlashError(
+                f"no draft is loaded: {' and '.join(self.drafting_given())} would do nothing; "
+                "give a draft (--draft) or drop them"
+            )
+
     def drafting_given(self) -> List[str]:
         """The fields set away from their defaults that shape only drafting, named with their flags."""
         return [
@@ -245,13 +255,10 @@ class GenerationConfig:
             )
         if self.max_context is not None and self.max_context < 2:
             raise DFlashError(f"the context limit must be at least 2, got {self.max_context}")
-        if draft is None and not self.baseline and self.drafting_given():
-            raise DFlashError(
-                f"no draft is loaded: {' and '.join(self.drafting_given())} would do nothing; "
-                "give a draft (--draft) or drop them"
-            )
-        if self.block_size is None or self.baseline or draft is None or draft is NOT_LOADED:
+        if self.block_size is None or self.baseline or draft is NOT_LOADED:
             return
+        if draft is None:
+            raise DFlashError("no draft is loaded: block_size (--block-size) would do nothing")
         limit = draft if isinstance(draft, int) else draft.block_size
         if not 2 <= self.block_size <= limit:
             raise DFlashError(  # a block is the drafted tokens (--num-draft-tokens) and one more

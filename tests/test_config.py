@@ -1,6 +1,7 @@
 """GenerationConfig: one set of options, validated in one place, taken by every entry point."""
 
 import inspect
+import re
 
 import pytest
 
@@ -27,11 +28,6 @@ PROMPT = [3, 17, 42, 5, 99, 7]
             "block_size (--block-size, --num-draft-tokens) must be in 2..16 for this draft (1..15 drafted tokens), got 1 (0 drafted)",
         ),
         (dict(block_size=4), None, "no draft is loaded: block_size (--block-size) would do nothing"),
-        # every flag that shapes only drafting, where none is loaded (these ran plain decoding silently)
-        (dict(tree_budget=8), None, "no draft is loaded: tree_budget (--tree-budget) would do nothing"),
-        (dict(auto_tree=8), None, "no draft is loaded: auto_tree (--auto-tree) would do nothing"),
-        (dict(draft_window=(0, 8)), None, "no draft is loaded: draft_window (--draft-window) would do nothing"),
-        (dict(adaptive=False), None, "no draft is loaded: adaptive=False (--no-adaptive) would do nothing"),
         (dict(max_tokens=0), 16, "max_tokens (--max-tokens) must be positive, got 0"),
         (dict(prefill_chunk=0), 16, "prefill_chunk (--prefill-chunk) must be positive, got 0"),
         (dict(accept_rule="typical"), 16, "accept_rule (--accept-rule) must be one of"),
@@ -259,3 +255,20 @@ def test_bench_tree_flag_is_its_own_and_takes_tree_topk():
     assert generation_config({"tree_topk": 3}, tree_budget=12).tree_topk == 3
     with pytest.raises(DFlashError, match=r"give --tree-budget too, or drop it"):
         generation_config({"tree_topk": 3}, tree_budget=0)
+
+
+def test_flags_that_shape_only_drafting_are_refused_by_the_cli_without_a_draft():
+    """The CLI's check after loading a target alone: these ran plain decoding
+    silently. A config in Python may carry them on purpose: validate passes."""
+    for options, words in [
+        (dict(tree_budget=8), "tree_budget (--tree-budget)"),
+        (dict(auto_tree=8), "auto_tree (--auto-tree)"),
+        (dict(draft_window=(0, 8)), "draft_window (--draft-window)"),
+        (dict(adaptive=False), "adaptive=False (--no-adaptive)"),
+    ]:
+        c = GenerationConfig(**options)
+        c.validate(None)
+        with pytest.raises(DFlashError, match=r"no draft is loaded: " + re.escape(words) + " would do nothing"):
+            c.refuse_without_draft()
+        GenerationConfig(baseline=True, **options).validate(None)
+    GenerationConfig().refuse_without_draft()
