@@ -1260,7 +1260,8 @@ def bench(
 
 @app.command()
 def convert(
-    gguf_file: Path = typer.Argument(
+    # str, not Path: Path("./org/name") drops the "./" that says it is a path, not a Hugging Face id
+    gguf_file: str = typer.Argument(
         ...,
         help="A qwen35 / qwen35moe GGUF file (llama.cpp), or a Hugging Face GGUF repo's file "
         "(org/name:QUANT or org/name/FILE.gguf).",
@@ -1337,7 +1338,7 @@ def convert(
 
 @app.command()
 def info(
-    path: Path = typer.Argument(
+    path: str = typer.Argument(  # a str: see convert
         ..., help="A target or draft folder, a GGUF file (target or draft), or " + HUB_IDS + "."
     ),
     draft: Optional[str] = typer.Option(

@@ -166,6 +166,9 @@ def bad_cases(tmp_path, small_ctx_model):
         (["generate", "hi", "--block-size", "17"], "(--block-size, --num-draft-tokens) must be in 2..16"),
         (["generate", "hi", "--block-size", "1"], "(--block-size, --num-draft-tokens) must be in 2..16"),
         (["generate", ""], "empty prompt"),
+        # "./org/name" is a path: info and convert looked it up as a Hugging Face id (typer's Path dropped the "./")
+        (["info", "./no-org/no-model"], "path does not exist"),
+        (["convert", "./no-org/no-model", "out"], "does not exist"),
         (
             ["generate", "hi", "--no-chat-template", "--chat-template-config", '{"enable_thinking": false}'],
             "drop it or --no-chat-template",

@@ -547,6 +547,11 @@ def test_bad_dflash2_folders_give_one_clear_error(pair, tmp_path):
         path = write_folder(tmp_path / f"bad{i}", c, w)
         with pytest.raises(DFlashError, match=msg):
             load_draft(path, target)
+    # info reads the config alone: a missing selector size is bad input there too (it said "rank None", exit 0)
+    from mlx_dflash.info import describe
+
+    with pytest.raises(DFlashError, match="lacks selector_rank, selector_top_k"):
+        describe(tmp_path / "bad0")
 
 
 def test_info_shows_the_draft_kind(pair):

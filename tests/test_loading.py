@@ -239,6 +239,15 @@ def test_a_draft_for_another_model_fails_before_the_target_loads(target, tmp_pat
         (lambda c: c["dflash_config"].update(target_layer_ids=1), "target_layer_ids must be a list"),
         (lambda c: c["dflash_config"].update(mask_token_id="3"), "mask_token_id must be a non-negative integer"),
         (lambda c: c.update(dflash_config="x"), "dflash_config must be an object"),
+        # these loaded, and failed with a TypeError traceback in the first drafted cycle
+        (lambda c: c.update(rope_theta="x"), "rope_theta must be a positive number, got 'x'"),
+        (lambda c: c.update(rms_norm_eps=0), "rms_norm_eps must be a positive number, got 0"),
+        (lambda c: c.update(sliding_window="7"), "sliding_window must be a positive integer or null, got '7'"),
+        (
+            lambda c: c["dflash_config"].update(final_logit_softcapping="x"),
+            "final_logit_softcapping must be a positive number or null",
+        ),
+        (lambda c: c.update(layer_types=["bogus"]), "layer_types must list 'full_attention' or 'sliding_attention'"),
     ],
 )
 def test_a_draft_config_field_of_the_wrong_kind_is_named(tmp_path, capsys, edit, words):
@@ -418,3 +427,26 @@ def test_a_list_of_eos_token_ids_is_kept(tok_dir, tmp_path):
     c["eos_token_id"] = [7, 11, 4096]  # 4096: past the vocabulary of 512, never sampled
     (folder / "config.json").write_text(json.dumps(c))
     assert {7, 11} <= set(mlx_dflash.load(folder).tokenizer.eos_token_ids)
+
+
+def test_a_half_precision_load_keeps_a_log_as_mlx_lm_convert_does(tok_dir, tmp_path):
+    """--dtype bfloat16 cast Qwen3.5's A_log too, where mlx_lm.convert's
+    cast_predicate keeps it float32 (and the GGUF loader kept it): the same
+    folder loaded two ways then gave other logits."""
+    import contextlib
+    import io
+
+    from mlx.utils import tree_flatten
+    from mlx_lm import convert
+
+    cfg = tiny.target_config()
+    hf = tiny.save_hf(tiny.build_target(cfg, seed=4), cfg, tmp_path / "hf", tokenizer_dir=tok_dir)
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(hf), str(tmp_path / "bf16"), dtype="bfloat16")
+    ours = dict(tree_flatten(load_target(hf, dtype=mx.bfloat16).model.parameters()))
+    theirs = dict(tree_flatten(load_target(tmp_path / "bf16").model.parameters()))
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in theirs.items()}
+    assert any(k.endswith("A_log") and v.dtype == mx.float32 for k, v in ours.items())
+    ids = mx.array([[3, 17, 42, 5, 99, 7]])
+    a, b = load_target(hf, dtype=mx.bfloat16), load_target(tmp_path / "bf16")
+    assert mx.array_equal(a.model(ids), b.model(ids)).item()

@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from ..errors import DFlashError, UnreadableFile, is_count, is_int
 from ..models.draft import V2_FIELDS, DFlashDraft, DraftConfig
@@ -90,11 +90,15 @@ def _weight_files(p: Path, what: str):
 
 
 def _cast(module: nn.Module, dtype) -> None:
+    """Floating parameters to ``dtype``, but those the model's
+    ``cast_predicate`` keeps (Qwen3.5's ``A_log`` stays float32), as
+    ``mlx_lm.convert --dtype`` casts them."""
     if dtype is None:
         return
+    keep = getattr(module, "cast_predicate", lambda _: True)
     module.update(
-        tree_map(
-            lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+        tree_map_with_path(
+            lambda k, x: x.astype(dtype) if keep(k) and mx.issubdtype(x.dtype, mx.floating) else x,
             module.parameters(),
         )
     )
@@ -335,11 +339,12 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
     if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
         raise DFlashError(f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers")
     if cfg.is_v2:
-        validate_v2(cfg, where)
+        validate_v2(cfg, where, target.vocab_size)
 
 
-def validate_v2(cfg: DraftConfig, where: str) -> None:
-    """A DFlash 2 config names its convolution and selector sizes; never run it as v1."""
+def validate_v2(cfg: DraftConfig, where: str, vocab_size: Optional[int] = None) -> None:
+    """A DFlash 2 config names its convolution and selector sizes; never run it as v1.
+    ``vocab_size``: the target's, where the draft's config names none."""
     missing = [k for k in V2_FIELDS if getattr(cfg, k) is None]
     if missing:
         raise DFlashError(
@@ -356,7 +361,8 @@ def validate_v2(cfg: DraftConfig, where: str) -> None:
             f"DFlash 2 draft {where}: conv_group_size {cfg.conv_group_size} does not divide "
             f"hidden_size {cfg.hidden_size}"
         )
-    if cfg.selector_top_k > cfg.vocab_size:
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size
+    if vocab is not None and cfg.selector_top_k > vocab:
         raise DFlashError(f"DFlash 2 draft {where}: selector_top_k {cfg.selector_top_k} exceeds the vocab")
 
 
@@ -444,11 +450,14 @@ def draft_config(raw: dict, where: str):
             "give the draft's folder"
         )
     try:
-        return DraftConfig.from_dict(raw)
+        cfg = DraftConfig.from_dict(raw)
     except KeyError as e:
         raise DFlashError(f"draft {where}: missing field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise DFlashError(f"draft {where}: bad field value: {e}") from None
+    if cfg.is_v2:  # what needs no target: bad input wherever the draft is read (info said "rank None")
+        validate_v2(cfg, where)
+    return cfg
 
 
 def build_draft(

@@ -12,6 +12,7 @@ dropping rows never changes the positions of the rows kept.
 """
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -107,6 +108,7 @@ class DraftConfig:
         n_target = d.get("num_target_layers")
         if ids is None and n_target is not None:
             ids = default_target_layer_ids(n_target, n)
+        _check_values(d, dc, n)
         return cls(
             hidden_size=d["hidden_size"],
             num_hidden_layers=n,
@@ -138,6 +140,38 @@ class DraftConfig:
 
     def is_sliding(self, i: int) -> bool:
         return bool(self.layer_types) and self.layer_types[i] == "sliding_attention"
+
+
+def _check_values(d: dict, dc: dict, n_layers: int) -> None:
+    """The draft config's other values, as the forward uses them (a string
+    here was a TypeError in the first drafted cycle, mid-generation)."""
+
+    def positive(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+    theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1.0))
+    for name, v in (("rms_norm_eps", d.get("rms_norm_eps", 1e-6)), ("rope_theta", theta)):
+        if not positive(v):
+            raise ValueError(f"{name} must be a positive number, got {v!r}")
+    cap = dc.get("final_logit_softcapping", d.get("final_logit_softcapping"))
+    if cap is not None and not positive(cap):
+        raise ValueError(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+    for name in ("sliding_window", "max_position_embeddings"):
+        v = d.get(name)
+        if v is not None and not is_count(v, 1):
+            raise ValueError(
+                f"{name} must be a positive integer{' or null' if name == 'sliding_window' else ''}, got {v!r}"
+            )
+    kinds = d.get("layer_types")
+    if kinds is not None and (
+        not isinstance(kinds, list)
+        or len(kinds) != n_layers
+        or any(k not in ("full_attention", "sliding_attention") for k in kinds)
+    ):
+        raise ValueError(
+            f"layer_types must list 'full_attention' or 'sliding_attention' for each of the {n_layers} layers, "
+            f"got {kinds!r}"
+        )
 
 
 def _rope_scaling(params: Optional[dict]) -> Optional[dict]:
