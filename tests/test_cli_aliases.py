@@ -111,6 +111,7 @@ def _record_loads(monkeypatch):
 
     monkeypatch.setattr(mlx_dflash.api, "load", load)
     monkeypatch.setattr("mlx_dflash.config.GenerationConfig.validate", lambda self, draft=None: None)
+    monkeypatch.setattr("mlx_dflash.config.GenerationConfig.refuse_without_draft", lambda self: None)  # no real draft
     return seen
 
 
