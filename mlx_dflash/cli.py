@@ -1133,7 +1133,7 @@ def bench(
         "--draft",
         "-d",
         metavar="<path>",
-        help="Draft folder, GGUF or Hugging Face id (default: the embedded draft).",
+        help="Draft folder, GGUF or Hugging Face id (default: the embedded draft with the embedded target).",
     ),
     prompts: Optional[Path] = typer.Option(
         None, "--prompts", help="Folder of *.txt prompts (default: the prompt set shipped with the package)."
