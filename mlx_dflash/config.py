@@ -189,10 +189,10 @@ class GenerationConfig:
         """The CLI's check once the model is loaded without a draft: a flag
         that shapes only drafting would do nothing (a config in Python may
         carry one on purpose, as under ``baseline``)."""
-        if not self.baseline and self.drafting_given():
+        given = [] if self.baseline else self.drafting_given()
+        if given:
             raise DFlashError(
-                f"no draft is loaded: {' and '.join(self.drafting_given())} would do nothing; "
-                "give a draft (--draft) or drop them"
+                f"no draft is loaded: {' and '.join(given)} would do nothing; give a draft (--draft) or drop them"
             )
 
     def drafting_given(self) -> List[str]:

@@ -1207,24 +1207,17 @@ def build_tokenizer(reader):
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == 4])
     # add_bos_token / add_eos_token: llama.cpp puts them around a text it
     # tokenizes with its special tokens, as this post-processor does.
-    ends = []
-    for key, default in (("bos", False), ("eos", False)):
+    ends = {}  # "bos" / "eos" -> (its text, its id), where the file says to add it
+    for key in ("bos", "eos"):
         i = field(reader, f"tokenizer.ggml.{key}_token_id")
-        if (
-            bool(field(reader, f"tokenizer.ggml.add_{key}_token", default))
-            and i is not None
-            and 0 <= int(i) < len(tokens)
-        ):
-            ends.append((key, tokens[int(i)], int(i)))
+        if field(reader, f"tokenizer.ggml.add_{key}_token", False) and i is not None and 0 <= int(i) < len(tokens):
+            ends[key] = (tokens[int(i)], int(i))
     if ends:
         from tokenizers import processors
 
-        bos = [(t, i) for k, t, i in ends if k == "bos"]
-        eos = [(t, i) for k, t, i in ends if k == "eos"]
+        bos, eos = ([ends[k][0]] if k in ends else [] for k in ("bos", "eos"))
         tok.post_processor = processors.TemplateProcessing(
-            single=[t for t, _ in bos] + ["$A"] + [t for t, _ in eos],
-            pair=[t for t, _ in bos] + ["$A"] + [t for t, _ in eos] + ["$B"],
-            special_tokens=bos + eos,
+            single=bos + ["$A"] + eos, pair=bos + ["$A"] + eos + ["$B"], special_tokens=list(ends.values())
         )
     return tok
 

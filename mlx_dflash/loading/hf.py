@@ -336,8 +336,6 @@ def validate_draft(cfg: DraftConfig, target: Target, where: str) -> None:
         )
     if cfg.block_size < 2:
         raise DFlashError(f"draft {where}: block_size {cfg.block_size} < 2")
-    if cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
-        raise DFlashError(f"draft {where}: {len(cfg.layer_types)} layer_types for {cfg.num_hidden_layers} layers")
     if cfg.is_v2:
         validate_v2(cfg, where, target.vocab_size)
 
